@@ -1,0 +1,57 @@
+"""extsrc: parallel Python data sources over shared memory, for GPU pipelines.
+
+Core (imports NumPy only): :class:`ParallelSource`, :class:`WorkerPool`,
+:class:`Batch`, :class:`SampleInfo`, :class:`BatchInfo`,
+:func:`pickle_by_value` and the exceptions in :mod:`extsrc.errors`.
+
+DALI drop-in (imported on first use, needs ``extsrc[dali]``): ``extsrc.fn`` and
+``extsrc.pipeline_def``, so that ``from extsrc import fn, pipeline_def``
+replaces ``from nvidia.dali import fn, pipeline_def``.
+"""
+
+from extsrc.batch import Batch
+from extsrc.errors import (
+    CallbackError,
+    ExtsrcError,
+    PoolClosedError,
+    SampleError,
+    SharedMemoryError,
+    SourcePicklingError,
+    SourceTimeoutError,
+    WorkerDiedError,
+)
+from extsrc.pickling import pickle_by_value
+from extsrc.pool import WorkerPool
+from extsrc.sample_info import BatchInfo, SampleInfo
+from extsrc.source import ParallelSource
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Batch",
+    "BatchInfo",
+    "CallbackError",
+    "ExtsrcError",
+    "ParallelSource",
+    "PoolClosedError",
+    "SampleError",
+    "SampleInfo",
+    "SharedMemoryError",
+    "SourcePicklingError",
+    "SourceTimeoutError",
+    "WorkerDiedError",
+    "WorkerPool",
+    "pickle_by_value",
+    "fn",
+    "pipeline_def",
+]
+
+_DALI_NAMES = ("fn", "pipeline_def")
+
+
+def __getattr__(name):
+    if name in _DALI_NAMES:
+        from extsrc import dali
+
+        return getattr(dali, name)
+    raise AttributeError(f"module 'extsrc' has no attribute {name!r}")

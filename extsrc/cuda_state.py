@@ -1,0 +1,51 @@
+"""Whether CUDA was initialised in this process (then ``fork`` is unsafe).
+
+A forked child inherits a CUDA context it cannot use: CUDA calls there fail or
+hang. The check needs no GPU and initialises nothing: it asks an already loaded
+CUDA driver whether ``cuInit`` ran (a driver that was never loaded was never
+initialised).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+_CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def _driver_loaded() -> bool:
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("libcuda.so" in line for line in maps)
+    except OSError:
+        return False
+
+
+def cuda_initialized() -> bool:
+    """True if this process has initialised the CUDA driver (by any library)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            if torch.cuda.is_initialized():
+                return True
+        except Exception:
+            pass
+    if not _driver_loaded():
+        return False
+    try:
+        driver = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    return driver.cuDeviceGetCount(ctypes.byref(count)) != _CUDA_ERROR_NOT_INITIALIZED
+
+
+FORK_AFTER_CUDA = (
+    "cannot start workers with start_method='fork': CUDA is already initialised in this "
+    "process, and a forked worker inherits a CUDA context it cannot use. Start the workers "
+    "before any CUDA use (ParallelSource.start(), or pipe.start_py_workers() before "
+    "pipe.build() and before touching a GPU with DALI, CuPy or PyTorch), or use "
+    "start_method='spawn' (py_start_method='spawn' in a pipeline)."
+)

@@ -1,0 +1,70 @@
+"""Exceptions raised to the consumer of a parallel source.
+
+Every error names where it happened (worker, sample, output) and what was
+expected; see the README section "When things go wrong" for real messages.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+
+class ExtsrcError(Exception):
+    """Base class of the errors extsrc raises itself."""
+
+
+class SampleError(ExtsrcError, ValueError):
+    """A callback returned something that is not a valid sample or batch.
+
+    The message names the sample (its ``SampleInfo`` or ``BatchInfo``), the
+    output index, what was expected and what came.
+    """
+
+
+class CallbackError(ExtsrcError, RuntimeError):
+    """The callback raised an exception that could not be pickled back to the consumer.
+
+    Its message starts with the original exception's type name and message.
+    """
+
+
+class WorkerDiedError(ExtsrcError, RuntimeError):
+    """A worker process ended without being asked to (signal, OOM kill, ``os._exit``).
+
+    The message names the worker, its pid, the signal or exit code and the
+    samples it held. The pool is shut down: the source cannot be used again.
+    """
+
+
+class SourceTimeoutError(ExtsrcError, TimeoutError):
+    """A batch took longer than the source's ``timeout``; names the stuck samples.
+
+    The pool is shut down: the source cannot be used again.
+    """
+
+
+class SharedMemoryError(ExtsrcError, OSError):
+    """Shared memory for samples could not be reserved; the message gives the sizes."""
+
+
+class SourcePicklingError(ExtsrcError, pickle.PicklingError):
+    """The source could not be pickled for ``spawn``/``forkserver`` workers."""
+
+
+class PoolClosedError(ExtsrcError, RuntimeError):
+    """The source or pool was closed, or broke earlier; the message says which."""
+
+
+class WorkerTraceback(Exception):
+    """Carries the traceback text of an exception raised in a worker.
+
+    Set as ``__cause__`` of the exception re-raised in the consumer, so the
+    usual traceback printout shows where in the callback it was raised.
+    """
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return "\n\n" + self.text.rstrip() + "\n"

@@ -1,0 +1,152 @@
+"""How a source travels to ``spawn``/``forkserver`` workers.
+
+With ``fork`` nothing is pickled: workers inherit the source. Otherwise the
+pool pickles all its sources once, at start, with the pool's pickler, and each
+worker unpickles them once.
+
+The default pickler is cloudpickle (imported only when needed): it carries
+lambdas, closures and functions defined in ``__main__`` by value, including
+``python -c`` and notebooks, where ``__main__`` has no file to import in the
+worker. Everything importable travels by reference.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import types
+from typing import Any, Callable, TypeVar
+
+from extsrc.errors import SourcePicklingError
+
+_BY_VALUE_FLAG = "_extsrc_pickle_by_value"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def pickle_by_value(fn: F) -> F:
+    """Marks ``fn`` to be pickled by value (its code, not its import path).
+
+    Use it for a module-level function whose module cannot be imported in a
+    spawned worker (e.g. a helper module next to a notebook). Only the default
+    pickler honours the mark. Returns ``fn`` itself, so it works as a
+    decorator. Raises ``TypeError`` if ``fn`` is not a Python function.
+    """
+    if not isinstance(fn, types.FunctionType):
+        raise TypeError(
+            f"pickle_by_value expects a Python function, got {type(fn).__name__} {fn!r}"
+        )
+    setattr(fn, _BY_VALUE_FLAG, True)
+    return fn
+
+
+def _by_value_pickler_class():
+    import cloudpickle
+
+    class _Pickler(cloudpickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, types.FunctionType) and getattr(obj, _BY_VALUE_FLAG, False):
+                return self._dynamic_function_reduce(obj)
+            return super().reducer_override(obj)
+
+    return _Pickler
+
+
+class DefaultPickler:
+    """cloudpickle for ``dumps`` (honouring :func:`pickle_by_value`), ``pickle.loads`` to load."""
+
+    @staticmethod
+    def dumps(obj: Any) -> bytes:
+        import io
+
+        buffer = io.BytesIO()
+        _by_value_pickler_class()(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        return buffer.getvalue()
+
+    @staticmethod
+    def loads(data: bytes) -> Any:
+        return pickle.loads(data)
+
+
+class Pickler:
+    """A resolved ``pickler=`` argument: ``dumps``/``loads`` with their keyword arguments.
+
+    Accepts ``None`` (the default pickler), a module or object with ``dumps``
+    and ``loads`` (``pickle``, ``dill``, ``cloudpickle``, your own), or a tuple
+    ``(pickler, dumps_kwargs)`` / ``(pickler, dumps_kwargs, loads_kwargs)``,
+    e.g. ``(dill, {"recurse": True})``. Raises ``TypeError`` for anything else.
+
+    A ``Pickler`` is itself picklable with the standard pickle module (a module
+    travels by name), so a spawned worker can rebuild it to load the sources.
+    """
+
+    def __init__(self, spec: Any = None):
+        dumps_kwargs: dict = {}
+        loads_kwargs: dict = {}
+        if isinstance(spec, tuple):
+            if not 1 <= len(spec) <= 3:
+                raise TypeError(
+                    "pickler tuple must be (pickler, dumps_kwargs[, loads_kwargs]), "
+                    f"got a tuple of {len(spec)} items"
+                )
+            spec, dumps_kwargs, loads_kwargs = (tuple(spec) + ({}, {}))[:3]
+            for label, kwargs in (("dumps_kwargs", dumps_kwargs), ("loads_kwargs", loads_kwargs)):
+                if not isinstance(kwargs, dict):
+                    raise TypeError(f"pickler {label} must be a dict, got {type(kwargs).__name__}")
+        if spec is None:
+            spec = DefaultPickler
+        if not (callable(getattr(spec, "dumps", None)) and callable(getattr(spec, "loads", None))):
+            raise TypeError(
+                "pickler must be a module or object with dumps() and loads() "
+                f"(e.g. pickle, dill, cloudpickle), got {spec!r}"
+            )
+        self.impl = spec
+        self.dumps_kwargs = dict(dumps_kwargs)
+        self.loads_kwargs = dict(loads_kwargs)
+
+    @property
+    def name(self) -> str:
+        impl = self.impl
+        return getattr(impl, "__name__", type(impl).__name__)
+
+    def dumps(self, obj: Any, what: str = "source") -> bytes:
+        """Pickles ``obj``; raises :class:`SourcePicklingError` naming ``what`` and the fixes."""
+        try:
+            return self.impl.dumps(obj, **self.dumps_kwargs)
+        except Exception as exc:
+            raise SourcePicklingError(
+                f"cannot pickle the {what} {_short_repr(obj)} for spawned workers with "
+                f"pickler {self.name!r}: {type(exc).__name__}: {exc}\n"
+                "Fixes: define the callback at module level in an importable module, "
+                "mark it with extsrc.pickle_by_value, pass a pickler that serialises more "
+                'by value (e.g. pickler=(dill, {"recurse": True})), make the object picklable '
+                "(defer unpicklable state to __setstate__), or use start_method='fork'."
+            ) from exc
+
+    def loads(self, data: bytes) -> Any:
+        return self.impl.loads(data, **self.loads_kwargs)
+
+    def __reduce__(self):
+        impl = self.impl
+        if isinstance(impl, types.ModuleType):
+            impl = _ModuleRef(impl.__name__)
+        return (_rebuild_pickler, (impl, self.dumps_kwargs, self.loads_kwargs))
+
+
+class _ModuleRef:
+    def __init__(self, name: str):
+        self.name = name
+
+
+def _rebuild_pickler(impl, dumps_kwargs, loads_kwargs) -> Pickler:
+    if isinstance(impl, _ModuleRef):
+        impl = importlib.import_module(impl.name)
+    return Pickler((impl, dumps_kwargs, loads_kwargs))
+
+
+def _short_repr(obj: Any, limit: int = 120) -> str:
+    try:
+        text = repr(obj)
+    except Exception:
+        text = f"<{type(obj).__name__} object>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
