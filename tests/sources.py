@@ -1,0 +1,47 @@
+"""Importable callbacks for the tests (spawned workers import them by reference)."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import numpy as np
+
+
+def sample_of(info):
+    """A sample that encodes where it came from: [idx_in_epoch, idx_in_batch, iteration, epoch]."""
+    return np.array(info, dtype=np.int64)
+
+
+def jittered(info):
+    """Like :func:`sample_of`, after a random delay, so workers finish out of order."""
+    time.sleep(random.random() * 0.004)
+    return np.array(info, dtype=np.int64)
+
+
+class StopsAt:
+    """Ends the epoch at sample ``n`` (callable class, so it pickles by reference)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self, info):
+        if info.idx_in_epoch >= self.n:
+            raise StopIteration
+        return np.array(info, dtype=np.int64)
+
+
+def two_outputs(info):
+    """An image-like uniform output and a ragged label list."""
+    image = np.full((2, 3), info.idx_in_epoch, dtype=np.uint8)
+    ragged = np.arange(info.idx_in_batch + 1, dtype=np.float32)
+    return image, ragged
+
+
+def batch_of_iteration(iteration):
+    return [np.full((3,), iteration * 10 + k, np.int32) for k in range(4)]
+
+
+def pid_sample(info):
+    return np.array([os.getpid()], np.int64)

@@ -1,0 +1,73 @@
+"""Batch mode: callables, BatchInfo, iterables and generator functions."""
+
+import numpy as np
+import pytest
+
+from extsrc import BatchInfo, ParallelSource
+
+from sources import batch_of_iteration
+
+
+def test_callable_gets_the_iteration_number():
+    with ParallelSource(batch_of_iteration, 4, batch=True, num_workers=2) as src:
+        it = iter(src)
+        batches = [next(it) for _ in range(3)]
+    assert [int(b[0][0]) for b in batches] == [0, 10, 20]
+    assert [int(s[0]) for s in batches[2]] == [20, 21, 22, 23]
+
+
+def test_batch_info_gives_iteration_and_epoch():
+    def source(info):
+        assert isinstance(info, BatchInfo)
+        if info.iteration == 2:
+            raise StopIteration
+        return [np.array([info.iteration, info.epoch_idx])] * 2
+
+    with ParallelSource(source, 2, batch=True, batch_info=True) as src:
+        seen = [[tuple(b[0]) for b in src] for _ in range(2)]
+    assert seen == [[(0, 0), (1, 0)], [(0, 1), (1, 1)]]
+
+
+def test_generator_function_restarts_every_epoch():
+    def generator():
+        for i in range(3):
+            yield [np.full((2,), i, np.int16)] * 4
+
+    with ParallelSource(generator, 4, batch=True, num_workers=2) as src:
+        epochs = [[int(b[0][0]) for b in src] for _ in range(2)]
+    assert epochs == [[0, 1, 2], [0, 1, 2]]
+
+
+def test_iterable_runs_in_one_worker_in_order():
+    data = [(np.full((1,), i), np.full((2,), -i)) for i in range(5)]
+    batches = [tuple([a] * 3 for a in pair) for pair in data]
+
+    with ParallelSource(batches, 3, batch=True, num_outputs=2, num_workers=2) as src:
+        got = [(int(a[0][0]), int(b[0][1])) for a, b in src]
+    assert got == [(i, -i) for i in range(5)]
+
+
+def test_a_dense_array_is_accepted_as_a_batch():
+    def source(iteration):
+        return np.arange(12, dtype=np.float32).reshape(4, 3) + iteration
+
+    with ParallelSource(source, 4, batch=True) as src:
+        it = iter(src)
+        batches = [next(it) for _ in range(3)]
+    assert batches[2].is_dense
+    np.testing.assert_array_equal(batches[2].as_array(), source(2))
+
+
+def test_a_batch_larger_than_batch_size_still_arrives_whole():
+    def source(iteration):
+        return [np.full((2,), k) for k in range(6)]
+
+    with ParallelSource(source, 4, batch=True) as src:
+        it = iter(src)
+        batches = [next(it) for _ in range(3)]
+    assert [int(s[0]) for s in batches[2]] == list(range(6))
+
+
+def test_iterables_need_batch_mode():
+    with pytest.raises(TypeError, match="batch=True"):
+        ParallelSource([1, 2, 3], 2)

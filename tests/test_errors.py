@@ -1,0 +1,162 @@
+"""Errors reach the consumer at their batch, naming the sample, output and cause."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from extsrc import (
+    ParallelSource,
+    PoolClosedError,
+    SampleError,
+    SourceTimeoutError,
+    WorkerDiedError,
+)
+from extsrc.errors import WorkerTraceback
+
+
+def fails_at(n, exc):
+    def source(info):
+        if info.idx_in_epoch == n:
+            raise exc
+        return np.array([info.idx_in_epoch])
+
+    return source
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_callback_exception_keeps_type_message_and_worker_traceback(method):
+    src = ParallelSource(fails_at(13, KeyError("missing record 13")), 8, num_workers=2, start_method=method)
+    with src:
+        it = iter(src)
+        assert len(next(it)) == 8  # batch 0 is fine
+        with pytest.raises(KeyError, match="missing record 13") as caught:
+            next(it)
+    cause = caught.value.__cause__
+    assert isinstance(cause, WorkerTraceback)
+    assert "raise exc" in cause.text and "idx_in_epoch=13" in cause.text
+
+
+def test_source_is_usable_for_a_new_epoch_after_a_callback_error():
+    calls = {"bad": True}
+
+    def source(info):
+        if info.epoch_idx == 0 and info.idx_in_epoch == 2:
+            raise ValueError("bad sample")
+        return np.array([info.idx_in_epoch])
+
+    with ParallelSource(source, 4) as src:
+        with pytest.raises(ValueError):
+            list(src)
+        it = iter(src)
+        assert [int(s[0]) for s in next(it)] == [0, 1, 2, 3]
+    assert calls
+
+
+def test_an_error_after_the_end_of_epoch_is_not_raised():
+    def source(info):
+        if info.idx_in_epoch == 5:
+            raise StopIteration
+        if info.idx_in_epoch > 5:
+            raise RuntimeError("past the end")
+        return np.array([info.idx_in_epoch])
+
+    with ParallelSource(source, 8, num_workers=2, last_batch="partial") as src:
+        assert [len(b) for b in src] == [5]
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (None, "expected a NumPy array of numbers, got None"),
+        ("text", "got str 'text'"),
+        ([object(), object()], "dtype object"),
+        (b"\x00\x01", "np.frombuffer"),
+        ((np.zeros(2), np.zeros(2)), "num_outputs=2"),
+    ],
+)
+def test_invalid_samples_name_the_sample_and_output(value, expected):
+    def source(info):
+        return value if info.idx_in_epoch == 3 else np.zeros(2)
+
+    with ParallelSource(source, 4, num_workers=2) as src:
+        with pytest.raises(SampleError) as caught:
+            next(iter(src))
+    message = str(caught.value)
+    assert expected in message
+    assert "idx_in_epoch=3" in message and "output 0" in message
+
+
+def test_wrong_number_of_outputs():
+    def source(info):
+        return (np.zeros(1),) * (3 if info.idx_in_epoch == 1 else 2)
+
+    with ParallelSource(source, 2, num_outputs=2) as src:
+        with pytest.raises(SampleError, match=r"expected a tuple of 2 outputs .* got a tuple of 3"):
+            next(iter(src))
+
+
+def test_declared_dtype_and_ndim_are_enforced():
+    def source(info):
+        return np.zeros((2, 2), np.float64 if info.idx_in_epoch == 2 else np.float32)
+
+    with ParallelSource(source, 4, dtype=np.float32) as src:
+        with pytest.raises(SampleError, match="expected dtype float32 .* got float64"):
+            next(iter(src))
+    with ParallelSource(lambda info: np.zeros((2, 2), np.float32), 4, ndim=3) as src:
+        with pytest.raises(SampleError, match="expected 3 dimensions"):
+            next(iter(src))
+
+
+def test_ndim_changing_within_a_batch_is_an_error():
+    def source(info):
+        return np.zeros((2,) * (2 if info.idx_in_batch == 5 else 1), np.uint8)
+
+    with ParallelSource(source, 8, num_workers=2) as src:
+        with pytest.raises(SampleError, match="sample 5 .*share dtype and number of dimensions"):
+            next(iter(src))
+
+
+def test_killed_worker_is_reported_with_signal_and_samples():
+    def source(info):
+        if info.idx_in_epoch == 9:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return np.array([info.idx_in_epoch])
+
+    src = ParallelSource(source, 8, num_workers=2)
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError) as caught:
+        list(src)
+    assert time.monotonic() - started < 10
+    message = str(caught.value)
+    assert "SIGKILL" in message and "idx_in_epoch 8..11" in message
+    with pytest.raises(PoolClosedError, match="SIGKILL"):
+        list(src)
+    src.close()
+
+
+def test_exit_code_of_a_worker_that_exits():
+    def source(info):
+        os._exit(7)
+
+    with ParallelSource(source, 2) as src:
+        with pytest.raises(WorkerDiedError, match="exited with code 7"):
+            next(iter(src))
+
+
+def test_timeout_names_the_stuck_samples():
+    def source(info):
+        if info.idx_in_epoch == 6:
+            time.sleep(60)
+        return np.array([info.idx_in_epoch])
+
+    src = ParallelSource(source, 4, num_workers=2, timeout=1.0)
+    it = iter(src)
+    next(it)
+    started = time.monotonic()
+    with pytest.raises(SourceTimeoutError, match=r"timeout=1.0 s.*samples 2..3 of batch 1"):
+        next(it)
+    assert time.monotonic() - started < 10
+    src.close()

@@ -1,0 +1,149 @@
+"""Starting, closing and exiting: no hang, no noise, nothing left behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from extsrc import ParallelSource, PoolClosedError, WorkerPool
+
+from sources import pid_sample, sample_of
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def worker_pids(src):
+    return [w.process.pid for w in src._pool._workers]
+
+
+def test_start_starts_workers_before_first_use_and_close_stops_them():
+    src = ParallelSource(sample_of, 2, num_workers=2)
+    src.start()
+    pids = worker_pids(src)
+    assert len(pids) == 2 and all(alive(p) for p in pids)
+    src.close()
+    assert not any(alive(p) for p in pids)
+
+
+def test_close_twice_and_iteration_after_close():
+    src = ParallelSource(sample_of, 2)
+    next(iter(src))
+    src.close()
+    src.close()
+    with pytest.raises(PoolClosedError, match="closed"):
+        iter(src)
+
+
+def test_close_during_iteration_ends_the_loop_quietly():
+    src = ParallelSource(sample_of, 2, num_workers=2)
+    seen = 0
+    for _ in src:
+        seen += 1
+        if seen == 3:
+            src.close()
+    assert seen == 3
+
+
+def test_breaking_out_of_an_epoch_then_starting_another():
+    with ParallelSource(sample_of, 4, num_workers=2) as src:
+        for i, _ in enumerate(src):
+            if i == 2:
+                break
+        batch = next(iter(src))
+        assert [int(s[3]) for s in batch] == [1] * 4 and int(batch[0][0]) == 0
+
+
+def test_samples_are_never_named_in_dev_shm():
+    before = set(os.listdir("/dev/shm"))
+    with ParallelSource(sample_of, 4, num_workers=2) as src:
+        it = iter(src)
+        for _ in range(3):
+            next(it)
+        assert set(os.listdir("/dev/shm")) == before
+
+
+def test_dev_shm_backend_unlinks_at_once(monkeypatch):
+    monkeypatch.setenv("EXTSRC_SHM_BACKEND", "devshm")
+    before = set(os.listdir("/dev/shm"))
+    with ParallelSource(sample_of, 4, num_workers=2) as src:
+        it = iter(src)
+        batches = [next(it) for _ in range(3)]
+        assert set(os.listdir("/dev/shm")) == before
+        assert int(batches[-1][0][0]) == 8
+
+
+def test_shared_pool_serves_several_sources():
+    pool = WorkerPool(num_workers=2)
+    a = ParallelSource(sample_of, 2, pool=pool)
+    b = ParallelSource(lambda info: np.array([-info.idx_in_epoch]), 3, pool=pool)
+    pool.start()
+    ia, ib = iter(a), iter(b)
+    assert [int(s[0]) for s in next(ia)] == [0, 1]
+    assert [int(s[0]) for s in next(ib)] == [0, -1, -2]
+    assert [int(s[0]) for s in next(ia)] == [2, 3]
+    pool.close()
+    with pytest.raises(PoolClosedError):
+        iter(b)
+
+
+def test_workers_really_run_in_parallel_processes():
+    with ParallelSource(pid_sample, 8, num_workers=2) as src:
+        it = iter(src)
+        pids = {int(s[0]) for _ in range(4) for s in next(it)}
+    assert os.getpid() not in pids and len(pids) == 2
+
+
+def run_script(code, timeout=60):
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_interpreter_exit_with_a_live_source_is_quiet_and_leaves_no_worker():
+    out = run_script(
+        """
+        import numpy as np, extsrc
+        src = extsrc.ParallelSource(lambda i: np.zeros(4), 8, num_workers=2)
+        next(iter(src))
+        print(*[w.process.pid for w in src._pool._workers])
+        """
+    )
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    time.sleep(0.2)
+    assert not any(alive(int(p)) for p in out.stdout.split())
+
+
+def test_workers_exit_when_the_parent_is_killed():
+    out = run_script(
+        """
+        import os, signal, sys, time, numpy as np, extsrc
+        def slow(info):
+            time.sleep(0.2)
+            return np.zeros(4)
+        src = extsrc.ParallelSource(slow, 8, num_workers=2)
+        it = iter(src)
+        print(*[w.process.pid for w in src._pool._workers], flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    assert out.returncode == -signal.SIGKILL
+    pids = [int(p) for p in out.stdout.split()]
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids)

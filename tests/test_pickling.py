@@ -1,0 +1,111 @@
+"""How sources travel to spawn/forkserver workers: default pickler, pickle_by_value, dill."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import extsrc
+from extsrc import ParallelSource, SourcePicklingError, pickle_by_value
+
+
+def first_value(src):
+    with src:
+        return int(next(iter(src))[0][0])
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_default_pickler_carries_lambdas_and_closures(method):
+    offset = np.array([100])
+    closure = lambda info: offset + info.idx_in_epoch  # noqa: E731
+    assert first_value(ParallelSource(closure, 2, start_method=method)) == 100
+
+
+def test_functions_defined_in_python_dash_c_reach_spawned_workers():
+    code = textwrap.dedent(
+        """
+        import numpy as np, extsrc
+        scale = 3
+        def source(info):
+            return np.array([info.idx_in_epoch * scale])
+        with extsrc.ParallelSource(source, 4, num_workers=2, start_method="spawn") as src:
+            print([int(s[0]) for s in next(iter(src))])
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[0, 3, 6, 9]"
+
+
+def _module_outside_the_workers_path(tmp_path, monkeypatch):
+    (tmp_path / "hidden_helpers.py").write_text(
+        "import numpy as np\n"
+        "def source(info):\n"
+        "    return np.array([info.idx_in_epoch + 7])\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import hidden_helpers
+
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path)])
+    return hidden_helpers
+
+
+def test_pickle_by_value_sends_a_function_whose_module_workers_cannot_import(tmp_path, monkeypatch):
+    helpers = _module_outside_the_workers_path(tmp_path, monkeypatch)
+    with pytest.raises(RuntimeError, match="could not load the sources.*hidden_helpers"):
+        first_value(ParallelSource(helpers.source, 2, start_method="spawn"))
+    assert first_value(ParallelSource(pickle_by_value(helpers.source), 2, start_method="spawn")) == 7
+
+
+def test_pickle_by_value_rejects_non_functions():
+    with pytest.raises(TypeError, match="expects a Python function"):
+        pickle_by_value(len)
+
+
+def test_dill_with_keyword_arguments():
+    dill = pytest.importorskip("dill")
+    base = np.array([5])
+    src = ParallelSource(lambda info: base * 2, 2, start_method="spawn", pickler=(dill, {"recurse": True}))
+    assert first_value(src) == 10
+
+
+def test_pickler_keyword_arguments_reach_dumps():
+    import pickle
+
+    src = ParallelSource(np.zeros, 2, start_method="spawn", pickler=(pickle, {"not_an_option": 1}))
+    with pytest.raises(SourcePicklingError, match="not_an_option"):
+        src.start()
+    src.close()
+
+
+def test_unpicklable_source_fails_at_start_naming_the_object_and_the_fixes():
+    lock = threading.Lock()
+
+    def source(info):
+        with lock:
+            return np.zeros(1)
+
+    src = ParallelSource(source, 2, start_method="spawn")
+    with pytest.raises(SourcePicklingError) as caught:
+        src.start()
+    message = str(caught.value)
+    assert "lock" in message and "pickle_by_value" in message and "fork" in message
+    src.close()
+
+
+def test_invalid_pickler_is_rejected_early():
+    with pytest.raises(TypeError, match="dumps"):
+        ParallelSource(np.zeros, 2, pickler=object())
+
+
+def test_core_import_loads_numpy_only():
+    code = (
+        "import sys, extsrc; heavy = {'cloudpickle', 'dill', 'torch', 'nvidia.dali', 'cupy', 'PIL'};"
+        "print(sorted(heavy & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

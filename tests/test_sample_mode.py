@@ -1,0 +1,86 @@
+"""Sample mode: what each batch holds, in which order, and how it is laid out."""
+
+import numpy as np
+import pytest
+
+from extsrc import Batch, ParallelSource, SampleInfo
+
+from sources import sample_of, two_outputs
+
+
+def rows(batch):
+    return [tuple(int(v) for v in sample) for sample in batch]
+
+
+def test_batches_carry_sample_info_in_index_order():
+    with ParallelSource(sample_of, 4, num_workers=2) as src:
+        it = iter(src)
+        first, second = next(it), next(it)
+    assert rows(first) == [(k, k, 0, 0) for k in range(4)]
+    assert rows(second) == [(4 + k, k, 1, 0) for k in range(4)]
+
+
+def test_each_loop_is_a_new_epoch_counted_from_zero():
+    with ParallelSource(sample_of, 3, num_workers=2) as src:
+        epochs = []
+        for _ in range(3):
+            for batch in src:
+                epochs.append(rows(batch)[0])
+                break
+    assert [e[3] for e in epochs] == [0, 1, 2]
+    assert all(e[0] == 0 for e in epochs)
+
+
+def test_uniform_samples_form_one_dense_array_without_copy():
+    with ParallelSource(sample_of, 8, num_workers=2) as src:
+        it = iter(src)
+        batches = [next(it) for _ in range(4)]
+        last = batches[-1]
+        assert isinstance(last, Batch) and last.is_dense
+        dense = last.as_array()
+        assert dense.shape == (8, 4)
+        assert all(np.shares_memory(dense, sample) for sample in last)
+        assert dense[:, 0].tolist() == list(range(24, 32))
+
+
+def test_num_outputs_gives_a_tuple_of_batches_and_ragged_outputs_stay_lists():
+    with ParallelSource(two_outputs, 5, num_outputs=2, num_workers=2) as src:
+        it = iter(src)
+        for _ in range(3):
+            images, ragged = next(it)
+    assert images.is_dense and images.as_array().shape == (5, 2, 3)
+    assert images.as_array()[:, 0, 0].tolist() == list(range(10, 15))
+    assert [r.shape for r in ragged] == [(k + 1,) for k in range(5)]
+    assert not ragged.is_dense
+    with pytest.raises(ValueError):
+        ragged.as_array()
+
+
+def test_first_batch_stacks_into_an_array_even_before_layout_is_known():
+    with ParallelSource(sample_of, 6) as src:
+        first = next(iter(src))
+    assert first.as_array()[:, 0].tolist() == list(range(6))
+
+
+def test_batch_arrays_stay_valid_while_the_next_batch_is_taken():
+    with ParallelSource(sample_of, 4, num_workers=2, prefetch=1) as src:
+        it = iter(src)
+        previous = next(it)
+        for i in range(1, 12):
+            current = next(it)
+            assert rows(previous)[0][0] == (i - 1) * 4, "held batch was overwritten"
+            previous = current
+
+
+def test_batches_held_keeps_more_batches_alive():
+    with ParallelSource(sample_of, 4, num_workers=2, batches_held=5) as src:
+        it = iter(src)
+        kept = [next(it) for _ in range(5)]
+        assert [rows(b)[0][0] for b in kept] == [0, 4, 8, 12, 16]
+
+
+def test_sample_info_is_an_immutable_named_tuple():
+    info = SampleInfo(10, 2, 1, 0)
+    assert info.idx_in_epoch == 10 and info.epoch_idx == 0
+    with pytest.raises(AttributeError):
+        info.iteration = 3
