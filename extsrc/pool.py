@@ -328,6 +328,12 @@ class WorkerPool:
                 how += "; SIGBUS usually means shared memory ran out"
         else:
             how = f"exited with code {code}"
+            if code == 1 and self.start_method != "fork":
+                how += (
+                    " (with spawn/forkserver a worker fails like this when the main script "
+                    "starts workers without an `if __name__ == '__main__':` guard, or cannot "
+                    "import something; its stderr above says which)"
+                )
         held = [self._describe_task(task) for task in worker.outstanding.values()]
         what = "; ".join(held) if held else "no samples"
         return self._break(

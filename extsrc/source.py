@@ -208,6 +208,7 @@ class ParallelSource:
     def _check_open(self) -> None:
         if self._closed:
             raise PoolClosedError(f"source {self.name} is closed; no batches can be taken after close()")
+        self._pool._check_usable()
 
     # -- what the pool asks of a source ----------------------------------------
 
@@ -254,7 +255,6 @@ class ParallelSource:
                 self._layouts[j] = (dtype_str, tuple(shape))
 
     def _release_memory(self) -> None:
-        self._closed = True
         self._in_flight.clear()
         self._held.clear()
         self._slots.close()
@@ -319,10 +319,9 @@ class ParallelSource:
         epoch.pending.clear()
 
     def _next_batch(self, epoch: _Epoch) -> BatchOutput:
-        if epoch is not self._epoch or epoch.finished or self._closed:
-            if self._closed and epoch is self._epoch:
-                self._check_open()
-            raise StopIteration
+        if epoch is not self._epoch or epoch.finished:
+            raise StopIteration  # superseded by a newer epoch, or the source was closed
+        self._check_open()
         if epoch.last_was_partial:
             self._finish(epoch)
             raise StopIteration
