@@ -65,12 +65,37 @@ def dev_shm_usage(path: str = "/dev/shm") -> tuple[int, int] | None:
     return usage.total, usage.free
 
 
-def shm_size_advice(needed: int) -> str:
-    """A ``--shm-size`` value that leaves room for ``needed`` bytes plus what is in use."""
+def shm_size_mib(needed: int) -> int:
+    """MiB of /dev/shm that hold ``needed`` more bytes plus what is in use, with 25% headroom."""
     usage = dev_shm_usage()
     used = usage[0] - usage[1] if usage else 0
-    mib = -(-(needed + used) * 2 // (64 << 20)) * 64
-    return f"--shm-size={mib}m"
+    return -(-(needed + used) * 5 // 4 // (64 << 20)) * 64
+
+
+def shm_size_advice(needed: int) -> str:
+    """The ``docker run`` option that leaves room for ``needed`` bytes (see :func:`shm_size_mib`)."""
+    return f"--shm-size={shm_size_mib(needed)}m"
+
+
+def shortage_advice(kind: str, total_needed: int) -> str:
+    """What to do when a source needing about ``total_needed`` bytes ran short."""
+    need = format_bytes(total_needed)
+    if kind == "devshm":
+        return (
+            f" This source needs about {need} of /dev/shm in all: in a container, start it with "
+            f"{shm_size_advice(total_needed)} or more; or lower prefetch, batches_held or the "
+            "batch size; or unset EXTSRC_SHM_BACKEND=devshm so that extsrc uses memfd memory, "
+            "which does not count against /dev/shm."
+        )
+    return (
+        f" This source needs about {need} of memory for samples in all: lower prefetch, "
+        "batches_held or the batch size, or raise the process's memory limit."
+    )
+
+
+def with_advice(error: SharedMemoryError, kind: str, total_needed: int) -> SharedMemoryError:
+    """``error`` with :func:`shortage_advice` appended to its message."""
+    return SharedMemoryError(error.errno, str(error.strerror) + shortage_advice(kind, total_needed))
 
 
 class Segment:
@@ -126,21 +151,8 @@ class Segment:
         if self.kind == "devshm":
             usage = dev_shm_usage()
             if usage:
-                msg += (
-                    f" /dev/shm has {format_bytes(usage[0])} in all, {format_bytes(usage[1])} free."
-                )
-            msg += (
-                f" In a container, start it with {shm_size_advice(target - current)} or more, "
-                "lower prefetch or num_workers, or unset EXTSRC_SHM_BACKEND=devshm to use "
-                "memfd memory, which does not count against /dev/shm."
-            )
-        elif exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-            msg += (
-                " The process is out of memory for sample buffers: lower prefetch, "
-                "num_workers or the sample size, or raise the memory limit."
-            )
-        err = SharedMemoryError(exc.errno or errno.ENOMEM, msg)
-        return err
+                msg += f" /dev/shm has {format_bytes(usage[0])} in all, {format_bytes(usage[1])} free."
+        return SharedMemoryError(exc.errno or errno.ENOMEM, msg)
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -26,11 +26,11 @@ import numpy as np
 
 from extsrc.assembly import END_OF_EPOCH, PendingBatch
 from extsrc.batch import Batch
-from extsrc.errors import PoolClosedError, SourceTimeoutError
+from extsrc.errors import PoolClosedError, SharedMemoryError, SourceTimeoutError
 from extsrc.messages import Region, Task, TaskDone, TaskFailed
 from extsrc.pool import MAX_OUTSTANDING, WorkerPool
 from extsrc.sample_info import SampleInfo
-from extsrc.shm import align, backend
+from extsrc.shm import align, backend, with_advice
 from extsrc.slots import Slot, SlotRing
 from extsrc.worker import BATCH_GENERATOR, BATCH_ITERABLE, SAMPLE, SourceSpec, classify
 
@@ -369,12 +369,12 @@ class ParallelSource:
             slot = self._slots.acquire()
             if slot is None:
                 return
+            regions, size = self._regions()
             try:
-                regions, size = self._regions()
                 slot_size = slot.prepare(size)
-            except BaseException:
+            except SharedMemoryError as exc:
                 self._slots.release(slot)
-                raise
+                raise with_advice(exc, slot.segment.kind, size * (len(self._slots.slots) + 1)) from None
             iteration = epoch.next_dispatch
             epoch.next_dispatch += 1
             pending = PendingBatch(next(self._batch_seq), epoch.epoch_idx, iteration, slot, regions)

@@ -88,6 +88,7 @@ class SourceRunner:
             spec.num_outputs,
             tuple(None if d is None else np.dtype(d) for d in spec.dtypes),
             spec.ndims,
+            spec.batch_size,
         )
         self.iterator: Any = None
         self.iterator_epoch = -1

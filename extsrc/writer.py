@@ -18,9 +18,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from extsrc.errors import SampleError
+from extsrc.errors import SampleError, SharedMemoryError
 from extsrc.messages import Placement, Region, Task
-from extsrc.shm import Mapping, Segment, align
+from extsrc.shm import Mapping, Segment, align, with_advice
 
 _VALID_KINDS = frozenset("biufc")  # bool, ints, unsigned, floats, complex
 _MIN_OVERFLOW = 1 << 20
@@ -141,7 +141,9 @@ class TaskWriter:
         num_outputs: Optional[int],
         dtypes: Tuple[Optional[np.dtype], ...],
         ndims: Tuple[Optional[int], ...],
+        batch_size: int,
     ):
+        self.batch_size = batch_size
         self.slot_maps = [Mapping(seg.fd) for seg in slot_segments]
         self.overflow = [OverflowArea(seg) for seg in overflow_segments]
         self.num_outputs = num_outputs
@@ -162,10 +164,15 @@ class TaskWriter:
         slot_map = self.slot_maps[task.slot]
         if task.slot_size:
             slot_map.ensure(task.slot_size)
-        placements = tuple(
-            self._write_output(task, j, column, count, slot_map, overflow, describe)
-            for j, column in enumerate(columns)
-        )
+        try:
+            placements = tuple(
+                self._write_output(task, j, column, count, slot_map, overflow, describe)
+                for j, column in enumerate(columns)
+            )
+        except SharedMemoryError as exc:
+            # Every slot holds a batch, and the first batch also fills the overflow.
+            batch_bytes = sum(np.asarray(column[0]).nbytes for column in columns if count) * self.batch_size
+            raise with_advice(exc, overflow.segment.kind, (len(self.slot_maps) + 1) * batch_bytes) from None
         return placements, overflow.size
 
     def _write_output(self, task, j, column, count, slot_map, overflow, describe) -> Placement:

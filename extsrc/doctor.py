@@ -1,0 +1,135 @@
+"""``python -m extsrc doctor``: what works here, what the settings need, and advice."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib
+import os
+import platform
+import sys
+import time
+from typing import List, Optional
+
+import numpy as np
+
+import extsrc
+from extsrc import shm
+from extsrc.pool import START_METHODS
+
+
+def _probe(info):
+    return np.full((4,), info.idx_in_epoch, np.int32)
+
+
+def _check_start_method(method: str) -> str:
+    started = time.perf_counter()
+    try:
+        with extsrc.ParallelSource(_probe, 2, start_method=method, timeout=60) as src:
+            batch = next(iter(src))
+        assert int(batch[1][0]) == 1
+    except Exception as exc:
+        return f"FAILS: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+    return f"works (first batch after {time.perf_counter() - started:.2f} s)"
+
+
+def _check_memfd() -> str:
+    if not hasattr(os, "memfd_create"):
+        return "not available (falls back to /dev/shm files)"
+    try:
+        segment = shm.Segment(os.memfd_create("extsrc:doctor", os.MFD_CLOEXEC), "memfd", "doctor")
+        segment.reserve(1 << 20)
+        segment.close()
+    except OSError as exc:
+        return f"FAILS: {exc}"
+    return "works (sample memory does not count against /dev/shm)"
+
+
+def _version_of(module: str) -> Optional[str]:
+    try:
+        return getattr(importlib.import_module(module), "__version__", "installed")
+    except Exception:
+        return None
+
+
+def _cuda_devices() -> str:
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "no CUDA driver (libcuda.so.1 not found): GPU stages unavailable"
+    if driver.cuInit(0) != 0:
+        return "CUDA driver present but cuInit failed (no usable GPU?)"
+    count = ctypes.c_int(0)
+    driver.cuDeviceGetCount(ctypes.byref(count))
+    return f"CUDA driver present, {count.value} GPU(s)"
+
+
+def needed_bytes(workers: int, batch_size: int, sample_bytes: int, outputs: int,
+                 prefetch: int, batches_held: int) -> int:
+    """Shared memory a source needs: every slot holds a batch, plus first-batch overflow."""
+    slots = prefetch + batches_held
+    batch = batch_size * sample_bytes * outputs
+    return slots * batch + batch  # the first batch goes to overflow before shapes are known
+
+
+def main(argv: List[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m extsrc doctor", description=__doc__)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--sample-bytes", type=int, default=224 * 224 * 3,
+                        help="bytes of one sample of one output (default: a 224x224 RGB image)")
+    parser.add_argument("--outputs", type=int, default=1)
+    parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument("--batches-held", type=int, default=2)
+    args = parser.parse_args(argv)
+    advice: List[str] = []
+    fmt = shm.format_bytes
+
+    print(f"extsrc {extsrc.__version__}, Python {platform.python_version()}, NumPy {np.__version__}, "
+          f"{platform.system()} {platform.release()}, {os.cpu_count()} CPUs")
+    usage = shm.dev_shm_usage()
+    if usage is None:
+        print("/dev/shm: not mounted")
+    else:
+        print(f"/dev/shm: {fmt(usage[0])} in all, {fmt(usage[1])} free")
+    print(f"memfd: {_check_memfd()}")
+    backend = shm.backend()
+    print(f"shared-memory backend in force: {backend}")
+
+    need = needed_bytes(args.workers, args.batch_size, args.sample_bytes, args.outputs,
+                        args.prefetch, args.batches_held)
+    print(f"\nsettings: {args.workers} workers, batch {args.batch_size}, {args.outputs} output(s) of "
+          f"{fmt(args.sample_bytes)} per sample, prefetch {args.prefetch}, batches_held "
+          f"{args.batches_held}\n  shared memory needed per source: about {fmt(need)}")
+    if backend == "devshm" and usage is not None and need > usage[1]:
+        advice.append(
+            f"/dev/shm has {fmt(usage[1])} free but these settings need {fmt(need)}: start the "
+            f"container with {shm.shm_size_advice(need)}, or unset EXTSRC_SHM_BACKEND to use memfd"
+        )
+    if backend == "memfd" and usage is not None and usage[0] < (256 << 20):
+        advice.append(
+            f"/dev/shm is small ({fmt(usage[0])}; Docker's default is 64 MiB). extsrc is not "
+            "affected (memfd), but DALI's own parallel source and PyTorch's DataLoader are: "
+            f"for them give the container {shm.shm_size_advice(need)} or more"
+        )
+
+    print("\nstart methods:")
+    for method in START_METHODS:
+        result = _check_start_method(method)
+        print(f"  {method:<11} {result}")
+        if result.startswith("FAILS"):
+            advice.append(f"start_method={method!r} does not work here: {result[7:]}")
+
+    print("\nGPU stage:")
+    print(f"  {_cuda_devices()}")
+    for label, module in (("DALI", "nvidia.dali"), ("CuPy", "cupy"), ("PyTorch", "torch"),
+                          ("dill", "dill")):
+        version = _version_of(module)
+        print(f"  {label:<8} {version or 'not installed'}")
+        if label == "DALI" and version is None:
+            advice.append('DALI is not installed: pip install "extsrc[dali]" for extsrc.fn/pipeline_def')
+
+    print("\nadvice:" if advice else "\nno problems found")
+    for line in advice:
+        print(f"  - {line}")
+    return 0
