@@ -1,0 +1,110 @@
+"""Runs a fault scenario in a fresh interpreter with a time limit and reports what happened.
+
+The scenario is a code snippet defining ``run(report)``; it must start the
+workers, call ``report.pids(...)`` with their pids, then provoke the fault.
+The harness records the exception the consumer saw, the time from the fault
+to the error, and whether workers or /dev/shm entries outlived the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+_HARNESS = '''
+import json, sys, time, traceback
+class Report:
+    def __init__(self):
+        self.worker_pids = []
+        self.t0 = None
+    def pids(self, pids):
+        self.worker_pids = list(pids)
+    def fault_starts(self):
+        self.t0 = time.monotonic()
+report = Report()
+{scenario}
+if __name__ == "__main__":
+    result = {{"type": None, "message": None}}
+    try:
+        run(report)
+    except BaseException as exc:
+        result = {{"type": type(exc).__name__, "message": str(exc),
+                  "cause": str(exc.__cause__ or ""), "mro": [c.__name__ for c in type(exc).__mro__],
+                  "traceback": traceback.format_exc()}}
+    result["seconds"] = time.monotonic() - (report.t0 or time.monotonic())
+    result["pids"] = report.worker_pids
+    print("RESULT " + json.dumps(result), flush=True)
+'''
+
+
+@dataclass
+class FaultResult:
+    type: Optional[str]
+    message: Optional[str]
+    cause: str
+    exc_types: List[str]
+    seconds: float
+    pids: List[int]
+    stderr: str
+    stdout: str
+    returncode: int
+    leftover_pids: List[int] = field(default_factory=list)
+    new_shm: List[str] = field(default_factory=list)
+    traceback: str = ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def run_fault(scenario: str, timeout: float = 60, env: Optional[dict] = None,
+              wrap: Optional[List[str]] = None, cwd: Optional[str] = None) -> FaultResult:
+    """Runs ``scenario`` (see module doc); fails the test on a hang past ``timeout``."""
+    script = _HARNESS.format(scenario=textwrap.dedent(scenario))
+    shm_before = set(os.listdir("/dev/shm"))
+    path = os.path.join(cwd or os.getcwd(), f"_fault_{os.getpid()}_{time.monotonic_ns()}.py")
+    with open(path, "w") as f:
+        f.write(script)
+    try:
+        command = (wrap or []) + [sys.executable, path]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})}, cwd=cwd)
+    finally:
+        os.unlink(path)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    assert line is not None, f"scenario printed no result (rc {proc.returncode}):\n{proc.stderr}"
+    data = json.loads(line[len("RESULT "):])
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in data["pids"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return FaultResult(
+        type=data["type"], message=data["message"], cause=data.get("cause", ""),
+        exc_types=data.get("mro", []), seconds=data["seconds"], pids=data["pids"],
+        stderr=proc.stderr, stdout=proc.stdout, returncode=proc.returncode,
+        leftover_pids=[p for p in data["pids"] if _alive(p)],
+        new_shm=sorted(set(os.listdir("/dev/shm")) - shm_before),
+        traceback=data.get("traceback", ""),
+    )
+
+
+def unshare_small_dev_shm(size: str = "16m") -> Optional[List[str]]:
+    """A command prefix running a program with its own small /dev/shm, or None if impossible."""
+    probe = ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs /dev/shm"]
+    try:
+        ok = subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if not ok:
+        return None
+    return ["unshare", "-m", "sh", "-c",
+            f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$0" "$@"']

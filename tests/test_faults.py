@@ -1,0 +1,172 @@
+"""Fault injection through the engine API: each fault in a fresh interpreter, with a time limit.
+
+Every case asserts the message the user sees, the time from fault to error,
+that no worker process outlives the run, and that /dev/shm gains no entry.
+"""
+
+import pytest
+
+from faultkit import run_fault, unshare_small_dev_shm
+
+pytestmark = pytest.mark.slow
+
+ENGINE = '''
+import os, signal, time
+import numpy as np
+import extsrc
+
+def make_source(fault, at=9, **kwargs):
+    def source(info):
+        if info.idx_in_epoch == at:
+            report.fault_starts()
+            fault()
+        return np.full((4,), info.idx_in_epoch, np.int32)
+    return extsrc.ParallelSource(source, 8, num_workers=2, **kwargs)
+
+def drain(src, report):
+    src.start()
+    report.pids(w.process.pid for w in src._pool._workers)
+    try:
+        for _ in src:
+            pass
+    finally:
+        src.close()
+'''
+
+
+def assert_clean(result):
+    assert result.leftover_pids == [], f"workers outlived the run: {result.leftover_pids}"
+    assert result.new_shm == [], f"/dev/shm entries left: {result.new_shm}"
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+def engine_case(fault, **kwargs):
+    args = "".join(f", {k}={v!r}" for k, v in kwargs.items())
+    return ENGINE + f"\ndef run(report):\n    drain(make_source({fault}{args}), report)\n"
+
+
+def test_callback_exception_names_the_sample_and_keeps_type_and_traceback():
+    result = run_fault(engine_case("lambda: {}['no such key']"))
+    assert result.type == "KeyError" and "no such key" in result.message
+    assert "idx_in_epoch=9" in result.cause and "fault()" in result.cause
+    assert_clean(result)
+
+
+@pytest.mark.parametrize(
+    "fault, expected",
+    [
+        ("lambda: os.kill(os.getpid(), signal.SIGKILL)", "killed by SIGKILL (signal 9)"),
+        ("lambda: os.kill(os.getpid(), signal.SIGSEGV)", "killed by SIGSEGV (signal 11)"),
+        ("lambda: os._exit(3)", "exited with code 3"),
+    ],
+)
+def test_dead_worker_is_named_with_signal_and_samples_within_seconds(fault, expected):
+    result = run_fault(engine_case(fault), timeout=30)
+    assert result.type == "WorkerDiedError"
+    assert expected in result.message
+    assert "samples 0..3 of batch 1" in result.message and "idx_in_epoch 8..11" in result.message
+    assert "remaining workers were shut down" in result.message
+    assert result.seconds < 5
+    assert_clean(result)
+
+
+def test_callback_that_never_returns_times_out_naming_the_stuck_samples():
+    result = run_fault(engine_case("lambda: time.sleep(3600)", timeout=1.5), timeout=30)
+    assert result.type == "SourceTimeoutError"
+    assert "timeout=1.5 s" in result.message and "samples 0..3 of batch 1" in result.message
+    assert result.seconds < 6
+    assert_clean(result)
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_unpicklable_source_fails_at_start_with_advice(method):
+    scenario = ENGINE + f'''
+import threading
+def run(report):
+    lock = threading.Lock()
+    src = extsrc.ParallelSource(lambda info: lock, 4, start_method={method!r})
+    report.fault_starts()
+    try:
+        src.start()
+    finally:
+        src.close()
+'''
+    result = run_fault(scenario)
+    assert result.type == "SourcePicklingError"
+    assert "cannot pickle" in result.message and "lock" in result.message
+    assert "pickle_by_value" in result.message and "dill" in result.message
+    assert "start_method='fork'" in result.message
+    assert_clean(result)
+
+
+def test_bad_output_names_sample_output_expected_and_got():
+    scenario = ENGINE + '''
+def run(report):
+    def source(info):
+        report.fault_starts()
+        return (np.zeros(2), "label") if info.idx_in_epoch == 5 else (np.zeros(2), np.ones(1))
+    drain(extsrc.ParallelSource(source, 4, num_outputs=2, num_workers=2), report)
+'''
+    result = run_fault(scenario)
+    assert result.type == "SampleError"
+    assert "idx_in_epoch=5" in result.message and "output 1" in result.message
+    assert "expected a NumPy array of numbers, got str 'label'" in result.message
+    assert_clean(result)
+
+
+LARGE = ENGINE + '''
+def run(report):
+    def large(info):
+        report.fault_starts()
+        sample = np.empty(4 << 20, np.uint8)
+        sample[:8] = info.idx_in_batch
+        return sample
+    src = extsrc.ParallelSource(large, 16, num_workers=2)
+    src.start()
+    report.pids(w.process.pid for w in src._pool._workers)
+    with src:
+        it = iter(src)
+        for _ in range(4):
+            batch = next(it)
+        assert int(batch[5][0]) == 5
+'''
+
+
+def test_small_dev_shm_does_not_limit_memfd_buffers():
+    wrap = unshare_small_dev_shm("16m")
+    if wrap is None:
+        pytest.skip("needs `unshare -m` (root or user namespaces) to mount a private small /dev/shm")
+    result = run_fault(LARGE, wrap=wrap, timeout=60)
+    assert result.type is None, result.traceback
+    assert_clean(result)
+
+
+def test_small_dev_shm_with_the_dev_shm_backend_fails_before_writing_with_the_size_to_use():
+    wrap = unshare_small_dev_shm("16m")
+    if wrap is None:
+        pytest.skip("needs `unshare -m` (root or user namespaces) to mount a private small /dev/shm")
+    result = run_fault(LARGE, wrap=wrap, env={"EXTSRC_SHM_BACKEND": "devshm"}, timeout=60)
+    assert result.type == "SharedMemoryError", result.traceback
+    assert "No space left on device" in result.message
+    assert "/dev/shm has 16.0 MiB in all" in result.message
+    assert "--shm-size=" in result.message and "needs about" in result.message
+    assert "SIGBUS" not in result.message + result.stderr
+    assert_clean(result)
+
+
+def test_fork_after_cuda_is_initialised_is_refused_with_advice():
+    scenario = ENGINE + '''
+import extsrc.pool
+def run(report):
+    extsrc.pool.cuda_initialized = lambda: True  # as if a GPU library had run cuInit
+    src = extsrc.ParallelSource(lambda info: np.zeros(1), 4)
+    try:
+        src.start()
+    finally:
+        src.close()
+'''
+    result = run_fault(scenario)
+    assert result.type == "RuntimeError"
+    assert "CUDA is already initialised" in result.message
+    assert "start_py_workers()" in result.message and "spawn" in result.message
+    assert_clean(result)
