@@ -46,6 +46,8 @@ class PoolClient(Protocol):
 
     def _worker_spec(self, worker: int, payload: Optional[bytes]) -> SourceSpec: ...
 
+    name: str
+
     def _pickle_target(self) -> Any: ...
 
     def _on_message(self, message: Any) -> None: ...
@@ -122,7 +124,7 @@ class WorkerPool:
             payloads: List[Optional[bytes]] = [None] * len(self._clients)
             if self.start_method != "fork":
                 payloads = [
-                    self.pickler.dumps(client._pickle_target(), what=f"source {i}")
+                    self.pickler.dumps(client._pickle_target(), what=f"source {client.name}")
                     for i, client in enumerate(self._clients)
                 ]
             context = multiprocessing.get_context(self.start_method)
@@ -314,6 +316,7 @@ class WorkerPool:
         process = worker.process
         process.join(1.0)
         code = process.exitcode
+        hint = ""
         if code is None:
             how = "closed its connection"
         elif code < 0:
@@ -323,9 +326,9 @@ class WorkerPool:
                 name = f"signal {-code}"
             how = f"was killed by {name} (signal {-code})"
             if -code == signal.SIGKILL:
-                how += "; SIGKILL often means the kernel's out-of-memory killer (see dmesg)"
+                hint = " SIGKILL often comes from the kernel's out-of-memory killer (see dmesg)."
             elif -code == signal.SIGBUS:
-                how += "; SIGBUS usually means shared memory ran out"
+                hint = " SIGBUS usually means shared memory ran out."
         else:
             how = f"exited with code {code}"
             if code == 1 and self.start_method != "fork":
@@ -338,8 +341,8 @@ class WorkerPool:
         what = "; ".join(held) if held else "no samples"
         return self._break(
             WorkerDiedError(
-                f"extsrc worker {worker.index} (pid {process.pid}) {how} while it held {what}. "
-                f"The remaining workers were shut down."
+                f"extsrc worker {worker.index} (pid {process.pid}) {how} while it held {what}."
+                f"{hint} The remaining workers were shut down."
             )
         )
 

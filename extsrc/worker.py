@@ -120,7 +120,7 @@ class SourceRunner:
         count = len(produced)
 
         def describe(pos: int) -> str:
-            return f"sample {pos} of the batch ({SampleInfo(base + pos, pos, task.iteration, task.epoch_idx)})"
+            return f"sample {SampleInfo(base + pos, pos, task.iteration, task.epoch_idx)}"
 
         try:
             columns = self._columns_of_samples(produced, task.start, describe)
@@ -165,7 +165,7 @@ class SourceRunner:
             return self._failed(task, 0, info, exc)
 
         def describe(pos: int) -> str:
-            return f"sample {pos} of batch {info}"
+            return f"sample {pos} of batch {info}"  # batch mode: no SampleInfo
 
         try:
             columns = self._columns_of_batch(batch, info)

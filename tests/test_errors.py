@@ -115,7 +115,7 @@ def test_ndim_changing_within_a_batch_is_an_error():
         return np.zeros((2,) * (2 if info.idx_in_batch == 5 else 1), np.uint8)
 
     with ParallelSource(source, 8, num_workers=2) as src:
-        with pytest.raises(SampleError, match="sample 5 .*share dtype and number of dimensions"):
+        with pytest.raises(SampleError, match="idx_in_batch=5.*share dtype and number of dimensions"):
             next(iter(src))
 
 
