@@ -344,6 +344,8 @@ class ParallelSource:
         self._held.append(pending.slot)
         epoch.next_yield += 1
         self._learn_layout(outcome)
+        if None in pending.regions:
+            outcome = self._compact(pending, outcome)
         if self._is_short(outcome):
             epoch.last_was_partial = True
         return outcome
@@ -417,6 +419,30 @@ class ParallelSource:
             first = samples[0]
             uniform = all(s.shape == first.shape and s.dtype == first.dtype for s in samples)
             self._layouts[j] = (first.dtype.str, first.shape) if uniform else None
+
+    def _compact(self, pending: PendingBatch, outcome: BatchOutput) -> BatchOutput:
+        """Copies uniform outputs written before their shape was known into one dense region.
+
+        Happens for the first batch of a source only; from then on workers write
+        such outputs in place. The copy goes after the slot's regions in use.
+        """
+        outputs = [outcome] if self.num_outputs is None else list(outcome)
+        end = 0
+        for region in pending.regions:
+            if region is not None:
+                offset, dtype_str, shape = region
+                nbytes = np.dtype(dtype_str).itemsize * int(np.prod(shape, dtype=np.int64))
+                end = max(end, offset + nbytes * self.batch_size)
+        for j, samples in enumerate(outputs):
+            if samples.is_dense or self._layouts[j] is None or not samples:
+                continue
+            offset = align(end)
+            end = offset + sum(sample.nbytes for sample in samples)
+            pending.slot.prepare(end)
+            dense = pending.slot.region_array(offset, samples[0].dtype, (len(samples),) + samples[0].shape)
+            np.stack(samples, out=dense)
+            outputs[j] = Batch(dense=dense)
+        return outputs[0] if self.num_outputs is None else tuple(outputs)
 
     # -- waiting ----------------------------------------------------------------
 

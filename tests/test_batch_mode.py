@@ -11,9 +11,9 @@ from sources import batch_of_iteration
 def test_callable_gets_the_iteration_number():
     with ParallelSource(batch_of_iteration, 4, batch=True, num_workers=2) as src:
         it = iter(src)
-        batches = [next(it) for _ in range(3)]
-    assert [int(b[0][0]) for b in batches] == [0, 10, 20]
-    assert [int(s[0]) for s in batches[2]] == [20, 21, 22, 23]
+        batches = [[int(s[0]) for s in next(it)] for _ in range(3)]  # copy: arrays are recycled
+    assert [b[0] for b in batches] == [0, 10, 20]
+    assert batches[2] == [20, 21, 22, 23]
 
 
 def test_batch_info_gives_iteration_and_epoch():

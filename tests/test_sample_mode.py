@@ -56,10 +56,15 @@ def test_num_outputs_gives_a_tuple_of_batches_and_ragged_outputs_stay_lists():
         ragged.as_array()
 
 
-def test_first_batch_stacks_into_an_array_even_before_layout_is_known():
-    with ParallelSource(sample_of, 6) as src:
-        first = next(iter(src))
-    assert first.as_array()[:, 0].tolist() == list(range(6))
+@pytest.mark.parametrize("workers", [1, 2])
+def test_every_uniform_batch_is_dense_from_the_first(workers):
+    with ParallelSource(two_outputs, 6, num_outputs=2, num_workers=workers) as src:
+        it = iter(src)
+        for i in range(3):
+            images, ragged = next(it)
+            assert images.is_dense and not ragged.is_dense
+            assert images.as_array()[:, 0, 0].tolist() == list(range(6 * i, 6 * i + 6))
+            assert all(np.shares_memory(images.as_array(), image) for image in images)
 
 
 def test_batch_arrays_stay_valid_while_the_next_batch_is_taken():
