@@ -170,3 +170,138 @@ def run(report):
     assert "CUDA is already initialised" in result.message
     assert "start_py_workers()" in result.message and "spawn" in result.message
     assert_clean(result)
+
+
+# -- the same faults through the DALI drop-in -----------------------------------------------
+
+DALI = '''
+import multiprocessing, os, signal, time
+import numpy as np
+from extsrc import fn, pipeline_def
+
+def worker_pids():
+    return [p.pid for p in multiprocessing.active_children() if p.name.startswith("extsrc-worker")]
+
+def make_pipe(fault, at=9, start_method="fork", **source_kwargs):
+    def source(info):
+        if info.idx_in_epoch == at:
+            report.fault_starts()
+            fault()
+        return np.full((4,), info.idx_in_epoch, np.int32)
+
+    @pipeline_def(batch_size=8, num_threads=1, device_id=None, py_num_workers=2,
+                  py_start_method=start_method)
+    def pipe():
+        return fn.external_source(source=source, parallel=True, batch=False, **source_kwargs)
+
+    return pipe()
+
+def drive(pipe, report):
+    pipe.start_py_workers()
+    report.pids(worker_pids())
+    try:
+        pipe.build()
+        for _ in range(50):
+            pipe.run()
+    finally:
+        pipe.close()
+'''
+
+
+def dali_case(fault, **kwargs):
+    args = "".join(f", {k}={v!r}" for k, v in kwargs.items())
+    return DALI + f"\ndef run(report):\n    drive(make_pipe({fault}{args}), report)\n"
+
+
+@pytest.fixture(scope="module")
+def dali():
+    return pytest.importorskip("nvidia.dali")
+
+
+def test_dali_callback_exception_reaches_run_with_type_message_and_sample(dali):
+    result = run_fault(dali_case("lambda: {}['no such key']"))
+    assert result.type == "KeyError" and "no such key" in result.message, result.traceback
+    assert "idx_in_epoch=9" in result.message + result.cause
+    assert_clean(result)
+
+
+@pytest.mark.parametrize(
+    "fault, expected",
+    [
+        ("lambda: os.kill(os.getpid(), signal.SIGKILL)", "killed by SIGKILL (signal 9)"),
+        ("lambda: os._exit(3)", "exited with code 3"),
+    ],
+)
+def test_dali_dead_worker_is_named_not_interrupted(dali, fault, expected):
+    result = run_fault(dali_case(fault), timeout=60)
+    assert result.type == "WorkerDiedError", result.traceback
+    assert expected in result.message and "idx_in_epoch 8..11" in result.message
+    assert "Worker data receiving interrupted" not in result.message
+    assert result.seconds < 5
+    assert_clean(result)
+
+
+def test_dali_timeout_names_the_stuck_samples(dali):
+    result = run_fault(dali_case("lambda: time.sleep(3600)", timeout=1.5), timeout=60)
+    assert result.type == "SourceTimeoutError", result.traceback
+    assert "timeout=1.5 s" in result.message and "idx_in_epoch 8..11" in result.message
+    assert result.seconds < 6
+    assert_clean(result)
+
+
+def test_dali_bad_output_names_sample_and_output(dali):
+    scenario = DALI + '''
+def run(report):
+    @pipeline_def(batch_size=4, num_threads=1, device_id=None, py_num_workers=2)
+    def pipe():
+        def source(info):
+            report.fault_starts()
+            return (np.zeros(2), None) if info.idx_in_epoch == 5 else (np.zeros(2), np.ones(1))
+        a, b = fn.external_source(source=source, num_outputs=2, parallel=True, batch=False)
+        return a, b
+    drive(pipe(), report)
+'''
+    result = run_fault(scenario)
+    assert result.type == "SampleError", result.traceback
+    assert "idx_in_epoch=5" in result.message and "output 1" in result.message
+    assert "got None" in result.message
+    assert_clean(result)
+
+
+def test_dali_unpicklable_source_fails_at_build_with_advice(dali):
+    scenario = DALI + '''
+import threading
+def run(report):
+    lock = threading.Lock()
+    pipe = make_pipe(lambda: None, start_method="spawn")
+    @pipeline_def(batch_size=4, num_threads=1, device_id=None, py_num_workers=1,
+                  py_start_method="spawn")
+    def locked():
+        return fn.external_source(source=lambda info: lock, parallel=True, batch=False)
+    p = locked()
+    report.fault_starts()
+    try:
+        p.build()
+    finally:
+        p.close()
+        pipe.close()
+'''
+    result = run_fault(scenario)
+    assert result.type == "SourcePicklingError", result.traceback
+    assert "lock" in result.message and "pickle_by_value" in result.message
+    assert_clean(result)
+
+
+def test_dali_pipeline_left_open_at_exit_is_quiet(dali):
+    scenario = DALI + '''
+def run(report):
+    pipe = make_pipe(lambda: None, at=-1)
+    pipe.start_py_workers()
+    report.pids(worker_pids())
+    pipe.build()
+    pipe.run()
+'''
+    result = run_fault(scenario)
+    assert result.type is None, result.traceback
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert_clean(result)
