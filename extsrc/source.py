@@ -327,9 +327,7 @@ class ParallelSource:
             raise StopIteration
         while len(self._held) >= self.batches_held:
             self._slots.release(self._held.popleft())
-        self._fill()
-        pending = epoch.pending[epoch.next_yield]
-        self._wait(pending)
+        pending = self._wait(epoch)
         del epoch.pending[epoch.next_yield]
         try:
             outcome = pending.build(self.last_batch, self.num_outputs, self.name)
@@ -446,23 +444,32 @@ class ParallelSource:
 
     # -- waiting ----------------------------------------------------------------
 
-    def _wait(self, pending: PendingBatch) -> None:
+    def _wait(self, epoch: _Epoch) -> PendingBatch:
+        """Waits until the epoch's next batch is dispatched and all its tasks are back.
+
+        Dispatch itself may have to wait: a slot may still be busy with a batch
+        of an abandoned epoch until its tasks report back.
+        """
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        while not pending.complete:
+        self._fill()
+        while True:
+            pending = epoch.pending.get(epoch.next_yield)
+            if pending is not None and pending.complete:
+                return pending
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                raise self._timed_out(pending)
+                raise self._timed_out(epoch, pending)
             self._pool.receive(remaining)
             self._fill()
 
-    def _timed_out(self, pending: PendingBatch) -> SourceTimeoutError:
+    def _timed_out(self, epoch: _Epoch, pending: Optional[PendingBatch]) -> SourceTimeoutError:
         stuck = []
         for worker, pid, task, running in self._pool.running_tasks(self._id):
-            if task.batch_seq == pending.seq:
+            if pending is None or task.batch_seq == pending.seq:
                 state = f"running for {running:.1f} s" if running else "queued behind another task"
                 stuck.append(f"worker {worker} (pid {pid}): {self._describe_task(task)}, {state}")
         error = SourceTimeoutError(
-            f"batch {pending.iteration} of epoch {pending.epoch_idx} of source {self.name} was not "
+            f"batch {epoch.next_yield} of epoch {epoch.epoch_idx} of source {self.name} was not "
             f"ready after timeout={self.timeout} s. Stuck: "
             + ("; ".join(stuck) if stuck else "no task was running")
             + ". The workers were shut down."

@@ -213,6 +213,11 @@ class SourceRunner:
             raise SampleError(
                 f"batch {info}: the outputs have different numbers of samples: {lengths}"
             )
+        if lengths[0] > self.spec.batch_size:
+            raise SampleError(
+                f"batch {info}: the source returned {lengths[0]} samples, more than "
+                f"batch_size={self.spec.batch_size}"
+            )
         if lengths[0] == 0:
             raise SampleError(
                 f"batch {info}: the source returned an empty batch; raise StopIteration to end "

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from extsrc import BatchInfo, ParallelSource
+from extsrc import BatchInfo, ParallelSource, SampleError
 
 from sources import batch_of_iteration
 
@@ -58,14 +58,22 @@ def test_a_dense_array_is_accepted_as_a_batch():
     np.testing.assert_array_equal(batches[2].as_array(), source(2))
 
 
-def test_a_batch_larger_than_batch_size_still_arrives_whole():
+def test_a_batch_larger_than_batch_size_is_an_error():
     def source(iteration):
         return [np.full((2,), k) for k in range(6)]
 
     with ParallelSource(source, 4, batch=True) as src:
+        with pytest.raises(SampleError, match="returned 6 samples, more than batch_size=4"):
+            next(iter(src))
+
+
+def test_shorter_batches_are_fine():
+    def source(iteration):
+        return [np.full((2,), k) for k in range(iteration + 1)]
+
+    with ParallelSource(source, 4, batch=True) as src:
         it = iter(src)
-        batches = [next(it) for _ in range(3)]
-    assert [int(s[0]) for s in batches[2]] == list(range(6))
+        assert [len(next(it)) for _ in range(4)] == [1, 2, 3, 4]
 
 
 def test_iterables_need_batch_mode():

@@ -68,6 +68,17 @@ def test_breaking_out_of_an_epoch_then_starting_another():
         assert [int(s[3]) for s in batch] == [1] * 4 and int(batch[0][0]) == 0
 
 
+def test_new_epoch_waits_for_slots_still_busy_with_the_abandoned_one():
+    def slow(info):
+        time.sleep(0.05)
+        return np.array([info.epoch_idx, info.idx_in_epoch])
+
+    with ParallelSource(slow, 1, num_workers=2) as src:
+        for epoch in range(3):
+            it = iter(src)
+            assert next(it)[0].tolist() == [epoch, 0]
+
+
 def test_samples_are_never_named_in_dev_shm():
     before = set(os.listdir("/dev/shm"))
     with ParallelSource(sample_of, 4, num_workers=2) as src:
