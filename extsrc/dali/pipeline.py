@@ -1,0 +1,223 @@
+"""The DALI pipeline whose parallel external sources run on one extsrc worker pool."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, List, Optional
+
+from nvidia.dali import pipeline as _dali_pipeline
+
+from extsrc.errors import PoolClosedError
+from extsrc.pool import START_METHODS, WorkerPool
+
+
+class Pipeline(_dali_pipeline.Pipeline):
+    """``nvidia.dali.Pipeline`` whose ``parallel=True`` external sources run on extsrc workers.
+
+    Takes every argument of DALI's ``Pipeline``. ``py_num_workers``,
+    ``py_start_method`` (``"fork"``, ``"spawn"``, ``"forkserver"``) and
+    ``py_callback_pickler`` configure one :class:`~extsrc.WorkerPool` that
+    serves all parallel external sources of the pipeline; DALI's own worker
+    pool is never created.
+
+    Life cycle: definition (the graph function runs; each parallel source is
+    registered with the pool), ``start_py_workers()`` (starts the workers;
+    with ``fork`` call it before anything in the process uses CUDA),
+    ``build()`` (starts the workers if needed, then builds DALI's backend),
+    ``run()`` (raises ``StopIteration`` at the end of an epoch), ``reset()``
+    (next epoch), ``close()`` (stops DALI's backend and the workers, frees the
+    shared memory; idempotent). ``checkpoint()`` and the ``checkpoint=``
+    argument work as in DALI and resume the parallel sources exactly where the
+    checkpoint was taken (callable sources).
+
+    ``with pipe:`` around the definition of a pipeline (legacy API, graph not
+    yet defined) only makes it the current pipeline, as in DALI. ``with pipe:``
+    on a defined pipeline (e.g. one made by :func:`pipeline_def`) also closes
+    it on exit.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        py_num_workers: int = 1,
+        py_start_method: str = "fork",
+        py_callback_pickler: Any = None,
+        **kwargs: Any,
+    ):
+        if not isinstance(py_num_workers, int) or isinstance(py_num_workers, bool) or py_num_workers < 0:
+            raise ValueError(f"py_num_workers must be a non-negative int, got {py_num_workers!r}")
+        if py_start_method not in START_METHODS:
+            raise ValueError(f"py_start_method must be one of {START_METHODS}, got {py_start_method!r}")
+        if py_callback_pickler is not None and py_start_method == "fork":
+            raise ValueError("``py_callback_pickler`` should not be set when 'fork' start method is used.")
+        self._extsrc_closed = False
+        self._extsrc_pool: Optional[WorkerPool] = None
+        self._extsrc_feeders: List[Any] = []
+        self._extsrc_exits_close: List[bool] = []
+        self._extsrc_num_workers = py_num_workers
+        self._extsrc_start_method = py_start_method
+        self._extsrc_pickler = py_callback_pickler
+        # DALI keeps its defaults for py_*: it never sees a parallel source, so it starts no pool.
+        super().__init__(*args, **kwargs)
+
+    # -- what DALI reports ------------------------------------------------------
+
+    @property
+    def py_num_workers(self) -> int:
+        """Number of extsrc worker processes serving the parallel external sources."""
+        return self._extsrc_num_workers
+
+    @property
+    def py_start_method(self) -> str:
+        """How the extsrc workers are started: ``"fork"``, ``"spawn"`` or ``"forkserver"``."""
+        return self._extsrc_start_method
+
+    # -- what the parallel external sources ask of the pipeline -----------------
+
+    def _extsrc_depth(self) -> int:
+        """Batches DALI takes ahead of the one whose outputs run() returns."""
+        if self.exec_separated:
+            return max(self.cpu_queue_size, self.gpu_queue_size)
+        return self.cpu_queue_size
+
+    def _extsrc_batches_held(self) -> int:
+        """How many batches the engine must keep unchanged after handing them to DALI.
+
+        Batch ``n`` is fed without a copy when DALI schedules iteration ``n``,
+        ``depth`` iterations ahead of the run() that returns its outputs, and
+        DALI reads it until that iteration has finished, which is before the
+        next run() takes batch ``n + depth``. Outputs kept by the user never
+        point at a batch for longer: the default (dynamic) executor copies the
+        pipeline outputs into memory of its own, and the older executors, whose
+        outputs may *be* the fed batch (an external source returned directly or
+        through a reshape), make every output invalid at the next run(), which
+        takes only batch ``n + depth``. One spare batch covers
+        ``schedule_run()`` called before ``release_outputs()``.
+        """
+        return self._extsrc_depth() + 1
+
+    def _extsrc_pool_for_new_source(self) -> WorkerPool:
+        self._extsrc_check_open()
+        if self._extsrc_num_workers < 1:
+            raise RuntimeError(
+                "The pipeline contains `fn.external_source` with `parallel=True`, but "
+                f"`py_num_workers` is {self._extsrc_num_workers}: a parallel source needs at least "
+                "one worker. Set `py_num_workers` to a positive int or `parallel` to False."
+            )
+        if self._extsrc_pool is None:
+            self._extsrc_pool = WorkerPool(
+                self._extsrc_num_workers, self._extsrc_start_method, self._extsrc_pickler
+            )
+        if self._extsrc_pool.started:
+            raise RuntimeError(
+                "a parallel external source cannot be added after the pipeline's workers "
+                "started (start_py_workers()/build()); define every source first"
+            )
+        return self._extsrc_pool
+
+    def _extsrc_check_open(self) -> None:
+        if self._extsrc_closed:
+            raise PoolClosedError("the pipeline was closed; create a new one to run it again")
+
+    # -- life cycle -------------------------------------------------------------
+
+    def start_py_workers(self) -> None:
+        """Starts the extsrc workers of the parallel external sources (no-op if started).
+
+        With ``py_start_method="fork"`` call it before anything in this
+        process initialises CUDA (building a GPU pipeline, CuPy, PyTorch);
+        ``build()`` calls it first. Raises ``RuntimeError`` if ``fork`` is
+        asked for after CUDA was initialised.
+        """
+        self._extsrc_check_open()
+        if not self._py_graph_built:
+            self._build_graph()
+        if self._parallel_input_callbacks:
+            raise TypeError(
+                "this extsrc pipeline contains a parallel external source from "
+                "nvidia.dali.fn.external_source; create it with extsrc.fn.external_source "
+                "(from extsrc import fn) so that it runs on extsrc workers"
+            )
+        super().start_py_workers()
+        if self._extsrc_pool is not None:
+            self._extsrc_pool.start()
+
+    def build(self) -> None:
+        """Starts the workers (see :meth:`start_py_workers`), then builds DALI's backend."""
+        self._extsrc_check_open()
+        super().build()
+
+    def close(self) -> None:
+        """Stops DALI's backend and the workers and frees the shared memory. Idempotent.
+
+        Outputs already returned by ``run()`` stay readable (the default
+        executor gives you copies). The pipeline cannot run again.
+        """
+        if getattr(self, "_extsrc_closed", True):
+            return
+        self._extsrc_closed = True
+        # DALI first, so nothing reads a batch while the workers go away.
+        self._shutdown()
+        for feeder in self._extsrc_feeders:
+            feeder.release()
+        if self._extsrc_pool is not None:
+            self._extsrc_pool.close()
+
+    def __enter__(self) -> "Pipeline":
+        defined = (
+            self._graph_out is not None
+            or self._py_graph_built
+            or type(self).define_graph is not _dali_pipeline.Pipeline.define_graph
+        )
+        self._extsrc_exits_close.append(defined)
+        return super().__enter__()
+
+    def __exit__(self, exception_type, exception_value, traceback) -> None:
+        super().__exit__(exception_type, exception_value, traceback)
+        if self._extsrc_exits_close.pop():
+            self.close()
+
+    def __del__(self):
+        for finish in (self.close, super().__del__):
+            try:
+                finish()
+            except Exception:
+                pass
+
+
+def pipeline_def(
+    fn: Optional[Callable[..., Any]] = None, *, enable_conditionals: bool = False, **pipeline_kwargs: Any
+):
+    """``nvidia.dali.pipeline_def`` making an :class:`extsrc.dali.Pipeline`.
+
+    Same use as DALI's: ``@pipeline_def`` or ``@pipeline_def(batch_size=...,
+    ...)``; every keyword of DALI's ``Pipeline`` can be given to the decorator
+    or when calling the decorated function (the call wins), e.g.
+    ``my_pipe(batch_size=8, device_id=None, py_num_workers=2)``; the other
+    call arguments go to the graph function. ``py_num_workers``,
+    ``py_start_method`` and ``py_callback_pickler`` configure the extsrc
+    workers that run the ``parallel=True`` external sources.
+    """
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Pipeline]:
+        if _dali_pipeline._conditionals._autograph.is_autograph_artifact(func):
+            raise ValueError("Pipeline definition cannot be marked with @do_not_convert.")
+
+        @functools.wraps(func)
+        def create_pipeline(*args: Any, **kwargs: Any) -> Pipeline:
+            conditionals = kwargs.get("enable_conditionals", enable_conditionals)
+            graph_func = _dali_pipeline._preprocess_pipe_func(func, conditionals)
+            ctor_kwargs, func_kwargs = _dali_pipeline._regroup_args(func, pipeline_kwargs, kwargs)
+            pipe = Pipeline(**ctor_kwargs)
+            try:
+                _dali_pipeline._preprocess_pipe_object(pipe, conditionals, args, func_kwargs)
+                _dali_pipeline._generate_graph(pipe, graph_func, args, func_kwargs)
+            except BaseException:
+                pipe.close()  # sources defined so far hold shared memory
+                raise
+            return pipe
+
+        create_pipeline._is_pipeline_def = True
+        return create_pipeline
+
+    return decorate(fn) if fn is not None else decorate

@@ -1,0 +1,133 @@
+"""GPU checks of the DALI layer, each run in its own process by test_cuda.py.
+
+They initialise CUDA, after which this process could no longer fork workers;
+running them apart keeps the pytest process free of CUDA for the fork tests.
+Usage: ``python cuda_checks.py NAME``; prints ``OK NAME`` on success.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from importlib.resources import files
+
+import numpy as np
+
+IMAGE_DIR = str(files("extsrc") / "data" / "images")
+NAMES = sorted(os.listdir(IMAGE_DIR))[:12]
+
+
+class JpegFiles:
+    """Sample i: the encoded bytes of the i-th bundled JPEG (ends after 12)."""
+
+    def __call__(self, info):
+        if info.idx_in_epoch >= len(NAMES):
+            raise StopIteration
+        with open(os.path.join(IMAGE_DIR, NAMES[info.idx_in_epoch]), "rb") as f:
+            return np.frombuffer(f.read(), dtype=np.uint8)
+
+
+def _reference(i: int) -> np.ndarray:
+    from PIL import Image
+
+    with open(os.path.join(IMAGE_DIR, NAMES[i]), "rb") as f:
+        return np.asarray(Image.open(io.BytesIO(f.read())).convert("RGB"))
+
+
+def mixed_decoder(start_method: str = "fork") -> None:
+    """fn.decoders.image(device="mixed") decodes the extsrc buffers; same pixels as PIL (+-)."""
+    from nvidia.dali import types
+
+    from extsrc import fn, pipeline_def
+
+    @pipeline_def(batch_size=4, num_threads=2, device_id=0, py_num_workers=2, py_start_method=start_method)
+    def pipe():
+        jpegs = fn.external_source(JpegFiles(), parallel=True, dtype=types.UINT8)
+        images = fn.decoders.image(jpegs, device="mixed", output_type=types.RGB)
+        return images, fn.resize(images, size=[16, 16]), jpegs
+
+    with pipe() as p:
+        p.start_py_workers()
+        p.build()
+        for epoch in range(2):
+            seen = 0
+            while True:
+                try:
+                    images, small, jpegs = p.run()
+                except StopIteration:
+                    p.reset()
+                    break
+                images = images.as_cpu()
+                for k in range(len(images)):
+                    got = np.array(images[k])
+                    want = _reference(seen + k)
+                    assert got.shape == want.shape, (got.shape, want.shape)
+                    diff = np.abs(got.astype(int) - want.astype(int)).mean()
+                    assert diff < 3.0, f"image {seen + k}: mean difference {diff}"
+                assert small.as_cpu().as_array().shape == (4, 16, 16, 3)
+                seen += len(images)
+            assert seen == 12, seen
+
+
+def mixed_decoder_spawn() -> None:
+    mixed_decoder("spawn")
+
+
+def fork_after_cuda_refused() -> None:
+    """Real CUDA: a second pipeline cannot fork after the first one built on the GPU."""
+    from extsrc import fn, pipeline_def
+
+    @pipeline_def(batch_size=4, num_threads=2, device_id=0, py_num_workers=1)
+    def pipe():
+        return fn.decoders.image(fn.external_source(JpegFiles(), parallel=True), device="mixed")
+
+    with pipe() as first:
+        first.build()  # starts the workers, then creates the CUDA context
+        first.run()
+        with pipe() as second:
+            try:
+                second.build()
+            except RuntimeError as exc:
+                assert "start_py_workers()" in str(exc) and "spawn" in str(exc), exc
+            else:
+                raise AssertionError("fork after CUDA initialisation was not refused")
+
+
+def outputs_kept_on_gpu() -> None:
+    """The #6027 scenario with a GPU pipeline: CPU outputs returned directly stay right."""
+    from extsrc import fn, pipeline_def
+
+    def stamped(info):
+        if info.idx_in_epoch >= 16:
+            raise StopIteration
+        return np.full((256,), info.idx_in_epoch + 1000 * info.epoch_idx, dtype=np.float32)
+
+    @pipeline_def(batch_size=2, num_threads=2, device_id=0, py_num_workers=2)
+    def pipe():
+        x = fn.external_source(stamped, parallel=True)
+        return x, x.gpu() * 2
+
+    kept = []
+    with pipe() as p:
+        for epoch in range(2):
+            it = 0
+            while True:
+                try:
+                    kept.append((p.run(), it, epoch))
+                except StopIteration:
+                    p.reset()
+                    break
+                it += 1
+        for (cpu, gpu), it, epoch in kept:
+            gpu = gpu.as_cpu()
+            for k in range(2):
+                stamp = 1000 * epoch + it * 2 + k
+                assert (np.array(cpu[k]) == stamp).all()
+                assert (np.array(gpu[k]) == 2 * stamp).all()
+
+
+if __name__ == "__main__":
+    check = sys.argv[1]
+    globals()[check]()
+    print("OK", check)

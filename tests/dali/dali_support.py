@@ -1,0 +1,120 @@
+"""Importable sources and helpers for the DALI-layer tests (spawned workers import them)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+
+def samples_of(tensor_list) -> list:
+    """The samples of a DALI CPU TensorList as NumPy copies."""
+    return [np.array(tensor_list[i]) for i in range(len(tensor_list))]
+
+
+def run_epoch(pipe) -> list:
+    """Runs ``pipe`` until StopIteration; returns per iteration a tuple of per-output sample lists."""
+    iterations = []
+    while True:
+        try:
+            outputs = pipe.run()
+        except StopIteration:
+            return iterations
+        iterations.append(tuple(samples_of(out) for out in outputs))
+
+
+def as_lists(iterations) -> list:
+    """Nested plain lists, for == comparisons in asserts."""
+    return [[[s.tolist() for s in out] for out in it] for it in iterations]
+
+
+class Counting:
+    """Sample source: [idx_in_epoch, idx_in_batch, iteration, epoch_idx]; ends after ``n`` samples."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self, info):
+        if info.idx_in_epoch >= self.n:
+            raise StopIteration
+        return np.array(
+            [info.idx_in_epoch, info.idx_in_batch, info.iteration, info.epoch_idx], dtype=np.int64
+        )
+
+
+class ImageAndLabel:
+    """Two outputs: an HWC uint8 image (shape varies with the sample) and an int32 label."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self, info):
+        if info.idx_in_epoch >= self.n:
+            raise StopIteration
+        i = info.idx_in_epoch
+        image = np.full((2 + i % 3, 3, 3), i, dtype=np.uint8)
+        return image, np.array([i * 10 + info.epoch_idx], dtype=np.int32)
+
+
+class BatchOfIteration:
+    """Batch source taking the iteration (or BatchInfo); ``n_iters`` batches per epoch.
+
+    Returns a list of samples, or one array (``dense=True``; DALI 2.4's own
+    parallel mode fails on those, in its worker).
+    """
+
+    def __init__(self, batch_size: int, n_iters: int, dense: bool = False):
+        self.batch_size = batch_size
+        self.n_iters = n_iters
+        self.dense = dense
+
+    def __call__(self, arg):
+        iteration = arg if isinstance(arg, int) else arg.iteration
+        epoch = 0 if isinstance(arg, int) else arg.epoch_idx
+        if iteration >= self.n_iters:
+            raise StopIteration
+        samples = [np.array([iteration, k, epoch], dtype=np.int64) for k in range(self.batch_size)]
+        return np.stack(samples) if self.dense else samples
+
+
+def batches_generator():
+    """Generator function: three ragged batches of two samples."""
+    for i in range(3):
+        yield [np.arange(i + 1, dtype=np.int32), np.arange(i + 2, dtype=np.int32)]
+
+
+def worker_pid(info):
+    return np.array([os.getpid()], dtype=np.int64)
+
+
+def fails_at_5(info):
+    if info.idx_in_epoch == 5:
+        raise KeyError("no record for sample 5 in the index")
+    return np.array([info.idx_in_epoch], dtype=np.int64)
+
+
+def dies_at_3(info):
+    if info.idx_in_epoch == 3:
+        os._exit(3)
+    return np.array([info.idx_in_epoch], dtype=np.int64)
+
+
+def returns_a_string(info):
+    return "not an array"
+
+
+def float_sample(info):
+    return np.zeros((2,), dtype=np.float64)
+
+
+def sleeps(info):
+    time.sleep(30)
+    return np.zeros((1,), dtype=np.int64)
+
+
+def extsrc_workers() -> list:
+    """The extsrc worker processes of this process still alive."""
+    import multiprocessing
+
+    return [p for p in multiprocessing.active_children() if p.name.startswith("extsrc-worker")]

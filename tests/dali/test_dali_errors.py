@@ -1,0 +1,137 @@
+"""Errors of a parallel source reach the user from run(), with their own type and message."""
+
+from __future__ import annotations
+
+import numpy as np
+import nvidia.dali
+import pytest
+
+import extsrc
+from extsrc import fn, pipeline_def
+from dali_support import (
+    Counting,
+    dies_at_3,
+    extsrc_workers,
+    fails_at_5,
+    float_sample,
+    returns_a_string,
+    run_epoch,
+    sleeps,
+)
+
+CPU = dict(num_threads=1, device_id=None)
+
+
+def _pipe(source, **es_kwargs):
+    @pipeline_def(batch_size=4, py_num_workers=2, **CPU)
+    def pipe():
+        return fn.external_source(source, parallel=True, **es_kwargs)
+
+    return pipe()
+
+
+def test_callback_exception_keeps_type_message_and_worker_traceback():
+    with _pipe(fails_at_5) as p:
+        with pytest.raises(KeyError, match="no record for sample 5 in the index") as info:
+            p.run()
+        assert "fails_at_5" in str(info.value.__cause__)  # the worker's traceback
+
+
+def test_dead_worker():
+    with _pipe(dies_at_3) as p:
+        with pytest.raises(extsrc.WorkerDiedError, match="exited with code 3"):
+            p.run()
+        with pytest.raises(extsrc.PoolClosedError, match="WorkerDiedError"):
+            p.run()
+    assert extsrc_workers() == []
+
+
+def test_invalid_sample():
+    with _pipe(returns_a_string) as p:
+        with pytest.raises(extsrc.SampleError, match="str"):
+            p.run()
+
+
+def test_declared_dtype():
+    from nvidia.dali import types
+
+    with _pipe(float_sample, dtype=types.INT32) as p:
+        with pytest.raises(extsrc.SampleError, match="expected dtype int32"):
+            p.run()
+
+
+def test_timeout():
+    with _pipe(sleeps, timeout=0.5) as p:
+        with pytest.raises(extsrc.SourceTimeoutError, match="timeout=0.5"):
+            p.run()
+    assert extsrc_workers() == []
+
+
+def test_a_failed_batch_is_asked_for_again_by_the_next_run():
+    def flaky(info):
+        if info.epoch_idx == 0 and info.idx_in_epoch == 2:
+            raise ValueError("transient")
+        if info.idx_in_epoch >= 8:
+            raise StopIteration
+        return np.array([info.idx_in_epoch, info.epoch_idx], np.int64)
+
+    with _pipe(flaky) as p:
+        with pytest.raises(ValueError, match="transient"):
+            p.run()
+        # DALI asks for the failed batch again, which fails again, deterministically.
+        with pytest.raises(ValueError, match="transient"):
+            p.run()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(source=lambda: np.zeros(2)), TypeError, "must accept exactly one argument"),
+        (dict(source=[np.zeros((1, 2))]), TypeError, "must be run in a batch mode"),
+        (dict(source=Counting(4), no_copy=False), ValueError, "no_copy"),
+        (dict(source=Counting(4), prefetch_queue_depth=0), ValueError, "prefetch_queue_depth"),
+        (dict(source=Counting(4), cycle="raise"), ValueError, "cycle"),
+        (dict(source=Counting(4), cycle="sometimes"), ValueError, "cycle"),
+        (dict(source=Counting(4), last_batch="keep"), ValueError, "last_batch"),
+        (dict(source=Counting(4), name="x", num_outputs=2), ValueError, "num_outputs"),
+        (dict(source=None), ValueError, "needs a `source`"),
+    ],
+)
+def test_invalid_arguments_are_refused_at_definition(kwargs, error, match):
+    @pipeline_def(batch_size=2, **CPU)
+    def pipe():
+        return fn.external_source(parallel=True, **kwargs)
+
+    with pytest.raises(error, match=match):
+        pipe()
+    assert extsrc_workers() == []
+
+
+def test_extsrc_options_need_parallel():
+    @pipeline_def(batch_size=2, **CPU)
+    def pipe():
+        return fn.external_source(lambda: np.zeros((2, 1)), last_batch="partial")
+
+    with pytest.raises(ValueError, match="parallel=True"):
+        pipe()
+
+
+def test_non_parallel_errors_are_dalis():
+    @pipeline_def(batch_size=2, **CPU)
+    def pipe():
+        return fn.external_source(lambda: np.zeros((2, 1)), prefetch_queue_depth=2)
+
+    with pytest.raises(ValueError, match="valid only for parallel external sources"):
+        pipe()
+
+
+def test_a_source_defined_after_the_workers_started_is_refused():
+    with _pipe(Counting(8)) as p:
+        p.build()
+        nvidia.dali.Pipeline.push_current(p)
+        try:
+            with pytest.raises(RuntimeError, match="after the pipeline's workers started"):
+                fn.external_source(Counting(8), parallel=True)
+        finally:
+            nvidia.dali.Pipeline.pop_current()
+        assert len(run_epoch(p)) == 2

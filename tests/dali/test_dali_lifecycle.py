@@ -1,0 +1,211 @@
+"""Pipeline life cycle: workers, start methods and pickling, fork after CUDA, checkpoints, close."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import dill
+import numpy as np
+import nvidia.dali
+import pytest
+from nvidia.dali import types
+
+import extsrc
+from extsrc import fn, pipeline_def
+from dali_support import Counting, as_lists, extsrc_workers, run_epoch, samples_of
+
+CPU = dict(num_threads=1, device_id=None)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pipeline_def(batch_size=2, py_num_workers=2, **CPU)
+def counting(n=6):
+    return fn.external_source(Counting(n), parallel=True)
+
+
+def test_close_stops_workers_and_is_idempotent():
+    p = counting()
+    p.build()
+    pids = [w.pid for w in extsrc_workers()]
+    assert len(pids) == 2
+    assert len(run_epoch(p)) == 3
+    p.close()
+    p.close()
+    assert extsrc_workers() == [] and not any(_alive(pid) for pid in pids)
+    with pytest.raises(extsrc.PoolClosedError, match="closed"):
+        p.run()
+    with pytest.raises(extsrc.PoolClosedError):
+        p.build()
+
+
+def test_context_manager_closes():
+    with counting() as p:
+        assert p.run()[0] is not None
+        assert len(extsrc_workers()) == 2
+    assert extsrc_workers() == []
+    with pytest.raises(extsrc.PoolClosedError):
+        p.run()
+
+
+def test_close_before_build_and_garbage_collection_leave_nothing():
+    counting().close()  # sources were defined, no worker ever started
+    p = counting()
+    p.build()
+    assert len(extsrc_workers()) == 2
+    del p
+    gc.collect()
+    assert extsrc_workers() == []
+
+
+def test_workers_start_before_dali_builds_and_dalis_pool_is_never_used(monkeypatch):
+    started = []
+    original_init = nvidia.dali.Pipeline._init_pipeline_backend
+
+    def spy(self):
+        started.append(len(extsrc_workers()))
+        return original_init(self)
+
+    monkeypatch.setattr(nvidia.dali.Pipeline, "_init_pipeline_backend", spy)
+    with counting() as p:
+        p.run()
+        assert started == [2]  # the workers existed before DALI's backend was created
+        assert p._py_pool is None and not p._py_pool_started
+
+
+def test_dalis_own_parallel_external_source_is_refused():
+    @pipeline_def(batch_size=2, **CPU)
+    def pipe():
+        return nvidia.dali.fn.external_source(Counting(4), parallel=True, batch=False)
+
+    with pipe() as p:
+        with pytest.raises(TypeError, match="extsrc.fn.external_source"):
+            p.build()
+
+
+def test_fork_after_cuda_is_refused_with_advice(monkeypatch):
+    monkeypatch.setattr("extsrc.pool.cuda_initialized", lambda: True)
+    with counting() as p:
+        with pytest.raises(RuntimeError, match=r"start_py_workers\(\).*spawn"):
+            p.build()
+    assert extsrc_workers() == []
+
+
+def test_start_py_workers_before_cuda_then_build(monkeypatch):
+    with counting() as p:
+        p.start_py_workers()
+        monkeypatch.setattr("extsrc.pool.cuda_initialized", lambda: True)  # e.g. torch.cuda.init()
+        p.build()
+        assert len(run_epoch(p)) == 3
+
+
+def test_spawn_with_lambda_and_closure_default_pickler():
+    offset = 1000
+
+    def scaled(info):  # a closure, pickled by value
+        return np.array([info.idx_in_epoch * 2 + offset], dtype=np.int64)
+
+    @pipeline_def(batch_size=2, py_num_workers=1, py_start_method="spawn", **CPU)
+    def pipe():
+        a = fn.external_source(lambda info: np.array([info.idx_in_batch], np.int32), parallel=True)
+        b = fn.external_source(scaled, parallel=True)
+        return a, b
+
+    with pipe() as p:
+        a, b = p.run()
+    assert as_lists([(samples_of(a), samples_of(b))]) == [[[[0], [1]], [[1000], [1002]]]]
+
+
+def test_spawn_with_dill_pickler():
+    table = {0: 7, 1: 8, 2: 9, 3: 10}
+
+    def lookup(info):
+        return np.array([table[info.idx_in_epoch % 4]], dtype=np.int64)
+
+    @pipeline_def(
+        batch_size=4, py_num_workers=1, py_start_method="spawn",
+        py_callback_pickler=(dill, {"recurse": True}), **CPU,
+    )
+    def pipe():
+        return fn.external_source(lookup, parallel=True)
+
+    with pipe() as p:
+        (out,) = p.run()
+    assert [np.array(out[i]).tolist() for i in range(4)] == [[7], [8], [9], [10]]
+
+
+def test_pickler_with_fork_is_refused_like_dali():
+    with pytest.raises(ValueError, match="py_callback_pickler"):
+        counting(py_callback_pickler=dill)
+
+
+def test_bad_start_method_is_refused():
+    with pytest.raises(ValueError, match="py_start_method"):
+        counting(py_start_method="thread")
+
+
+def test_zero_workers_only_for_pipelines_without_parallel_sources():
+    @pipeline_def(batch_size=2, py_num_workers=0, **CPU)
+    def plain():
+        return fn.external_source(lambda: np.zeros((2, 1), np.float32))
+
+    with plain() as p:
+        assert np.array(p.run()[0].as_tensor()).shape == (2, 1)
+    with pytest.raises(RuntimeError, match="py_num_workers"):
+        counting(py_num_workers=0)
+
+
+def test_forkserver():
+    with counting(py_start_method="forkserver") as p:
+        assert [len(it[0]) for it in run_epoch(p)] == [2, 2, 2]
+
+
+def test_checkpointing_an_iterable_source_warns():
+    data = [[np.zeros(1, np.float32)]] * 2
+
+    @pipeline_def(batch_size=1, enable_checkpointing=True, **CPU)
+    def pipe():
+        return fn.external_source(data, parallel=True, batch=True)
+
+    with pytest.warns(Warning, match="starts its epoch from the beginning"):
+        pipe().close()
+
+
+@pipeline_def(batch_size=3, py_num_workers=2, enable_checkpointing=True, **CPU)
+def checkpointed():
+    x = fn.external_source(Counting(15), parallel=True, dtype=types.INT64)
+    noise = fn.random.uniform(range=[0.0, 1.0], shape=[2], seed=7)
+    return x, noise
+
+
+def _rest_of_run(p, epochs: int) -> list:
+    """What the pipeline gives from now on: the rest of this epoch, then ``epochs`` more."""
+    out = [as_lists(run_epoch(p))]
+    for _ in range(epochs):
+        p.reset()
+        out.append(as_lists(run_epoch(p)))
+    return out
+
+
+@pytest.mark.parametrize("epoch, taken", [(0, 2), (1, 4), (0, 0)])
+def test_checkpoint_resumes_exactly(epoch, taken):
+    with checkpointed() as p:
+        for _ in range(epoch):
+            run_epoch(p)
+            p.reset()
+        for _ in range(taken):
+            p.run()
+        saved = p.checkpoint()
+        expected = _rest_of_run(p, 1)
+    with checkpointed(checkpoint=saved) as restored:
+        got = _rest_of_run(restored, 1)
+    assert got == expected
+    first = got[0][0][0] if got[0] else None
+    assert first == [[3 * taken + k, k, taken, epoch] for k in range(3)]
