@@ -48,9 +48,7 @@ def _cycle_mode(cycle: Any) -> str:
     if cycle == "raise":
         return _CYCLE_RAISE
     raise ValueError(
-        f"Invalid value {cycle!r} for the argument `cycle`. Valid values are "
-        '"no", False or None (no cycling), "quiet" or True (rewind quietly), '
-        '"raise" (raise StopIteration at each rewind).'
+        f'cycle must be "no" (or False/None), "quiet" (or True) or "raise"; got {cycle!r}'
     )
 
 
@@ -83,14 +81,14 @@ def _positional_arg_count(source: Any) -> int:
     for parameter in signature.parameters.values():
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD, parameter.KEYWORD_ONLY):
             raise TypeError(
-                "The `source` callable must accept either 0 or 1 positional arguments; "
-                f"found the argument `{parameter.name}` of kind {parameter.kind.description}."
+                f"source {source!r}: expected a callable with at most one positional "
+                f"parameter, got the {parameter.kind.description} parameter {parameter.name!r}"
             )
         count += 1
     if count > 1:
         raise TypeError(
-            "The `source` callable must accept either 0 or 1 positional arguments; "
-            f"found {count}."
+            f"source {source!r}: expected a callable with at most one positional parameter, "
+            f"got {count}"
         )
     return count
 
@@ -343,20 +341,21 @@ def external_source(
             "only possible without parallel=True"
         )
     if name is not None and num_outputs is not None:
-        raise ValueError(f"`num_outputs` is not compatible with named `{caller}`")
+        raise ValueError(f"{caller}: give either name= or num_outputs=, not both")
     if repeat_last:
         raise ValueError(
-            "``repeat_last`` must not be set when using the ``source`` argument; it is usable "
-            "only with a manually fed external source"
+            f"{caller}: repeat_last=True is for sources fed with feed_input(), not for a source= callback"
         )
     if no_copy is not None and not no_copy:
-        raise ValueError("The argument ``no_copy`` cannot be set to False when used with ``parallel=True``.")
+        raise ValueError(
+            f"{caller}: parallel sources are always fed without a copy; no_copy=False is not supported"
+        )
     if prefetch_queue_depth is not None and (
         not isinstance(prefetch_queue_depth, int) or prefetch_queue_depth < 1
     ):
-        raise ValueError(f"``prefetch_queue_depth`` must be a positive integer, got {prefetch_queue_depth}.")
+        raise ValueError(f"{caller}: prefetch_queue_depth must be a positive int, got {prefetch_queue_depth!r}")
     if bytes_per_sample_hint is not None and bytes_per_sample_hint < 1:
-        raise ValueError(f"``bytes_per_sample_hint`` must be a positive integer, got {bytes_per_sample_hint}.")
+        raise ValueError(f"{caller}: bytes_per_sample_hint must be a positive int, got {bytes_per_sample_hint!r}")
     if last_batch not in LAST_BATCH_POLICIES:
         raise ValueError(f"`last_batch` must be one of {LAST_BATCH_POLICIES}, got {last_batch!r}")
     if num_outputs is not None and (not isinstance(num_outputs, int) or num_outputs < 1):
@@ -368,15 +367,14 @@ def external_source(
     if callable(source) and not generator_like:
         if mode != _CYCLE_OFF:
             raise ValueError(
-                "The argument ``cycle`` can only be specified if ``source`` is a reusable "
-                "iterable or a generator function."
+                f"{caller}: cycle={cycle!r} applies to iterables and generator functions, and "
+                "the source is a callable (it ends an epoch by raising StopIteration)"
             )
         if _positional_arg_count(source) == 0:
+            what = "a SampleInfo" if not batch else "the iteration number (or a BatchInfo with batch_info=True)"
             raise TypeError(
-                "Callable passed to External Source in parallel mode (when `parallel=True`) "
-                "must accept exactly one argument: `SampleInfo` if run with `batch=False` or "
-                "either `BatchInfo` or integer that represents the index of the batch within "
-                "the epoch if `batch=True`. Got a callable that does not accept arguments instead."
+                f"{caller}: a parallel source is called with one argument, {what}; "
+                f"got {source!r}, which takes none"
             )
         engine_source = source
     else:
@@ -388,14 +386,13 @@ def external_source(
         if not batch:
             what = "a generator function" if generator_like else "an iterable"
             raise TypeError(
-                f"Parallel external source with {what} must be run in a batch mode "
-                "(specify `batch=True` in the external source definition and make sure "
-                "your source returns batches)"
+                f"{caller}: the source is {what}, which yields whole batches; pass batch=True "
+                "(sample mode, batch=False, needs a callable taking a SampleInfo)"
             )
         if inspect.isgenerator(source) and mode != _CYCLE_OFF:
             raise TypeError(
-                "Cannot cycle through a generator - if the generator is a result of calling "
-                "a generator function, pass that function instead as `source`."
+                f"{caller}: cycle={cycle!r} needs to restart the source, and a generator object "
+                "cannot restart; pass the generator function itself as source"
             )
         if generator_like and not inspect.isgeneratorfunction(source):
             engine_source = _GeneratorCall(source)

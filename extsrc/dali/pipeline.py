@@ -49,7 +49,10 @@ class Pipeline(_dali_pipeline.Pipeline):
         if py_start_method not in START_METHODS:
             raise ValueError(f"py_start_method must be one of {START_METHODS}, got {py_start_method!r}")
         if py_callback_pickler is not None and py_start_method == "fork":
-            raise ValueError("``py_callback_pickler`` should not be set when 'fork' start method is used.")
+            raise ValueError(
+                "py_callback_pickler is used only by spawn and forkserver workers; with "
+                "py_start_method='fork' the callbacks are inherited, not pickled"
+            )
         self._extsrc_closed = False
         self._extsrc_pool: Optional[WorkerPool] = None
         self._extsrc_feeders: List[Any] = []
@@ -100,9 +103,8 @@ class Pipeline(_dali_pipeline.Pipeline):
         self._extsrc_check_open()
         if self._extsrc_num_workers < 1:
             raise RuntimeError(
-                "The pipeline contains `fn.external_source` with `parallel=True`, but "
-                f"`py_num_workers` is {self._extsrc_num_workers}: a parallel source needs at least "
-                "one worker. Set `py_num_workers` to a positive int or `parallel` to False."
+                f"a parallel external source needs py_num_workers >= 1, got "
+                f"{self._extsrc_num_workers}; raise py_num_workers or drop parallel=True"
             )
         if self._extsrc_pool is None:
             self._extsrc_pool = WorkerPool(
@@ -201,7 +203,10 @@ def pipeline_def(
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Pipeline]:
         if _dali_pipeline._conditionals._autograph.is_autograph_artifact(func):
-            raise ValueError("Pipeline definition cannot be marked with @do_not_convert.")
+            raise ValueError(
+                f"pipeline_def: {func.__qualname__} is marked with @do_not_convert, which is for "
+                "functions called inside a pipeline, not for the pipeline definition itself"
+            )
 
         @functools.wraps(func)
         def create_pipeline(*args: Any, **kwargs: Any) -> Pipeline:

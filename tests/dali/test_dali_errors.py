@@ -86,8 +86,8 @@ def test_a_failed_batch_is_asked_for_again_by_the_next_run():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(source=lambda: np.zeros(2)), TypeError, "must accept exactly one argument"),
-        (dict(source=[np.zeros((1, 2))]), TypeError, "must be run in a batch mode"),
+        (dict(source=lambda: np.zeros(2)), TypeError, "called with one argument"),
+        (dict(source=[np.zeros((1, 2))]), TypeError, "pass batch=True"),
         (dict(source=Counting(4), no_copy=False), ValueError, "no_copy"),
         (dict(source=Counting(4), prefetch_queue_depth=0), ValueError, "prefetch_queue_depth"),
         (dict(source=Counting(4), cycle="raise"), ValueError, "cycle"),
