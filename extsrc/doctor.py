@@ -80,7 +80,9 @@ def main(argv: List[str]) -> int:
                         help="bytes of one sample of one output (default: a 224x224 RGB image)")
     parser.add_argument("--outputs", type=int, default=1)
     parser.add_argument("--prefetch", type=int, default=2)
-    parser.add_argument("--batches-held", type=int, default=2)
+    parser.add_argument("--batches-held", type=int, default=3,
+                        help="batches the consumer keeps (ParallelSource: batches_held, default 2; "
+                             "a DALI pipeline keeps prefetch_queue_depth + 1, default 3)")
     args = parser.parse_args(argv)
     advice: List[str] = []
     fmt = shm.format_bytes
