@@ -1,0 +1,96 @@
+"""The callbacks ``python -m extsrc bench`` runs, identical for every loader.
+
+They are module-level objects so that fork, spawn and forkserver workers of
+any loader reach them by reference. Each workload makes sample ``idx`` by
+writing ``idx`` into the first 8 bytes of a preallocated buffer taken from a
+per-process ring of ``ring`` buffers (one batch's worth, so the samples of a
+batch are distinct arrays even in a loader that collects a whole batch before
+copying it) and returns that buffer. The content is therefore fresh per sample
+while generation costs a few hundred nanoseconds, so the figures measure the
+loaders, not the callback. The ring is filled once per process (in the
+warm-up), so its pages are real memory, not the shared zero page.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+KIB = 1 << 10
+MIB = 1 << 20
+
+
+class Workload:
+    """Makes sample ``idx`` of one workload.
+
+    ``sample_bytes``: the size of a uint8 sample; ``batch_size``: the batch
+    every loader uses; ``spin_s``: busy time per sample (on
+    ``time.perf_counter``, not sleep), 0 for none.
+    """
+
+    def __init__(self, name: str, sample_bytes: int, batch_size: int, spin_s: float = 0.0):
+        if sample_bytes < 8:
+            raise ValueError("a sample holds its 8-byte index, so it needs at least 8 bytes")
+        self.name = name
+        self.sample_bytes = sample_bytes
+        self.batch_size = batch_size
+        self.spin_s = spin_s
+        self._ring: Optional[Tuple[int, np.ndarray, np.ndarray]] = None  # (pid, bytes, int64 view)
+
+    def __getstate__(self) -> Dict[str, object]:
+        state = dict(self.__dict__)
+        state["_ring"] = None  # each process fills its own
+        return state
+
+    def _buffers(self) -> Tuple[np.ndarray, np.ndarray]:
+        ring = self._ring
+        if ring is None or ring[0] != os.getpid():
+            data = np.empty((self.batch_size, self.sample_bytes), np.uint8)
+            data.fill(0x5A)
+            ring = (os.getpid(), data, data[:, :8].view(np.int64))
+            self._ring = ring
+        return ring[1], ring[2]
+
+    def make(self, idx: int) -> np.ndarray:
+        """Sample ``idx``: a uint8 array of ``sample_bytes`` starting with ``idx`` as int64."""
+        if self.spin_s:
+            end = time.perf_counter() + self.spin_s
+            while time.perf_counter() < end:
+                pass
+        data, index = self._buffers()
+        k = idx % self.batch_size
+        index[k, 0] = idx
+        return data[k]
+
+
+def sample_index(sample: np.ndarray) -> int:
+    """The index written into a sample (its first 8 bytes)."""
+    return int(np.asarray(sample).reshape(-1)[:8].view(np.int64)[0])
+
+
+SMALL = Workload("small", 1 * KIB, 256)
+LARGE = Workload("large", 4 * MIB, 16)
+CPU = Workload("cpu", 64, 32, spin_s=0.002)
+
+WORKLOADS: Dict[str, Workload] = {w.name: w for w in (SMALL, LARGE, CPU)}
+
+
+def small(sample_info) -> np.ndarray:
+    """1 KiB uint8 sample (a plain function, for loaders that want one)."""
+    return SMALL.make(sample_info.idx_in_epoch)
+
+
+def large(sample_info) -> np.ndarray:
+    """4 MiB uint8 sample."""
+    return LARGE.make(sample_info.idx_in_epoch)
+
+
+def cpu(sample_info) -> np.ndarray:
+    """64-byte sample after a 2 ms busy loop."""
+    return CPU.make(sample_info.idx_in_epoch)
+
+
+CALLBACKS = {"small": small, "large": large, "cpu": cpu}

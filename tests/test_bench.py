@@ -1,0 +1,120 @@
+"""``python -m extsrc bench``: every comparison runs and prints a full table.
+
+The benchmark runs are short (``--quick``) and assert what a reader of the
+table relies on (one row per workload, numeric ratios, a verdict per target,
+exit code 0), never a speed.
+"""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKLOAD_ROWS = ("small: 1 KiB uint8, batch 256", "large: 4 MiB uint8, batch 16",
+                 "cpu: 2 ms busy loop, batch 32")
+STARTUP_ROW = "build() to first batch, spawn, 4 workers"
+
+
+def installed(module):
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def bench(*args, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "extsrc", "bench", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def table_rows(stdout, title):
+    """The rows of the Markdown table printed under ``title``, as lists of cells."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(title))
+    rows = []
+    for line in lines[start + 1:]:
+        if not line.strip():
+            break
+        if line.startswith("|") and not line.startswith("|---") and not line.startswith("| workload"):
+            rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def assert_full_table(rows, labels):
+    assert [row[0] for row in rows] == list(labels)
+    for label, ours, peer, ratio, target, met in rows:
+        assert re.fullmatch(r"\d+\.\d\dx", ratio), f"{label}: ratio {ratio!r} is not a number"
+        assert ours not in ("error", "n/a") and peer not in ("error", "n/a"), label
+        assert target.startswith(">=") or target == "no slower", label
+        assert met in ("yes", "no"), label
+
+
+def test_importing_the_bench_module_imports_neither_torch_nor_dali():
+    code = ("import sys, extsrc.bench; "
+            "print(sorted(m for m in ('torch', 'nvidia.dali') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_help_names_the_comparisons_and_targets():
+    out = bench("--help", timeout=60)
+    assert out.returncode == 0
+    assert "--dali" in out.stdout and "--quick" in out.stdout and "--json" in out.stdout
+    assert ">= 2x samples/s" in out.stdout and ">= 0.95 of ideal" in out.stdout
+
+
+def test_unknown_workload_is_refused():
+    out = bench("--workloads", "tiny", timeout=60)
+    assert out.returncode == 2
+    assert "tiny" in out.stderr
+
+
+@pytest.mark.slow
+def test_quick_bench_against_dataloader_prints_every_workload_with_ratios(tmp_path):
+    report = tmp_path / "bench.json"
+    out = bench("--quick", "--json", str(report))
+    assert out.returncode == 0, out.stdout + out.stderr
+    title = "extsrc.ParallelSource vs PyTorch DataLoader"
+    rows = table_rows(out.stdout, title)
+    if not installed("torch"):
+        assert "PyTorch is not installed" in out.stdout
+        assert [row[0] for row in rows] == list(WORKLOAD_ROWS)
+        return
+    assert_full_table(rows, WORKLOAD_ROWS)
+    figures = json.loads(report.read_text())
+    (table,) = figures["tables"]
+    for row in table["rows"]:
+        assert isinstance(row["ratio"], float) and row["met"] in (True, False)
+        assert row["extsrc"][0]["samples_per_s"] > 0 and row["DataLoader"][0]["samples_per_s"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not installed("nvidia.dali"), reason="needs NVIDIA DALI")
+@pytest.mark.skipif(not installed("extsrc.dali"), reason="needs the extsrc DALI drop-in (extsrc.dali)")
+def test_quick_bench_against_dali_prints_every_workload_and_startup_with_ratios():
+    out = bench("--quick", "--dali", "--no-torch")
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = table_rows(out.stdout, "extsrc drop-in vs DALI parallel external source")
+    assert_full_table(rows, WORKLOAD_ROWS + (STARTUP_ROW,))
+
+
+@pytest.mark.slow
+def test_without_torch_the_dataloader_column_is_skipped_with_a_note():
+    code = ("import sys; sys.modules['torch'] = None; from extsrc.bench import main; "
+            "sys.exit(main(['--quick', '--workloads', 'cpu']))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PyTorch is not installed" in out.stdout
+    (row,) = table_rows(out.stdout, "extsrc.ParallelSource vs PyTorch DataLoader")
+    label, ours, peer, ratio, target, met = row
+    assert label == WORKLOAD_ROWS[2] and "samples/s" in ours
+    assert peer == "n/a" and ratio == "n/a" and met in ("yes", "no")
