@@ -175,7 +175,7 @@ def run(report):
 # -- the same faults through the DALI drop-in -----------------------------------------------
 
 DALI = '''
-import multiprocessing, os, signal, time
+import json, multiprocessing, os, signal, time
 import numpy as np
 from extsrc import fn, pipeline_def
 
@@ -305,3 +305,79 @@ def run(report):
     assert result.type is None, result.traceback
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert_clean(result)
+
+
+DALI_LARGE = DALI + '''
+def run(report):
+    def large(info):
+        report.fault_starts()
+        sample = np.empty(4 << 20, np.uint8)
+        sample[:8] = info.idx_in_batch
+        return sample
+
+    @pipeline_def(batch_size=16, num_threads=1, device_id=None, py_num_workers=2)
+    def pipe():
+        return fn.external_source(source=large, parallel=True, batch=False)
+
+    p = pipe()
+    p.start_py_workers()
+    report.pids(worker_pids())
+    with p:
+        p.build()
+        for _ in range(4):
+            (out,) = p.run()
+        assert int(np.asarray(out[5])[0]) == 5
+'''
+
+
+def test_dali_small_dev_shm_does_not_limit_memfd_buffers(dali):
+    wrap = unshare_small_dev_shm("16m")
+    if wrap is None:
+        pytest.skip("needs `unshare -m` (root or user namespaces) to mount a private small /dev/shm")
+    result = run_fault(DALI_LARGE, wrap=wrap, timeout=90)
+    assert result.type is None, result.traceback
+    assert_clean(result)
+
+
+def test_dali_small_dev_shm_with_the_dev_shm_backend_names_the_shm_size(dali):
+    wrap = unshare_small_dev_shm("16m")
+    if wrap is None:
+        pytest.skip("needs `unshare -m` (root or user namespaces) to mount a private small /dev/shm")
+    result = run_fault(DALI_LARGE, wrap=wrap, env={"EXTSRC_SHM_BACKEND": "devshm"}, timeout=90)
+    assert result.type == "SharedMemoryError", result.traceback
+    assert "/dev/shm has 16.0 MiB in all" in result.message and "--shm-size=" in result.message
+    assert_clean(result)
+
+
+def test_dali_workers_exit_when_the_parent_is_killed(dali):
+    scenario = DALI + '''
+def run(report):
+    pipe = make_pipe(lambda: time.sleep(0.2), at=3)
+    pipe.start_py_workers()
+    pids = worker_pids()
+    report.pids(pids)
+    pipe.build()
+    print("RESULT " + json.dumps({"type": None, "message": None, "seconds": 0, "pids": pids}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+'''
+    result = run_fault(scenario, timeout=60)
+    assert result.returncode == -9
+    assert result.pids and result.leftover_pids == [], "workers outlived their killed parent"
+    assert result.new_shm == []
+
+
+def test_engine_workers_exit_when_the_parent_is_killed():
+    scenario = ENGINE + '''
+import json
+def run(report):
+    src = make_source(lambda: time.sleep(0.2), at=3)
+    src.start()
+    pids = [w.process.pid for w in src._pool._workers]
+    it = iter(src)
+    print("RESULT " + json.dumps({"type": None, "message": None, "seconds": 0, "pids": pids}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+'''
+    result = run_fault(scenario, timeout=60)
+    assert result.returncode == -9
+    assert result.pids and result.leftover_pids == [], "workers outlived their killed parent"
+    assert result.new_shm == []

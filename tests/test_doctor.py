@@ -1,0 +1,42 @@
+"""``python -m extsrc doctor``: what works here and what the settings need."""
+
+import subprocess
+import sys
+
+import pytest
+
+from faultkit import unshare_small_dev_shm
+
+pytestmark = pytest.mark.slow
+
+
+def doctor(*args, wrap=(), env=None):
+    import os
+
+    return subprocess.run(
+        list(wrap) + [sys.executable, "-m", "extsrc", "doctor", *args],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})},
+    )
+
+
+def test_doctor_reports_shm_start_methods_gpu_stage_and_needs():
+    out = doctor("--batch-size", "16", "--sample-bytes", "4194304")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "/dev/shm:" in text and "memfd: works" in text
+    for method in ("fork", "spawn", "forkserver"):
+        assert f"{method}" in text
+    assert text.count("works (first batch after") == 3
+    assert "shared memory needed per source: about 384.0 MiB" in text  # (2 + 3 + 1) x 64 MiB
+    assert "DALI" in text and "CuPy" in text
+
+
+def test_doctor_advises_a_shm_size_when_dev_shm_is_too_small_for_the_settings():
+    wrap = unshare_small_dev_shm("16m")
+    if wrap is None:
+        pytest.skip("needs `unshare -m` to mount a private small /dev/shm")
+    out = doctor("--batch-size", "16", "--sample-bytes", "4194304", wrap=wrap,
+                 env={"EXTSRC_SHM_BACKEND": "devshm"})
+    assert out.returncode == 0, out.stderr
+    assert "/dev/shm has 16.0 MiB free but these settings need 384.0 MiB" in out.stdout
+    assert "--shm-size=" in out.stdout
