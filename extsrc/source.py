@@ -173,6 +173,7 @@ class ParallelSource:
         self._resume_iteration = 0
         self._closed = False
         self._layout_known = False  # until then, dispatch one batch at a time
+        self._regions_cache: Tuple[Any, Any] = (None, None)
 
     # -- life cycle -------------------------------------------------------------
 
@@ -396,6 +397,13 @@ class ParallelSource:
         return list(zip(bounds[:-1], bounds[1:]))
 
     def _regions(self) -> Tuple[Tuple[Optional[Region], ...], int]:
+        """Where each output goes in a slot, and the bytes that takes (cached per layout)."""
+        key = tuple(self._layouts)
+        if self._regions_cache[0] != key:
+            self._regions_cache = (key, self._compute_regions())
+        return self._regions_cache[1]
+
+    def _compute_regions(self) -> Tuple[Tuple[Optional[Region], ...], int]:
         regions: List[Optional[Region]] = []
         offset = 0
         for layout in self._layouts:
