@@ -89,13 +89,6 @@ class SlotRing:
             [PassedFd(slot.overflow[worker].fd) for slot in self.slots],
         )
 
-    @property
-    def reserved_bytes(self) -> int:
-        return sum(
-            slot.segment.size + sum(seg.size for seg in slot.overflow) for slot in self.slots
-            if slot.segment.fd >= 0
-        )
-
     def close(self) -> None:
         for slot in self.slots:
             slot.close()

@@ -324,7 +324,7 @@ class ParallelSource:
             raise StopIteration  # superseded by a newer epoch, or the source was closed
         self._check_open()
         if epoch.last_was_partial:
-            self._finish(epoch)
+            self._end_epoch()
             raise StopIteration
         while len(self._held) >= self.batches_held:
             self._slots.release(self._held.popleft())
@@ -334,11 +334,11 @@ class ParallelSource:
             outcome = pending.build(self.last_batch, self.num_outputs, self.name)
         except BaseException:
             self._slots.release(pending.slot)
-            self._finish(epoch)
+            self._end_epoch()
             raise
         if outcome is END_OF_EPOCH:
             self._slots.release(pending.slot)
-            self._finish(epoch)
+            self._end_epoch()
             raise StopIteration
         self._held.append(pending.slot)
         epoch.next_yield += 1
@@ -349,7 +349,7 @@ class ParallelSource:
             epoch.last_was_partial = True
         return outcome
 
-    def _finish(self, epoch: _Epoch) -> None:
+    def _end_epoch(self) -> None:
         self._abandon_epoch()
         self._resume_iteration = 0
 
