@@ -52,7 +52,9 @@ def with_dali_imports(source: str) -> str:
 
 def run_script(path: Path, out_dir: Path) -> np.lib.npyio.NpzFile:
     """Runs a tutorial script with ``out_dir`` as its output folder; returns what it saved."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # The scripts import tutorial_io from tutorials/, also as a copy elsewhere.
+    path_entries = [str(ROOT), str(ROOT / "tutorials"), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path_entries if p))
     env.pop("EXTSRC_TUTORIAL_OUT", None)
     proc = subprocess.run([sys.executable, str(path), str(out_dir)], capture_output=True, text=True,
                           timeout=TIMEOUT, env=env, cwd=str(path.parent))

@@ -22,7 +22,6 @@ sent to them; tutorials 2 to 5 are about what that takes.
 Run: ``python tutorials/01_callable_source.py [OUT_DIR] [--gpu]``
 """
 
-import argparse
 import os
 from importlib.resources import files
 
@@ -30,6 +29,8 @@ import numpy as np
 from nvidia.dali import types
 
 from extsrc import fn, pipeline_def
+
+import tutorial_io
 
 DATA_DIR = str(files("extsrc") / "data")
 BATCH_SIZE = 8
@@ -62,34 +63,22 @@ def jpeg_pipeline(source, decoder_device):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", nargs="?", default=os.environ.get("EXTSRC_TUTORIAL_OUT"),
-                        help="folder to save the decoded images and labels in (default: "
-                             "$EXTSRC_TUTORIAL_OUT; unset: save nothing)")
-    parser.add_argument("--gpu", action="store_true", help="decode on GPU 0 (device='mixed')")
-    args = parser.parse_args(argv)
+    args = tutorial_io.parse_args(__doc__, argv)
 
-    pipe = jpeg_pipeline(JpegReader(DATA_DIR), "mixed" if args.gpu else "cpu",
-                         device_id=0 if args.gpu else None)
+    device, device_id = tutorial_io.decoder_device(args)
+    pipe = jpeg_pipeline(JpegReader(DATA_DIR), device, device_id=device_id)
     pipe.build()
     images, labels = [], []
     try:
         while True:
             out_images, out_labels = pipe.run()
-            out_images = out_images.as_cpu()
-            batch = [np.array(out_images[i]) for i in range(len(out_images))]
-            images += batch
-            labels += [int(np.array(out_labels[i])[0]) for i in range(len(out_labels))]
-            print(f"batch of {len(batch)}: shapes {[b.shape[:2] for b in batch[:3]]}...")
+            size = tutorial_io.add_batch(images, labels, out_images, out_labels)
+            print(f"batch of {size}: shapes {[b.shape[:2] for b in images[-size:][:3]]}...")
     except StopIteration:
         pipe.reset()
     print(f"one epoch: {len(images)} images, labels {labels[:10]}...")
 
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, os.path.splitext(os.path.basename(__file__))[0] + ".npz")
-        np.savez(path, labels=np.array(labels), **{f"image_{i:03d}": im for i, im in enumerate(images)})
-        print(f"saved {path}")
+    tutorial_io.save(args.out, __file__, images, labels)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ starts. Without the ``pickle_by_value`` line the workers fail to start with
 Run: ``python tutorials/03_pickle_by_value.py [OUT_DIR] [--gpu]``
 """
 
-import argparse
 import importlib
 import os
 import shutil
@@ -27,11 +26,12 @@ import sys
 import tempfile
 from importlib.resources import files
 
-import numpy as np
 from nvidia.dali import types
 
 from extsrc import fn, pipeline_def
 from extsrc import pickle_by_value
+
+import tutorial_io
 
 DATA_DIR = str(files("extsrc") / "data")
 BATCH_SIZE = 8
@@ -77,32 +77,22 @@ def jpeg_pipeline(source, decoder_device):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", nargs="?", default=os.environ.get("EXTSRC_TUTORIAL_OUT"),
-                        help="folder to save the decoded images and labels in (default: "
-                             "$EXTSRC_TUTORIAL_OUT; unset: save nothing)")
-    parser.add_argument("--gpu", action="store_true", help="decode on GPU 0 (device='mixed')")
-    args = parser.parse_args(argv)
+    args = tutorial_io.parse_args(__doc__, argv)
 
     readers = import_vanishing_module("readers", READERS_PY.format(data_dir=DATA_DIR))
     read_sample = pickle_by_value(readers.read_sample)  # or @pickle_by_value in readers.py
 
-    pipe = jpeg_pipeline(read_sample, "mixed" if args.gpu else "cpu", device_id=0 if args.gpu else None)
+    device, device_id = tutorial_io.decoder_device(args)
+    pipe = jpeg_pipeline(read_sample, device, device_id=device_id)
     pipe.build()  # the workers start here, after readers.py is gone
     images, labels = [], []
     for _ in range(2):
         out_images, out_labels = pipe.run()
-        out_images = out_images.as_cpu()
-        images += [np.array(out_images[i]) for i in range(len(out_images))]
-        labels += [int(np.array(out_labels[i])[0]) for i in range(len(out_labels))]
+        tutorial_io.add_batch(images, labels, out_images, out_labels)
     print(f"{len(images)} images from a function of a module the workers never imported; "
           f"labels {labels}")
 
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, os.path.splitext(os.path.basename(__file__))[0] + ".npz")
-        np.savez(path, labels=np.array(labels), **{f"image_{i:03d}": im for i, im in enumerate(images)})
-        print(f"saved {path}")
+    tutorial_io.save(args.out, __file__, images, labels)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ keeps the last one, keyed by epoch, so that each worker draws it once.
 Run: ``python tutorials/06_shuffle_epochs.py [OUT_DIR] [--gpu]``
 """
 
-import argparse
 import os
 from importlib.resources import files
 
@@ -22,6 +21,8 @@ import numpy as np
 from nvidia.dali import types
 
 from extsrc import fn, pipeline_def
+
+import tutorial_io
 
 DATA_DIR = str(files("extsrc") / "data")
 BATCH_SIZE = 8
@@ -62,15 +63,11 @@ def jpeg_pipeline(source, decoder_device):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", nargs="?", default=os.environ.get("EXTSRC_TUTORIAL_OUT"),
-                        help="folder to save the decoded images and labels in (default: "
-                             "$EXTSRC_TUTORIAL_OUT; unset: save nothing)")
-    parser.add_argument("--gpu", action="store_true", help="decode on GPU 0 (device='mixed')")
-    args = parser.parse_args(argv)
+    args = tutorial_io.parse_args(__doc__, argv)
 
     reader = ShuffledReader(DATA_DIR, seed=42)
-    pipe = jpeg_pipeline(reader, "mixed" if args.gpu else "cpu", device_id=0 if args.gpu else None)
+    device, device_id = tutorial_io.decoder_device(args)
+    pipe = jpeg_pipeline(reader, device, device_id=device_id)
     pipe.build()
     images, labels, epochs = [], [], []
     for epoch in range(EPOCHS):
@@ -78,21 +75,14 @@ def main(argv=None):
         try:
             while True:
                 out_images, out_labels = pipe.run()
-                out_images = out_images.as_cpu()
-                images += [np.array(out_images[i]) for i in range(len(out_images))]
-                epoch_labels += [int(np.array(out_labels[i])[0]) for i in range(len(out_labels))]
+                tutorial_io.add_batch(images, epoch_labels, out_images, out_labels)
         except StopIteration:
             pipe.reset()
         print(f"epoch {epoch}: labels {epoch_labels}")
         labels += epoch_labels
         epochs += [epoch] * len(epoch_labels)
 
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, os.path.splitext(os.path.basename(__file__))[0] + ".npz")
-        np.savez(path, labels=np.array(labels), epochs=np.array(epochs),
-                 **{f"image_{i:03d}": im for i, im in enumerate(images)})
-        print(f"saved {path}")
+    tutorial_io.save(args.out, __file__, images, labels, epochs=epochs)
 
 
 if __name__ == "__main__":

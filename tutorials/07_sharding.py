@@ -16,7 +16,6 @@ permutation.
 Run: ``python tutorials/07_sharding.py [OUT_DIR] [--gpu]``
 """
 
-import argparse
 import os
 from importlib.resources import files
 
@@ -24,6 +23,8 @@ import numpy as np
 from nvidia.dali import types
 
 from extsrc import fn, pipeline_def
+
+import tutorial_io
 
 DATA_DIR = str(files("extsrc") / "data")
 BATCH_SIZE = 8
@@ -58,25 +59,19 @@ def jpeg_pipeline(source, decoder_device):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", nargs="?", default=os.environ.get("EXTSRC_TUTORIAL_OUT"),
-                        help="folder to save the decoded images and labels in (default: "
-                             "$EXTSRC_TUTORIAL_OUT; unset: save nothing)")
-    parser.add_argument("--gpu", action="store_true", help="decode on GPU 0 (device='mixed')")
-    args = parser.parse_args(argv)
+    args = tutorial_io.parse_args(__doc__, argv)
 
     images, labels, shards = [], [], []
     for shard_id in range(NUM_SHARDS):
         reader = ShardReader(DATA_DIR, shard_id, NUM_SHARDS)
-        pipe = jpeg_pipeline(reader, "mixed" if args.gpu else "cpu", device_id=0 if args.gpu else None)
+        device, device_id = tutorial_io.decoder_device(args)
+        pipe = jpeg_pipeline(reader, device, device_id=device_id)
         pipe.build()
         shard_labels = []
         try:
             while True:
                 out_images, out_labels = pipe.run()
-                out_images = out_images.as_cpu()
-                images += [np.array(out_images[i]) for i in range(len(out_images))]
-                shard_labels += [int(np.array(out_labels[i])[0]) for i in range(len(out_labels))]
+                tutorial_io.add_batch(images, shard_labels, out_images, out_labels)
         except StopIteration:
             pipe.reset()
         del pipe  # stops this shard's workers
@@ -84,12 +79,7 @@ def main(argv=None):
         labels += shard_labels
         shards += [shard_id] * len(shard_labels)
 
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, os.path.splitext(os.path.basename(__file__))[0] + ".npz")
-        np.savez(path, labels=np.array(labels), shards=np.array(shards),
-                 **{f"image_{i:03d}": im for i, im in enumerate(images)})
-        print(f"saved {path}")
+    tutorial_io.save(args.out, __file__, images, labels, shards=shards)
 
 
 if __name__ == "__main__":

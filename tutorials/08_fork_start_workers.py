@@ -24,7 +24,6 @@ the last 16, each with its own workers.
 Run: ``python tutorials/08_fork_start_workers.py [OUT_DIR] [--gpu]``
 """
 
-import argparse
 import os
 from importlib.resources import files
 
@@ -32,6 +31,8 @@ import numpy as np
 from nvidia.dali import types
 
 from extsrc import fn, pipeline_def
+
+import tutorial_io
 
 DATA_DIR = str(files("extsrc") / "data")
 BATCH_SIZE = 8
@@ -66,26 +67,19 @@ def run_epoch(pipe):
     try:
         while True:
             out_images, out_labels = pipe.run()
-            out_images = out_images.as_cpu()
-            images += [np.array(out_images[i]) for i in range(len(out_images))]
-            labels += [int(np.array(out_labels[i])[0]) for i in range(len(out_labels))]
+            tutorial_io.add_batch(images, labels, out_images, out_labels)
     except StopIteration:
         pipe.reset()
     return images, labels
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", nargs="?", default=os.environ.get("EXTSRC_TUTORIAL_OUT"),
-                        help="folder to save the decoded images and labels in (default: "
-                             "$EXTSRC_TUTORIAL_OUT; unset: save nothing)")
-    parser.add_argument("--gpu", action="store_true", help="decode on GPU 0 (device='mixed')")
-    args = parser.parse_args(argv)
+    args = tutorial_io.parse_args(__doc__, argv)
 
     with open(os.path.join(DATA_DIR, "labels.txt")) as f:
         samples = [(name, int(label)) for name, label in (line.split() for line in f)]
     image_dir = os.path.join(DATA_DIR, "images")
-    device, device_id = ("mixed", 0) if args.gpu else ("cpu", None)
+    device, device_id = tutorial_io.decoder_device(args)
 
     # 1. define, 2. start the workers of every pipeline, 3. build
     train = jpeg_pipeline(JpegReader(image_dir, samples[:48]), device, device_id=device_id)
@@ -100,14 +94,8 @@ def main(argv=None):
     print(f"train: {len(train_labels)} samples, labels {train_labels}")
     print(f"val: {len(val_labels)} samples, labels {val_labels}")
 
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        images = train_images + val_images
-        path = os.path.join(args.out, os.path.splitext(os.path.basename(__file__))[0] + ".npz")
-        np.savez(path, labels=np.array(train_labels + val_labels),
-                 split=np.array([0] * len(train_labels) + [1] * len(val_labels)),
-                 **{f"image_{i:03d}": im for i, im in enumerate(images)})
-        print(f"saved {path}")
+    tutorial_io.save(args.out, __file__, train_images + val_images, train_labels + val_labels,
+                     split=[0] * len(train_labels) + [1] * len(val_labels))
 
 
 if __name__ == "__main__":

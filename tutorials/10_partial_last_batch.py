@@ -15,7 +15,6 @@ extsrc import: DALI's own ``external_source`` has no ``last_batch`` argument.
 Run: ``python tutorials/10_partial_last_batch.py [OUT_DIR] [--gpu]``
 """
 
-import argparse
 import os
 from importlib.resources import files
 
@@ -23,6 +22,8 @@ import numpy as np
 from nvidia.dali import types
 
 from extsrc import fn, pipeline_def
+
+import tutorial_io
 
 DATA_DIR = str(files("extsrc") / "data")
 BATCH_SIZE = 12
@@ -54,38 +55,26 @@ def jpeg_pipeline(source, decoder_device, last_batch):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", nargs="?", default=os.environ.get("EXTSRC_TUTORIAL_OUT"),
-                        help="folder to save the decoded images and labels in (default: "
-                             "$EXTSRC_TUTORIAL_OUT; unset: save nothing)")
-    parser.add_argument("--gpu", action="store_true", help="decode on GPU 0 (device='mixed')")
-    args = parser.parse_args(argv)
+    args = tutorial_io.parse_args(__doc__, argv)
 
     reader = JpegReader(DATA_DIR)
     for last_batch in ("drop", "partial"):
-        pipe = jpeg_pipeline(reader, "mixed" if args.gpu else "cpu", last_batch,
-                             device_id=0 if args.gpu else None)
+        device, device_id = tutorial_io.decoder_device(args)
+        pipe = jpeg_pipeline(reader, device, last_batch, device_id=device_id)
         pipe.build()
         images, labels, sizes = [], [], []
         try:
             while True:
                 out_images, out_labels = pipe.run()
-                out_images = out_images.as_cpu()
-                sizes.append(len(out_images))
-                images += [np.array(out_images[i]) for i in range(len(out_images))]
-                labels += [int(np.array(out_labels[i])[0]) for i in range(len(out_labels))]
+                sizes.append(tutorial_io.add_batch(images, labels, out_images, out_labels))
         except StopIteration:
             pipe.reset()
         del pipe
         print(f'last_batch="{last_batch}": batch sizes {sizes}, {len(labels)} of '
               f"{len(reader.samples)} images seen")
 
-    if args.out:  # what last_batch="partial" gave: the whole set
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, os.path.splitext(os.path.basename(__file__))[0] + ".npz")
-        np.savez(path, labels=np.array(labels), batch_sizes=np.array(sizes),
-                 **{f"image_{i:03d}": im for i, im in enumerate(images)})
-        print(f"saved {path}")
+    # what last_batch="partial" gave: the whole set
+    tutorial_io.save(args.out, __file__, images, labels, batch_sizes=sizes)
 
 
 if __name__ == "__main__":
