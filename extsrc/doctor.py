@@ -7,7 +7,6 @@ import ctypes
 import importlib
 import os
 import platform
-import sys
 import time
 from typing import List, Optional
 

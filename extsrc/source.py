@@ -20,7 +20,7 @@ import itertools
 import math
 import time
 from collections import deque
-from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -29,7 +29,6 @@ from extsrc.batch import Batch
 from extsrc.errors import PoolClosedError, SharedMemoryError, SourceTimeoutError
 from extsrc.messages import Region, Task, TaskDone, TaskFailed
 from extsrc.pool import MAX_OUTSTANDING, WorkerPool
-from extsrc.sample_info import SampleInfo
 from extsrc.shm import align, backend, with_advice
 from extsrc.slots import Slot, SlotRing
 from extsrc.worker import BATCH_GENERATOR, BATCH_ITERABLE, SAMPLE, SourceSpec, classify

@@ -29,4 +29,15 @@ def no_leftovers():
     assert not new, f"/dev/shm entries left behind: {new}"
 
 
+@pytest.fixture(scope="session")
+def small_dev_shm():
+    """A command prefix that runs a program with its own 16 MiB /dev/shm; skips where impossible."""
+    from faultkit import unshare_small_dev_shm
+
+    wrap = unshare_small_dev_shm("16m")
+    if wrap is None:
+        pytest.skip("needs `unshare -m` (root or user namespaces) to mount a private small /dev/shm")
+    return wrap
+
+
 START_METHODS = ["fork", "spawn", "forkserver"]

@@ -5,7 +5,6 @@ import sys
 
 import pytest
 
-from faultkit import unshare_small_dev_shm
 
 pytestmark = pytest.mark.slow
 
@@ -31,11 +30,8 @@ def test_doctor_reports_shm_start_methods_gpu_stage_and_needs():
     assert "DALI" in text and "CuPy" in text
 
 
-def test_doctor_advises_a_shm_size_when_dev_shm_is_too_small_for_the_settings():
-    wrap = unshare_small_dev_shm("16m")
-    if wrap is None:
-        pytest.skip("needs `unshare -m` to mount a private small /dev/shm")
-    out = doctor("--batch-size", "16", "--sample-bytes", "4194304", wrap=wrap,
+def test_doctor_advises_a_shm_size_when_dev_shm_is_too_small_for_the_settings(small_dev_shm):
+    out = doctor("--batch-size", "16", "--sample-bytes", "4194304", wrap=small_dev_shm,
                  env={"EXTSRC_SHM_BACKEND": "devshm"})
     assert out.returncode == 0, out.stderr
     assert "/dev/shm has 16.0 MiB free but these settings need 384.0 MiB" in out.stdout

@@ -6,7 +6,7 @@ that no worker process outlives the run, and that /dev/shm gains no entry.
 
 import pytest
 
-from faultkit import run_fault, unshare_small_dev_shm
+from faultkit import run_fault
 
 pytestmark = pytest.mark.slow
 
@@ -132,20 +132,14 @@ def run(report):
 '''
 
 
-def test_small_dev_shm_does_not_limit_memfd_buffers():
-    wrap = unshare_small_dev_shm("16m")
-    if wrap is None:
-        pytest.skip("needs `unshare -m` (root or user namespaces) to mount a private small /dev/shm")
-    result = run_fault(LARGE, wrap=wrap, timeout=60)
+def test_small_dev_shm_does_not_limit_memfd_buffers(small_dev_shm):
+    result = run_fault(LARGE, wrap=small_dev_shm, timeout=60)
     assert result.type is None, result.traceback
     assert_clean(result)
 
 
-def test_small_dev_shm_with_the_dev_shm_backend_fails_before_writing_with_the_size_to_use():
-    wrap = unshare_small_dev_shm("16m")
-    if wrap is None:
-        pytest.skip("needs `unshare -m` (root or user namespaces) to mount a private small /dev/shm")
-    result = run_fault(LARGE, wrap=wrap, env={"EXTSRC_SHM_BACKEND": "devshm"}, timeout=60)
+def test_small_dev_shm_with_the_dev_shm_backend_fails_before_writing_with_the_size_to_use(small_dev_shm):
+    result = run_fault(LARGE, wrap=small_dev_shm, env={"EXTSRC_SHM_BACKEND": "devshm"}, timeout=60)
     assert result.type == "SharedMemoryError", result.traceback
     assert "No space left on device" in result.message
     assert "/dev/shm has 16.0 MiB in all" in result.message
@@ -330,20 +324,14 @@ def run(report):
 '''
 
 
-def test_dali_small_dev_shm_does_not_limit_memfd_buffers(dali):
-    wrap = unshare_small_dev_shm("16m")
-    if wrap is None:
-        pytest.skip("needs `unshare -m` (root or user namespaces) to mount a private small /dev/shm")
-    result = run_fault(DALI_LARGE, wrap=wrap, timeout=90)
+def test_dali_small_dev_shm_does_not_limit_memfd_buffers(dali, small_dev_shm):
+    result = run_fault(DALI_LARGE, wrap=small_dev_shm, timeout=90)
     assert result.type is None, result.traceback
     assert_clean(result)
 
 
-def test_dali_small_dev_shm_with_the_dev_shm_backend_names_the_shm_size(dali):
-    wrap = unshare_small_dev_shm("16m")
-    if wrap is None:
-        pytest.skip("needs `unshare -m` (root or user namespaces) to mount a private small /dev/shm")
-    result = run_fault(DALI_LARGE, wrap=wrap, env={"EXTSRC_SHM_BACKEND": "devshm"}, timeout=90)
+def test_dali_small_dev_shm_with_the_dev_shm_backend_names_the_shm_size(dali, small_dev_shm):
+    result = run_fault(DALI_LARGE, wrap=small_dev_shm, env={"EXTSRC_SHM_BACKEND": "devshm"}, timeout=90)
     assert result.type == "SharedMemoryError", result.traceback
     assert "/dev/shm has 16.0 MiB in all" in result.message and "--shm-size=" in result.message
     assert_clean(result)

@@ -1,6 +1,5 @@
 """How sources travel to spawn/forkserver workers: default pickler, pickle_by_value, dill."""
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -9,7 +8,6 @@ import threading
 import numpy as np
 import pytest
 
-import extsrc
 from extsrc import ParallelSource, SourcePicklingError, pickle_by_value
 
 
