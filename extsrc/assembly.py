@@ -15,7 +15,7 @@ import numpy as np
 
 from extsrc.batch import Batch
 from extsrc.errors import CallbackError, SampleError, WorkerTraceback
-from extsrc.messages import Region, TaskDone, TaskFailed
+from extsrc.messages import Region, TaskDone, TaskFailed, sample_nbytes
 from extsrc.slots import Slot
 
 END_OF_EPOCH = object()
@@ -106,9 +106,9 @@ class PendingBatch:
     def _in_place(self, region: Optional[Region], index: int) -> np.ndarray:
         assert region is not None, "in-place sample without a region"
         offset, dtype_str, shape = region
-        dtype = np.dtype(dtype_str)
-        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-        return self.slot.region_array(offset + index * nbytes, dtype, shape)
+        return self.slot.region_array(
+            offset + index * sample_nbytes(dtype_str, shape), np.dtype(dtype_str), shape
+        )
 
 
 def _check_uniform(samples: List[np.ndarray], output: int, batch: PendingBatch) -> None:

@@ -9,10 +9,20 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional, Tuple
 
+import numpy as np
+
 # Where one output's samples of a batch go in the slot segment: the byte offset
 # of the output's region, its sample dtype (``dtype.str``) and sample shape.
-# Sample ``k`` of the batch lives at ``offset + k * nbytes(dtype, shape)``.
+# Sample ``k`` of the batch lives at ``offset + k * sample_nbytes(dtype, shape)``.
 Region = Tuple[int, str, Tuple[int, ...]]
+
+
+def sample_nbytes(dtype_str: str, shape: Tuple[int, ...]) -> int:
+    """Bytes of one sample of dtype ``dtype_str`` and ``shape``: a region's stride."""
+    nbytes = np.dtype(dtype_str).itemsize
+    for extent in shape:
+        nbytes *= extent
+    return nbytes
 
 
 class Task(NamedTuple):

@@ -27,7 +27,7 @@ import numpy as np
 from extsrc.assembly import END_OF_EPOCH, PendingBatch
 from extsrc.batch import Batch
 from extsrc.errors import PoolClosedError, SharedMemoryError, SourceTimeoutError
-from extsrc.messages import Region, Task, TaskDone, TaskFailed
+from extsrc.messages import Region, Task, TaskDone, TaskFailed, sample_nbytes
 from extsrc.pool import MAX_OUTSTANDING, WorkerPool
 from extsrc.shm import align, backend, with_advice
 from extsrc.slots import Slot, SlotRing
@@ -410,9 +410,8 @@ class ParallelSource:
                 regions.append(None)
                 continue
             dtype_str, shape = layout
-            nbytes = np.dtype(dtype_str).itemsize * int(np.prod(shape, dtype=np.int64))
             regions.append((offset, dtype_str, shape))
-            offset = align(offset + nbytes * self.batch_size)
+            offset = align(offset + sample_nbytes(dtype_str, shape) * self.batch_size)
         return tuple(regions), offset
 
     def _learn_layout(self, outcome: BatchOutput) -> None:
@@ -436,8 +435,7 @@ class ParallelSource:
         for region in pending.regions:
             if region is not None:
                 offset, dtype_str, shape = region
-                nbytes = np.dtype(dtype_str).itemsize * int(np.prod(shape, dtype=np.int64))
-                end = max(end, offset + nbytes * self.batch_size)
+                end = max(end, offset + sample_nbytes(dtype_str, shape) * self.batch_size)
         for j, samples in enumerate(outputs):
             if samples.is_dense or self._layouts[j] is None or not samples:
                 continue

@@ -19,7 +19,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from extsrc.errors import SampleError, SharedMemoryError
-from extsrc.messages import Placement, Region, Task
+from extsrc.messages import Placement, Region, Task, sample_nbytes
 from extsrc.shm import Mapping, Segment, align, with_advice
 
 _VALID_KINDS = frozenset("biufc")  # bool, ints, unsigned, floats, complex
@@ -181,12 +181,9 @@ class TaskWriter:
         fits = max(0, min(count, task.stop - task.start))  # samples that have a place in the region
         if region is not None and fits:
             offset, dtype_str, shape = region
-            itemsize = np.dtype(dtype_str).itemsize
-            nbytes = itemsize
-            for extent in shape:
-                nbytes *= extent
             in_place = slot_map.array(
-                offset + task.start * nbytes, np.dtype(dtype_str), (task.stop - task.start,) + shape
+                offset + task.start * sample_nbytes(dtype_str, shape), np.dtype(dtype_str),
+                (task.stop - task.start,) + shape,
             )
             if fits == count and self._write_dense(column, in_place[:count]):
                 return None
