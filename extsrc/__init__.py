@@ -12,7 +12,9 @@ replaces ``from nvidia.dali import fn, pipeline_def``.
 from extsrc.batch import Batch
 from extsrc.errors import (
     CallbackError,
+    EmptyEpochError,
     ExtsrcError,
+    ForkedChildError,
     PoolClosedError,
     SampleError,
     SharedMemoryError,
@@ -20,10 +22,10 @@ from extsrc.errors import (
     SourceTimeoutError,
     WorkerDiedError,
 )
-from extsrc.pickling import pickle_by_value
-from extsrc.pool import WorkerPool
+from extsrc.engine.pickling import pickle_by_value
+from extsrc.engine.pool import WorkerPool
+from extsrc.engine.source import ParallelSource
 from extsrc.sample_info import BatchInfo, SampleInfo
-from extsrc.source import ParallelSource
 
 __version__ = "0.1.0"
 
@@ -31,7 +33,9 @@ __all__ = [
     "Batch",
     "BatchInfo",
     "CallbackError",
+    "EmptyEpochError",
     "ExtsrcError",
+    "ForkedChildError",
     "ParallelSource",
     "PoolClosedError",
     "SampleError",

@@ -10,10 +10,10 @@ import numpy as np
 class Batch(list):
     """The samples of one output of one batch: a list of NumPy arrays.
 
-    The arrays are zero-copy views of shared memory. They are valid until the
-    source has handed out ``batches_held`` newer batches (by default: while the
-    consumer takes the following batch); after that their memory is reused, so
-    copy what must live longer.
+    The arrays are zero-copy views of shared memory. They stay valid and
+    unchanged for as long as any of them, or anything made from them (views,
+    slices, :meth:`as_array`, ``torch.from_numpy``), is referenced; only then
+    is their memory reused. Keeping a batch costs its memory, as a copy would.
 
     When the samples were written side by side in one region (all samples of
     the output share shape and dtype), :attr:`is_dense` is true and
@@ -42,4 +42,12 @@ class Batch(list):
             return self._dense
         if not self:
             raise ValueError("an empty batch has no array form")
+        first = self[0]
+        for k, sample in enumerate(self):
+            if sample.shape != first.shape:
+                raise ValueError(
+                    f"as_array() needs samples of one shape to stack them, and sample {k} has "
+                    f"shape {sample.shape} where sample 0 has {first.shape}; iterate over the "
+                    "batch for ragged samples, or pad them in the callback"
+                )
         return np.stack(self)

@@ -55,6 +55,28 @@ class PoolClosedError(ExtsrcError, RuntimeError):
     """The source or pool was closed, or broke earlier; the message says which."""
 
 
+class ForkedChildError(ExtsrcError, RuntimeError):
+    """A source or pool was used in a process forked from the one that created it.
+
+    Its workers belong to the parent: a child never reads, stops or signals
+    them. Create the source in the child instead. Batches the parent held at
+    the fork stay readable in the child.
+    """
+
+
+class EmptyEpochError(ExtsrcError, ValueError):
+    """An epoch produced samples but no batch: all of them were dropped.
+
+    Happens with ``last_batch="drop"`` when the callback ends the epoch
+    (``StopIteration``) before ``batch_size`` samples; the message gives the
+    counts and the settings that would keep them.
+    """
+
+
+class InternalError(ExtsrcError, RuntimeError):
+    """A bug in extsrc itself; the message says where. The pool is shut down."""
+
+
 class WorkerTraceback(Exception):
     """Carries the traceback text of an exception raised in a worker.
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
+import signal
+import time
 
 import pytest
+
+from procs import live_children
 
 
 def _shm_entries() -> set:
@@ -19,12 +22,16 @@ def _shm_entries() -> set:
 def no_leftovers():
     """Fails a test that leaves extsrc workers running or files in /dev/shm."""
     before = _shm_entries()
+    children_before = set(live_children())
     yield
-    leftover = [p for p in multiprocessing.active_children() if p.name.startswith("extsrc-worker")]
-    for process in leftover:
-        process.kill()
-        process.join(5)
-    assert not leftover, f"worker processes left running: {leftover}"
+    deadline = time.monotonic() + 5  # a pool shut down after a fault reaps its workers in its thread
+    leftover = set(live_children()) - children_before
+    while leftover and time.monotonic() < deadline:
+        time.sleep(0.05)
+        leftover = set(live_children()) - children_before
+    for pid in leftover:
+        os.kill(pid, signal.SIGKILL)
+    assert not leftover, f"child processes left running: {sorted(leftover)}"
     new = {e for e in _shm_entries() - before if "extsrc" in e or e.startswith("psm_")}
     assert not new, f"/dev/shm entries left behind: {new}"
 

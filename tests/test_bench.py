@@ -109,7 +109,7 @@ def test_quick_bench_against_dali_prints_every_workload_and_startup_with_ratios(
 
 @pytest.mark.slow
 def test_without_torch_the_dataloader_column_is_skipped_with_a_note():
-    code = ("import sys; sys.modules['torch'] = None; from extsrc.bench import main; "
+    code = ("import sys; sys.modules['torch'] = None; from extsrc.bench.runner import main; "
             "sys.exit(main(['--quick', '--workloads', 'cpu']))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)

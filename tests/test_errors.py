@@ -131,7 +131,7 @@ def test_killed_worker_is_reported_with_signal_and_samples():
         list(src)
     assert time.monotonic() - started < 10
     message = str(caught.value)
-    assert "SIGKILL" in message and "idx_in_epoch 8..11" in message
+    assert "SIGKILL" in message and "idx_in_epoch 8..15" in message
     with pytest.raises(PoolClosedError, match="SIGKILL"):
         list(src)
     src.close()
@@ -156,7 +156,7 @@ def test_timeout_names_the_stuck_samples():
     it = iter(src)
     next(it)
     started = time.monotonic()
-    with pytest.raises(SourceTimeoutError, match=r"timeout=1.0 s.*samples 2..3 of batch 1"):
+    with pytest.raises(SourceTimeoutError, match=r"timeout=1.0 s.*samples 0..3 of batch 1.*idx_in_epoch 4..7"):
         next(it)
     assert time.monotonic() - started < 10
     src.close()

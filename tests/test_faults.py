@@ -25,7 +25,7 @@ def make_source(fault, at=9, **kwargs):
 
 def drain(src, report):
     src.start()
-    report.pids(w.process.pid for w in src._pool._workers)
+    report.pids(src.worker_pids())
     try:
         for _ in src:
             pass
@@ -64,7 +64,7 @@ def test_dead_worker_is_named_with_signal_and_samples_within_seconds(fault, expe
     result = run_fault(engine_case(fault), timeout=30)
     assert result.type == "WorkerDiedError"
     assert expected in result.message
-    assert "samples 0..3 of batch 1" in result.message and "idx_in_epoch 8..11" in result.message
+    assert "samples 0..7 of batch 1" in result.message and "idx_in_epoch 8..15" in result.message
     assert "remaining workers were shut down" in result.message
     assert result.seconds < 5
     assert_clean(result)
@@ -73,7 +73,7 @@ def test_dead_worker_is_named_with_signal_and_samples_within_seconds(fault, expe
 def test_callback_that_never_returns_times_out_naming_the_stuck_samples():
     result = run_fault(engine_case("lambda: time.sleep(3600)", timeout=1.5), timeout=30)
     assert result.type == "SourceTimeoutError"
-    assert "timeout=1.5 s" in result.message and "samples 0..3 of batch 1" in result.message
+    assert "timeout=1.5 s" in result.message and "samples 0..7 of batch 1" in result.message
     assert result.seconds < 6
     assert_clean(result)
 
@@ -123,7 +123,7 @@ def run(report):
         return sample
     src = extsrc.ParallelSource(large, 16, num_workers=2)
     src.start()
-    report.pids(w.process.pid for w in src._pool._workers)
+    report.pids(src.worker_pids())
     with src:
         it = iter(src)
         for _ in range(4):
@@ -150,9 +150,9 @@ def test_small_dev_shm_with_the_dev_shm_backend_fails_before_writing_with_the_si
 
 def test_fork_after_cuda_is_initialised_is_refused_with_advice():
     scenario = ENGINE + '''
-import extsrc.pool
+import extsrc.engine.pool
 def run(report):
-    extsrc.pool.cuda_initialized = lambda: True  # as if a GPU library had run cuInit
+    extsrc.engine.pool.cuda_initialized = lambda: True  # as if a GPU library had run cuInit
     src = extsrc.ParallelSource(lambda info: np.zeros(1), 4)
     try:
         src.start()
@@ -173,9 +173,6 @@ import json, multiprocessing, os, signal, time
 import numpy as np
 from extsrc import fn, pipeline_def
 
-def worker_pids():
-    return [p.pid for p in multiprocessing.active_children() if p.name.startswith("extsrc-worker")]
-
 def make_pipe(fault, at=9, start_method="fork", **source_kwargs):
     def source(info):
         if info.idx_in_epoch == at:
@@ -192,7 +189,7 @@ def make_pipe(fault, at=9, start_method="fork", **source_kwargs):
 
 def drive(pipe, report):
     pipe.start_py_workers()
-    report.pids(worker_pids())
+    report.pids(pipe.extsrc_pool.worker_pids())
     try:
         pipe.build()
         for _ in range(50):
@@ -291,7 +288,7 @@ def test_dali_pipeline_left_open_at_exit_is_quiet(dali):
 def run(report):
     pipe = make_pipe(lambda: None, at=-1)
     pipe.start_py_workers()
-    report.pids(worker_pids())
+    report.pids(pipe.extsrc_pool.worker_pids())
     pipe.build()
     pipe.run()
 '''
@@ -315,7 +312,7 @@ def run(report):
 
     p = pipe()
     p.start_py_workers()
-    report.pids(worker_pids())
+    report.pids(p.extsrc_pool.worker_pids())
     with p:
         p.build()
         for _ in range(4):
@@ -342,7 +339,7 @@ def test_dali_workers_exit_when_the_parent_is_killed(dali):
 def run(report):
     pipe = make_pipe(lambda: time.sleep(0.2), at=3)
     pipe.start_py_workers()
-    pids = worker_pids()
+    pids = pipe.extsrc_pool.worker_pids()
     report.pids(pids)
     pipe.build()
     print("RESULT " + json.dumps({"type": None, "message": None, "seconds": 0, "pids": pids}), flush=True)
@@ -360,7 +357,7 @@ import json
 def run(report):
     src = make_source(lambda: time.sleep(0.2), at=3)
     src.start()
-    pids = [w.process.pid for w in src._pool._workers]
+    pids = src.worker_pids()
     it = iter(src)
     print("RESULT " + json.dumps({"type": None, "message": None, "seconds": 0, "pids": pids}), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)

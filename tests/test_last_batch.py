@@ -2,7 +2,7 @@
 
 import pytest
 
-from extsrc import ParallelSource
+from extsrc import EmptyEpochError, ParallelSource
 
 from sources import StopsAt
 
@@ -32,8 +32,9 @@ def test_partial_with_an_exact_multiple_has_no_empty_batch():
 def test_epoch_ending_in_the_first_batch():
     with ParallelSource(StopsAt(3), 8, last_batch="partial") as src:
         assert [len(b) for b in src] == [3]
-    with ParallelSource(StopsAt(3), 8) as src:
-        assert list(src) == []
+    with ParallelSource(StopsAt(3), 8) as src:  # "drop" would leave nothing: said, not silent
+        with pytest.raises(EmptyEpochError, match=r"ended after 3 samples.*batch_size=8.*last_batch='partial'"):
+            list(src)
 
 
 def test_batch_mode_epoch_ends_on_stop_iteration():

@@ -28,7 +28,7 @@ def alive(pid):
 
 
 def worker_pids(src):
-    return [w.process.pid for w in src._pool._workers]
+    return src.worker_pids()
 
 
 def test_start_starts_workers_before_first_use_and_close_stops_them():
@@ -131,7 +131,7 @@ def test_interpreter_exit_with_a_live_source_is_quiet_and_leaves_no_worker():
         import numpy as np, extsrc
         src = extsrc.ParallelSource(lambda i: np.zeros(4), 8, num_workers=2)
         next(iter(src))
-        print(*[w.process.pid for w in src._pool._workers])
+        print(*src.worker_pids())
         """
     )
     assert out.returncode == 0 and out.stderr == "", out.stderr
@@ -148,7 +148,7 @@ def test_workers_exit_when_the_parent_is_killed():
             return np.zeros(4)
         src = extsrc.ParallelSource(slow, 8, num_workers=2)
         it = iter(src)
-        print(*[w.process.pid for w in src._pool._workers], flush=True)
+        print(*src.worker_pids(), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
         """
     )

@@ -30,8 +30,8 @@ from nvidia.dali import types
 from extsrc import fn, pipeline_def
 
 import tutorial_io
-from extsrc.doctor import needed_bytes
-from extsrc.shm import dev_shm_usage, format_bytes, shm_size_advice
+from extsrc.cli.doctor import needed_bytes
+from extsrc.shm.limits import dev_shm_usage, format_bytes, shm_size_advice
 
 DATA_DIR = str(files("extsrc") / "data")
 BATCH_SIZE = 8

@@ -33,7 +33,8 @@ from nvidia.dali import types as _dali_types
 from nvidia.dali.pipeline import Pipeline as _DaliPipeline
 
 from extsrc.batch import Batch
-from extsrc.source import LAST_BATCH_POLICIES, ParallelSource
+from extsrc.engine.source import ParallelSource
+from extsrc.options import LAST_BATCH_POLICIES
 
 _CYCLE_OFF = "no"
 _CYCLE_RAISE = "raise"

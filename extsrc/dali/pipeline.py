@@ -8,7 +8,8 @@ from typing import Any, Callable, List, Optional
 from nvidia.dali import pipeline as _dali_pipeline
 
 from extsrc.errors import PoolClosedError
-from extsrc.pool import START_METHODS, WorkerPool
+from extsrc.engine.pool import WorkerPool
+from extsrc.options import START_METHODS
 
 
 class Pipeline(_dali_pipeline.Pipeline):
@@ -75,6 +76,11 @@ class Pipeline(_dali_pipeline.Pipeline):
         """How the extsrc workers are started: ``"fork"``, ``"spawn"`` or ``"forkserver"``."""
         return self._extsrc_start_method
 
+    @property
+    def extsrc_pool(self) -> Optional[WorkerPool]:
+        """The :class:`~extsrc.WorkerPool` of the parallel sources (``None`` while there is none)."""
+        return self._extsrc_pool
+
     # -- what the parallel external sources ask of the pipeline -----------------
 
     def _extsrc_depth(self) -> int:
@@ -84,9 +90,12 @@ class Pipeline(_dali_pipeline.Pipeline):
         return self.cpu_queue_size
 
     def _extsrc_batches_held(self) -> int:
-        """How many batches the engine must keep unchanged after handing them to DALI.
+        """How many fed batches the feeder keeps referenced for DALI.
 
-        Batch ``n`` is fed without a copy when DALI schedules iteration ``n``,
+        DALI takes a ``no_copy`` batch as a bare pointer: it holds no Python
+        reference to the arrays, so the feeder must, for as long as DALI may
+        read them; the engine then keeps their memory unchanged (it is reused
+        only when no reference is left). Batch ``n`` is fed without a copy when DALI schedules iteration ``n``,
         ``depth`` iterations ahead of the run() that returns its outputs, and
         DALI reads it until that iteration has finished, which is before the
         next run() takes batch ``n + depth``. Outputs kept by the user never
@@ -95,8 +104,12 @@ class Pipeline(_dali_pipeline.Pipeline):
         outputs may *be* the fed batch (an external source returned directly or
         through a reshape), make every output invalid at the next run(), which
         takes only batch ``n + depth``. One spare batch covers
-        ``schedule_run()`` called before ``release_outputs()``.
+        ``schedule_run()`` called before ``release_outputs()``. With separated
+        queues DALI documents the buffer as free after ``cpu * gpu`` iterations.
         """
+        if self.exec_separated:
+            cpu, gpu = self.cpu_queue_size, self.gpu_queue_size
+            return max(cpu * gpu, cpu + gpu) + 1
         return self._extsrc_depth() + 1
 
     def _extsrc_pool_for_new_source(self) -> WorkerPool:

@@ -114,7 +114,7 @@ def sleeps(info):
 
 
 def extsrc_workers() -> list:
-    """The extsrc worker processes of this process still alive."""
-    import multiprocessing
+    """The pids of this process's children still alive (extsrc workers, with no other children)."""
+    from procs import live_children
 
-    return [p for p in multiprocessing.active_children() if p.name.startswith("extsrc-worker")]
+    return live_children()

@@ -142,7 +142,7 @@ def test_sources_of_a_pipeline_share_one_pool():
         for _ in range(4):
             a, b, _ = p.run()
             pids |= {int(np.array(a[i])[0]) for i in range(4)} | {int(np.array(b[i])[0]) for i in range(4)}
-        assert pids <= {w.pid for w in workers}
+        assert pids <= set(workers) and set(workers) == set(p.extsrc_pool.worker_pids())
     assert extsrc_workers() == []
 
 

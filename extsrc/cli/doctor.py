@@ -13,8 +13,9 @@ from typing import List, Optional
 import numpy as np
 
 import extsrc
-from extsrc import shm
-from extsrc.pool import START_METHODS
+from extsrc.shm import limits
+from extsrc.shm.segment import Segment, backend as shm_backend
+from extsrc.options import START_METHODS
 
 
 def _probe(info):
@@ -36,7 +37,7 @@ def _check_memfd() -> str:
     if not hasattr(os, "memfd_create"):
         return "not available (falls back to /dev/shm files)"
     try:
-        segment = shm.Segment(os.memfd_create("extsrc:doctor", os.MFD_CLOEXEC), "memfd", "doctor")
+        segment = Segment(os.memfd_create("extsrc:doctor", os.MFD_CLOEXEC), "memfd", "doctor")
         segment.reserve(1 << 20)
         segment.close()
     except OSError as exc:
@@ -84,17 +85,17 @@ def main(argv: List[str]) -> int:
                              "a DALI pipeline keeps prefetch_queue_depth + 1, default 3)")
     args = parser.parse_args(argv)
     advice: List[str] = []
-    fmt = shm.format_bytes
+    fmt = limits.format_bytes
 
     print(f"extsrc {extsrc.__version__}, Python {platform.python_version()}, NumPy {np.__version__}, "
           f"{platform.system()} {platform.release()}, {os.cpu_count()} CPUs")
-    usage = shm.dev_shm_usage()
+    usage = limits.dev_shm_usage()
     if usage is None:
         print("/dev/shm: not mounted")
     else:
         print(f"/dev/shm: {fmt(usage[0])} in all, {fmt(usage[1])} free")
     print(f"memfd: {_check_memfd()}")
-    backend = shm.backend()
+    backend = shm_backend()
     print(f"shared-memory backend in force: {backend}")
 
     need = needed_bytes(args.workers, args.batch_size, args.sample_bytes, args.outputs,
@@ -105,13 +106,13 @@ def main(argv: List[str]) -> int:
     if backend == "devshm" and usage is not None and need > usage[1]:
         advice.append(
             f"/dev/shm has {fmt(usage[1])} free but these settings need {fmt(need)}: start the "
-            f"container with {shm.shm_size_advice(need)}, or unset EXTSRC_SHM_BACKEND to use memfd"
+            f"container with {limits.shm_size_advice(need)}, or unset EXTSRC_SHM_BACKEND to use memfd"
         )
     if backend == "memfd" and usage is not None and usage[0] < (256 << 20):
         advice.append(
             f"/dev/shm is small ({fmt(usage[0])}; Docker's default is 64 MiB). extsrc is not "
             "affected (memfd), but DALI's own parallel source and PyTorch's DataLoader are: "
-            f"for them give the container {shm.shm_size_advice(need)} or more"
+            f"for them give the container {limits.shm_size_advice(need)} or more"
         )
 
     print("\nstart methods:")

@@ -11,9 +11,9 @@ import importlib
 import sys
 
 COMMANDS = {
-    "demo": ("extsrc.demo", "decode the bundled image set through a DALI pipeline fed by extsrc"),
-    "bench": ("extsrc.bench", "measure extsrc side by side with its peers and print ratios"),
-    "doctor": ("extsrc.doctor", "check shared memory, start methods, CUDA, DALI and CuPy"),
+    "demo": ("extsrc.cli.demo", "decode the bundled image set through a DALI pipeline fed by extsrc"),
+    "bench": ("extsrc.bench.runner", "measure extsrc side by side with its peers and print ratios"),
+    "doctor": ("extsrc.cli.doctor", "check shared memory, start methods, CUDA, DALI and CuPy"),
 }
 
 

@@ -20,7 +20,7 @@ from typing import List, Tuple
 
 import numpy as np
 
-from extsrc.pool import START_METHODS
+from extsrc.options import START_METHODS
 
 COLUMNS = 8  # tiles per row of the contact sheet
 GAP = 4  # pixels around and between tiles

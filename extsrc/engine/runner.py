@@ -1,52 +1,32 @@
-"""The worker process: load the sources, then run tasks until told to stop.
+"""Running one source's callback for a task, inside a worker.
 
-A worker owns nothing but its socket to the pool and the descriptors of the
-shared-memory segments it writes. It exits when the pool sends ``STOP``, when
-the socket closes (the pool closed or the parent died), or when its parent
-process goes away while a callback is still running (checked twice a second).
+:class:`SourceRunner` calls the callback for each ``SampleInfo`` of the
+task's range (sample mode) or once for the batch (batch mode), hands the
+outputs to the writer, and answers with a :class:`~extsrc.engine.protocol.TaskDone`
+or :class:`~extsrc.engine.protocol.TaskFailed`. Anything the callback raises,
+``BaseException`` included (``SystemExit``, ``KeyboardInterrupt``), becomes a
+``TaskFailed`` with its type, message, traceback and the sample it came from;
+the worker carries on.
 """
 
 from __future__ import annotations
 
 import inspect
-import os
 import pickle
-import signal
-import threading
-import time
 import traceback
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Union
 
 import numpy as np
 
+from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
+from extsrc.engine.samples import SampleChecker, at
 from extsrc.errors import SampleError
-from extsrc.messages import STOP, Task, TaskDone, TaskFailed, WorkerSetupFailed
-from extsrc.pickling import Pickler
+from extsrc.shm.writer import TaskWriter
 from extsrc.sample_info import BatchInfo, SampleInfo
-from extsrc.shm import PassedFd, Segment
-from extsrc.writer import TaskWriter
 
 SAMPLE, BATCH_CALLABLE, BATCH_ITERABLE, BATCH_GENERATOR = "sample", "callable", "iterable", "generator"
 
-
-@dataclass
-class SourceSpec:
-    """What one worker needs to run one source (built by the source, sent at start)."""
-
-    source_id: int
-    name: str
-    kind: str
-    callback: Any  # the callable/iterable itself (fork) or its pickled bytes (spawn)
-    pickled: bool
-    batch_size: int
-    num_outputs: Optional[int]
-    batch_info: bool
-    dtypes: Tuple[Optional[str], ...]
-    ndims: Tuple[Optional[int], ...]
-    shm_kind: str
-    slot_fds: List[PassedFd]
-    overflow_fds: List[PassedFd]
+Result = Union[TaskDone, TaskFailed]
 
 
 def classify(source: Any, batch: bool) -> str:
@@ -70,40 +50,34 @@ def classify(source: Any, batch: bool) -> str:
     )
 
 
+class ExhaustedIteratorError(SampleError):
+    """A one-pass iterator (e.g. a generator object) was asked for a second epoch."""
+
+
 class SourceRunner:
     """Runs the tasks of one source inside a worker."""
 
-    def __init__(self, spec: SourceSpec, pickler: Optional[Pickler], worker: int):
-        self.spec = spec
+    def __init__(self, setup: SourceSetup, callback: Any, worker: int):
+        self.setup = setup
         self.worker = worker
-        self.callback = pickler.loads(spec.callback) if spec.pickled else spec.callback
-        slots = [Segment(p.fd, spec.shm_kind, f"source {spec.name!r}") for p in spec.slot_fds]
-        overflow = [
-            Segment(p.fd, spec.shm_kind, f"source {spec.name!r}, worker {worker}")
-            for p in spec.overflow_fds
-        ]
-        self.writer = TaskWriter(
-            slots,
-            overflow,
-            spec.num_outputs,
-            tuple(None if d is None else np.dtype(d) for d in spec.dtypes),
-            spec.ndims,
-            spec.batch_size,
-        )
+        self.callback = callback
+        checker = SampleChecker(setup.num_outputs, setup.dtypes, setup.ndims)
+        self.writer = TaskWriter(f"source {setup.name}", checker, setup.batch_size)
         self.iterator: Any = None
         self.iterator_epoch = -1
+        self.one_pass_ended = False  # the source is its own iterator, and it ran out
 
-    def run(self, task: Task):
+    def run(self, task: Task) -> Result:
         """Runs one task; returns a :class:`TaskDone` or :class:`TaskFailed`."""
-        if self.spec.kind == SAMPLE:
+        if self.setup.kind == SAMPLE:
             return self._run_samples(task)
         return self._run_batch(task)
 
-    # -- sample mode ------------------------------------------------------------
+    # -- sample mode ---------------------------------------------------------------------------
 
-    def _run_samples(self, task: Task):
+    def _run_samples(self, task: Task) -> Result:
         callback = self.callback
-        base = task.iteration * self.spec.batch_size
+        base = task.iteration * self.setup.batch_size
         make = tuple.__new__
         produced: List[Any] = []
         append = produced.append
@@ -111,10 +85,11 @@ class SourceRunner:
         position = task.start
         try:
             for position in range(task.start, task.stop):
-                append(callback(make(SampleInfo, (base + position, position, task.iteration, task.epoch_idx))))
+                append(callback(make(SampleInfo, (base + position, position, task.iteration,
+                                                  task.epoch_idx))))
         except StopIteration:
             stopped = True
-        except Exception as exc:
+        except BaseException as exc:
             info = SampleInfo(base + position, position, task.iteration, task.epoch_idx)
             return self._failed(task, position, info, exc)
         count = len(produced)
@@ -124,14 +99,16 @@ class SourceRunner:
 
         try:
             columns = self._columns_of_samples(produced, task.start, describe)
-            placements, overflow_size = self.writer.write(task, columns, count, describe)
+            spilled, overflow = self.writer.write(task.slot_id, task.batch_seq, task.start, task.stop,
+                                                  task.region_bytes, task.regions, columns, count,
+                                                  describe)
         except Exception as exc:
-            position = _failed_position(exc, task.start)
-            return self._failed(task, position, None, exc, from_callback=False)
-        return TaskDone(task.source_id, task.ticket, self.worker, count, stopped, placements, overflow_size)
+            return self._failed(task, getattr(exc, "position", task.start), None, exc,
+                                from_callback=False)
+        return TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow)
 
     def _columns_of_samples(self, produced, start, describe) -> List[Sequence[Any]]:
-        num_outputs = self.spec.num_outputs
+        num_outputs = self.setup.num_outputs
         if num_outputs is None:
             return [produced]
         for k, sample in enumerate(produced):
@@ -141,27 +118,31 @@ class SourceRunner:
                     if isinstance(sample, (tuple, list))
                     else f"one {type(sample).__name__}"
                 )
-                error = SampleError(
+                raise at(start + k, SampleError(
                     f"{describe(start + k)}: expected a tuple of {num_outputs} outputs "
                     f"(num_outputs={num_outputs}), got {got}"
-                )
-                error.position = start + k
-                raise error
-        return [list(column) for column in zip(*produced)] if produced else [[] for _ in range(num_outputs)]
+                ))
+        if not produced:
+            return [[] for _ in range(num_outputs)]
+        return [list(column) for column in zip(*produced)]
 
-    # -- batch mode -------------------------------------------------------------
+    # -- batch mode ----------------------------------------------------------------------------
 
-    def _run_batch(self, task: Task):
-        spec = self.spec
+    def _run_batch(self, task: Task) -> Result:
+        setup = self.setup
         info = BatchInfo(task.iteration, task.epoch_idx)
         try:
-            if spec.kind == BATCH_CALLABLE:
-                batch = self.callback(info if spec.batch_info else task.iteration)
+            if setup.kind == BATCH_CALLABLE:
+                batch = self.callback(info if setup.batch_info else task.iteration)
             else:
                 batch = next(self._iterator_for(task.epoch_idx))
         except StopIteration:
+            if self.iterator is self.callback:
+                self.one_pass_ended = True
             return TaskDone(task.source_id, task.ticket, self.worker, 0, True, (), 0)
-        except Exception as exc:
+        except ExhaustedIteratorError as exc:
+            return self._failed(task, 0, info, exc, from_callback=False)
+        except BaseException as exc:
             return self._failed(task, 0, info, exc)
 
         def describe(pos: int) -> str:
@@ -170,20 +151,33 @@ class SourceRunner:
         try:
             columns = self._columns_of_batch(batch, info)
             count = len(columns[0])
-            placements, overflow_size = self.writer.write(task, columns, count, describe)
+            spilled, overflow = self.writer.write(task.slot_id, task.batch_seq, 0, task.stop,
+                                                  task.region_bytes, task.regions, columns, count,
+                                                  describe)
         except Exception as exc:
-            return self._failed(task, _failed_position(exc, 0), info, exc, from_callback=False)
-        return TaskDone(task.source_id, task.ticket, self.worker, count, False, placements, overflow_size)
+            return self._failed(task, getattr(exc, "position", 0), info, exc, from_callback=False)
+        return TaskDone(task.source_id, task.ticket, self.worker, count, False, spilled, overflow)
 
     def _iterator_for(self, epoch_idx: int):
         if self.iterator_epoch != epoch_idx:
             source = self.callback
-            self.iterator = source() if self.spec.kind == BATCH_GENERATOR else iter(source)
+            if self.setup.kind == BATCH_GENERATOR:
+                self.iterator = source()
+            else:
+                if self.one_pass_ended and iter(source) is source:
+                    raise ExhaustedIteratorError(
+                        f"source {self.setup.name}: the source is a one-pass iterator "
+                        f"({type(source).__name__}, e.g. a generator object) that ran out in an "
+                        f"earlier epoch, so epoch {epoch_idx} would be empty. Pass the generator "
+                        "function itself (source=gen, not gen()), or an iterable whose __iter__ "
+                        "starts a new pass"
+                    )
+                self.iterator = iter(source)
             self.iterator_epoch = epoch_idx
         return self.iterator
 
     def _columns_of_batch(self, batch, info: BatchInfo) -> List[Sequence[Any]]:
-        num_outputs = self.spec.num_outputs
+        num_outputs = self.setup.num_outputs
         if num_outputs is None:
             columns = [batch]
         elif isinstance(batch, (tuple, list)) and len(batch) == num_outputs:
@@ -210,13 +204,11 @@ class SourceRunner:
                     f"with the samples along its first axis, got {type(column).__name__}"
                 )
         if len(set(lengths)) > 1:
-            raise SampleError(
-                f"batch {info}: the outputs have different numbers of samples: {lengths}"
-            )
-        if lengths[0] > self.spec.batch_size:
+            raise SampleError(f"batch {info}: the outputs have different numbers of samples: {lengths}")
+        if lengths[0] > self.setup.batch_size:
             raise SampleError(
                 f"batch {info}: the source returned {lengths[0]} samples, more than "
-                f"batch_size={self.spec.batch_size}"
+                f"batch_size={self.setup.batch_size}"
             )
         if lengths[0] == 0:
             raise SampleError(
@@ -225,9 +217,10 @@ class SourceRunner:
             )
         return columns
 
-    # -- failures ---------------------------------------------------------------
+    # -- failures ------------------------------------------------------------------------------
 
-    def _failed(self, task, position, where, exc: BaseException, from_callback: bool = True):
+    def _failed(self, task: Task, position: int, where: Optional[Any], exc: BaseException,
+                from_callback: bool = True) -> TaskFailed:
         tb = exc.__traceback__
         if from_callback and tb is not None and tb.tb_next is not None:
             tb = tb.tb_next  # start at the callback, not at the worker's loop
@@ -242,52 +235,5 @@ class SourceRunner:
             type(exc).__qualname__, str(exc), text, from_callback,
         )
 
-
-def _failed_position(exc: BaseException, default: int) -> int:
-    return getattr(exc, "position", default)
-
-
-def _exit_when_orphaned(parent: int) -> None:
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent:
-            os._exit(0)
-
-
-def worker_main(
-    index: int,
-    conn,
-    specs: List[SourceSpec],
-    pickler: Optional[Pickler],
-    inherited_fds: Sequence[int],
-) -> None:
-    """Entry point of a worker process (the ``target`` of its ``Process``)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    for fd in inherited_fds:  # fork only: the pool's ends of other workers' sockets
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
-    send, recv, dumps, loads = conn.send_bytes, conn.recv_bytes, pickle.dumps, pickle.loads
-    try:
-        runners: Dict[int, SourceRunner] = {s.source_id: SourceRunner(s, pickler, index) for s in specs}
-    except Exception as exc:
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        try:
-            send(dumps(WorkerSetupFailed(index, f"{type(exc).__name__}: {exc}", text)))
-        except OSError:
-            pass
-        return
-    while True:
-        try:
-            task = loads(recv())
-        except (EOFError, OSError):
-            return
-        if task is STOP:
-            return
-        result = runners[task.source_id].run(task)
-        try:
-            send(dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
-        except OSError:
-            return
+    def close(self) -> None:
+        self.writer.close()

@@ -13,6 +13,7 @@ worker. Everything importable travels by reference.
 from __future__ import annotations
 
 import importlib
+import inspect
 import pickle
 import types
 from typing import Any, Callable, TypeVar
@@ -114,6 +115,12 @@ class Pickler:
         try:
             return self.impl.dumps(obj, **self.dumps_kwargs)
         except Exception as exc:
+            if inspect.isgenerator(obj):
+                raise SourcePicklingError(
+                    f"cannot pickle the {what} {_short_repr(obj)} for spawned workers: it is a "
+                    "generator object, which no pickler can carry. Pass the generator function "
+                    "itself (source=gen, not source=gen()); each epoch then calls it anew."
+                ) from exc
             raise SourcePicklingError(
                 f"cannot pickle the {what} {_short_repr(obj)} for spawned workers with "
                 f"pickler {self.name!r}: {type(exc).__name__}: {exc}\n"

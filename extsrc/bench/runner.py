@@ -12,7 +12,7 @@ Comparisons (each cell of a table is one loader on one workload):
   ``device_id=None``), plus the time from ``build()`` to the first batch with
   spawn and 4 workers.
 
-The workloads are in :mod:`extsrc.bench_workloads`. Every cell runs in a fresh
+The workloads are in :mod:`extsrc.bench.workloads`. Every cell runs in a fresh
 subprocess (so one loader's workers never share a process with another's),
 the loaders of a row alternate, and the table gives the median of
 ``--repeat`` interleaved runs. Nothing heavy is imported here: PyTorch and
@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from extsrc.bench_workloads import WORKLOADS
+from extsrc.bench.workloads import WORKLOADS
 
 RESULT_MARK = "EXTSRC-BENCH-RESULT "
 WORKERS = 2
@@ -46,7 +46,7 @@ QUIET_OTHER_CPU = 0.25  # cores other processes may use during a run that counts
 # Loader names used by the cells.
 EXTSRC, TORCH, DALI, EXTSRC_DALI = "extsrc", "torch", "dali", "extsrc-dali"
 
-_CELL_CODE = "import sys; from extsrc.bench import _cell_main; sys.exit(_cell_main(sys.argv[1:]))"
+_CELL_CODE = "import sys; from extsrc.bench.runner import _cell_main; sys.exit(_cell_main(sys.argv[1:]))"
 
 
 # -- what a row compares and what it must reach ----------------------------------------------
@@ -141,7 +141,7 @@ Take = Callable[[], Any]
 
 def _open_extsrc(workload: str, workers: int, start_method: str):
     import extsrc
-    from extsrc.bench_workloads import CALLBACKS, sample_index
+    from extsrc.bench.workloads import CALLBACKS, sample_index
 
     source = extsrc.ParallelSource(CALLBACKS[workload], WORKLOADS[workload].batch_size,
                                    num_workers=workers, start_method=start_method)
@@ -158,7 +158,7 @@ def _open_extsrc(workload: str, workers: int, start_method: str):
 def _open_torch(workload: str, workers: int, start_method: str):
     from torch.utils.data import DataLoader, Dataset
 
-    from extsrc.bench_workloads import sample_index
+    from extsrc.bench.workloads import sample_index
 
     class BenchDataset(Dataset):
         """What a user writes: a map-style dataset returning one NumPy sample."""
@@ -194,7 +194,7 @@ def _dali_pipeline(workload: str, workers: int, start_method: str, dropin: bool,
         from extsrc import fn, pipeline_def
     else:
         from nvidia.dali import fn, pipeline_def
-    from extsrc.bench_workloads import CALLBACKS
+    from extsrc.bench.workloads import CALLBACKS
 
     callback = CALLBACKS[workload]
 
@@ -210,7 +210,7 @@ def _dali_pipeline(workload: str, workers: int, start_method: str, dropin: bool,
 def _indices_dali(output) -> List[int]:
     import numpy as np
 
-    from extsrc.bench_workloads import sample_index
+    from extsrc.bench.workloads import sample_index
 
     return [sample_index(np.asarray(output[k])) for k in range(len(output))]
 
@@ -371,7 +371,7 @@ def _cell_main(argv: Sequence[str]) -> int:
 
 
 def _package_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_cell(spec: Dict[str, Any], timeout: float) -> Dict[str, Any]:
@@ -514,7 +514,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m extsrc bench",
         description=textwrap.fill(
             "Measure extsrc side by side with its peers on the same callbacks (in "
-            "extsrc.bench_workloads): small (1 KiB uint8 samples, batch 256), large (4 MiB, "
+            "extsrc.bench.workloads): small (1 KiB uint8 samples, batch 256), large (4 MiB, "
             "batch 16) and cpu (a 2 ms busy loop per sample, batch 32), 2 workers, fork. "
             "By default: extsrc.ParallelSource vs torch.utils.data.DataLoader (skipped, with "
             "a note, when PyTorch is not installed). Each cell runs in a fresh subprocess; "

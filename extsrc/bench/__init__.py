@@ -1,0 +1,1 @@
+"""``python -m extsrc bench``: benchmarks, apart from the library (imported only by the CLI)."""

@@ -1,0 +1,556 @@
+"""The worker pool: start, schedule, move messages, detect death, shut down.
+
+One pool serves one or more sources (its *clients*). It knows tasks, slots
+and workers, not epochs or batches.
+
+Threads and ownership:
+
+* **The pool's I/O thread** (one per started pool) owns the workers'
+  channels: it alone sends and receives. It assigns queued tasks to
+  workers, delivers results to their sources (:meth:`PoolClient.on_result`),
+  lets sources reuse memory and dispatch more (:meth:`PoolClient.service`),
+  and notices a dead worker within one wake-up. Asynchronous exceptions
+  (``KeyboardInterrupt``) are delivered to the main thread only, so none of
+  this bookkeeping can be cut in half by one.
+* **Consumer threads** (calling ``next()``, ``iter()``, ``close()`` on
+  sources) change the pool only through the methods below marked *lock
+  held*, and wait on :attr:`WorkerPool.condition`, which the I/O thread
+  notifies after every change.
+* One lock (:attr:`WorkerPool.condition`) guards the pool and every source
+  attached to it.
+
+Pool states::
+
+    NEW ──start()──► RUNNING ──close()──► CLOSED
+     │                  │                   ▲
+     │                  └─fault─► BROKEN ───┤ close()
+     └──────────────close()─────────────────┘
+
+A fault is a worker that died, a worker that could not load the sources, a
+source's timeout, or an internal error: the pool keeps the error, stops
+the workers and refuses further use (each source raises the error itself
+once, then :class:`~extsrc.errors.PoolClosedError`).
+
+Scheduling: every worker holds up to :data:`MAX_OUTSTANDING` tasks (one
+running, one queued, so it never waits for the parent); tasks go to the
+least loaded worker in the order they were submitted, except tasks pinned
+to a worker (iterable sources, whose state lives in one worker).
+"""
+
+from __future__ import annotations
+
+import atexit
+import enum
+import multiprocessing.connection
+import os
+import select
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional, Protocol, Sequence, Tuple, Union
+
+from extsrc.engine import workers as worker_processes
+from extsrc.engine.cuda_state import FORK_AFTER_CUDA, cuda_initialized
+from extsrc.engine.protocol import (
+    AddSlot, DropSlot, SetupFailed, SourceSetup, Task, TaskDone, TaskFailed, WorkerSetup,
+)
+from extsrc.engine.workers import WorkerHandle, Waker
+from extsrc.errors import ForkedChildError, InternalError, PoolClosedError, WorkerDiedError
+from extsrc import forking
+from extsrc.options import UNSET, PoolOptions
+
+MAX_OUTSTANDING = 2  # tasks per worker: one running, one waiting, so a worker never idles
+# close() waits this long for the I/O thread, which stops the workers with their graces.
+IO_THREAD_JOIN_S = 4 * worker_processes.STOP_GRACE_S + 2.0
+
+Result = Union[TaskDone, TaskFailed]
+
+
+class PoolState(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    BROKEN = "broken"
+    CLOSED = "closed"
+
+
+class PoolClient(Protocol):
+    """A source attached to a pool: what the pool asks of it.
+
+    Called by the pool's I/O thread with the pool's lock held, except
+    :meth:`worker_source` (by :meth:`WorkerPool.start`, in the thread
+    calling it) and :meth:`on_pool_closed` (by ``close()``, lock held, after
+    the workers stopped).
+    """
+
+    name: str
+
+    def worker_source(self, pickler: Any) -> SourceSetup:
+        """What each worker needs to run this source (pickles it for spawn/forkserver)."""
+
+    def on_result(self, message: Result) -> bool:
+        """A task of this source reported back; True if a consumer may now be able to go on."""
+
+    def service(self) -> bool:
+        """Take back returned memory and dispatch more work, if any; cheap when there is none.
+        True if a consumer may now be able to go on (a dispatch failed)."""
+
+    def describe_task(self, task: Task) -> str:
+        """``"samples 0..3 of batch 1 of epoch 0 (idx_in_epoch 8..11) of source #0"``."""
+
+    def on_pool_closed(self) -> None:
+        """The workers are gone: give back all shared memory no batch holds."""
+
+
+class WorkerPool:
+    """Worker processes shared by one or more :class:`~extsrc.ParallelSource` s.
+
+    Create the pool, create the sources with ``pool=pool``, then ``start()``
+    (or let the first iteration start it). Sources must exist before the
+    pool starts: workers receive all sources once, at start.
+
+    ``start_method``: ``"fork"`` (fast; refused once CUDA is initialised),
+    ``"spawn"`` or ``"forkserver"`` (sources are pickled with ``pickler``,
+    see :class:`extsrc.engine.pickling.Pickler`). ``close()`` stops the
+    workers and frees the shared memory of every source (batches still held
+    keep theirs until dropped); it is idempotent, and also runs when the pool
+    is garbage and at interpreter exit. A pool belongs to the process that
+    created it: in a forked child every use raises
+    :class:`~extsrc.errors.ForkedChildError`, and nothing the child does
+    stops or signals the parent's workers.
+
+    The methods marked *engine* form the contract with sources; each says
+    who calls it and whether the pool's lock must be held.
+    """
+
+    def __init__(self, num_workers: int = 1, start_method: str = "fork", pickler: Any = None):
+        self.options = PoolOptions.create(num_workers, start_method, pickler)
+        self.condition = threading.Condition(threading.RLock())
+        self._pid = os.getpid()
+        self._state = PoolState.NEW
+        self._error: Optional[BaseException] = None
+        self._reported: set = set()  # clients that raised the fault already
+        self._clients: List["weakref.ReferenceType[PoolClient]"] = []
+        self._workers: List[WorkerHandle] = []
+        self._queue: Deque[Task] = deque()
+        self._pinned: Dict[int, Deque[Task]] = {}
+        self._pins = 0
+        self._waker: Optional[Waker] = None
+        self._thread: Optional[threading.Thread] = None
+        self._io_ident: Optional[int] = None
+        _live_pools.add(self)
+        forking.register(self)
+
+    # -- what users see -------------------------------------------------------------------------
+
+    @property
+    def num_workers(self) -> int:
+        return self.options.num_workers
+
+    @property
+    def start_method(self) -> str:
+        return self.options.start_method
+
+    @property
+    def pickler(self) -> Any:
+        return self.options.pickler
+
+    @property
+    def state(self) -> PoolState:
+        return self._state
+
+    @property
+    def started(self) -> bool:
+        return self._state is PoolState.RUNNING
+
+    def worker_pids(self) -> List[int]:
+        """The pids of the worker processes (empty before start and after close)."""
+        return [w.pid for w in self._workers]
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- life cycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the workers; no-op if running. Raises if closed or broken.
+
+        With ``fork``, call it before CUDA is initialised. Pickling errors of a
+        source (spawn, forkserver) are raised here, with the pool still NEW.
+        """
+        with self.condition:
+            self.check_owner()
+            if self._state is PoolState.RUNNING:
+                return
+            self.check_usable(None)
+            method = self.options.start_method
+            if method == "fork" and cuda_initialized():
+                raise RuntimeError(FORK_AFTER_CUDA)
+            pickler = None if method == "fork" else self.options.pickler
+            clients = [ref() for ref in self._clients]
+            sources = tuple(c.worker_source(pickler) for c in clients if c is not None)
+            # PR_SET_PDEATHSIG follows the thread that forks; the main thread lives as long
+            # as the process, any other may end sooner (then workers use a watchdog).
+            main = threading.current_thread() is threading.main_thread()
+            context = worker_processes.context_for(method)
+            self._waker = Waker()
+            try:
+                for index in range(self.options.num_workers):
+                    setup = WorkerSetup(
+                        index=index,
+                        parent_pid=None if method == "forkserver" else os.getpid(),
+                        forked=method == "fork",
+                        die_with_parent=main or method == "forkserver",
+                        sources=sources,
+                        pickler=pickler,
+                    )
+                    self._workers.append(worker_processes.launch(context, setup))
+            except BaseException:
+                worker_processes.stop(self._workers, ask=False)
+                self._workers = []
+                self._waker.close()
+                self._waker = None
+                raise
+            self._state = PoolState.RUNNING
+            self._thread = threading.Thread(target=self._run, name="extsrc-pool-io", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stops the workers and frees the shared memory of every source. Idempotent.
+
+        In a forked child it does nothing (the workers are the parent's).
+        """
+        if self._pid != os.getpid():
+            return
+        with self.condition:
+            if self._state is PoolState.CLOSED:
+                return
+            self._state = PoolState.CLOSED
+            if self._error is None:
+                self._error = PoolClosedError("the pool was closed")
+            self.condition.notify_all()
+        thread = self._thread
+        if self._waker is not None:
+            self._waker.wake()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(IO_THREAD_JOIN_S)
+        with self.condition:
+            if self._workers:  # the I/O thread did not get to it (or never ran)
+                worker_processes.stop(self._workers, ask=False)
+                self._workers = []
+            for i in range(len(self._clients)):
+                client = self._clients[i]()
+                if client is not None:
+                    client.on_pool_closed()
+            if self._waker is not None:
+                self._waker.close()
+        _live_pools.discard(self)
+
+    def forget_after_fork(self) -> None:
+        # In a forked child (no lock taken: the parent's may be held by a thread not here).
+        for worker in self._workers:
+            worker.channel.forget_after_fork()
+        self._workers = []
+        self._thread = None
+
+    # -- engine: checks -------------------------------------------------------------------------
+
+    def check_owner(self) -> None:
+        """*engine*, any thread, no lock: raises :class:`ForkedChildError` in a forked child."""
+        if self._pid != os.getpid():
+            raise ForkedChildError(
+                f"this extsrc pool (and its sources) belongs to process {self._pid}; it cannot "
+                f"be used in process {os.getpid()}, which was forked from it. Create the source "
+                "in the child, or fork before creating it."
+            )
+
+    def check_usable(self, client_id: Optional[int]) -> None:
+        """*engine*, lock held: raises the pool's fault (once per client), or
+        :class:`PoolClosedError` if closed or broken."""
+        if self._state is PoolState.BROKEN and client_id is not None and client_id not in self._reported:
+            self._reported.add(client_id)
+            raise self._error  # type: ignore[misc]
+        if self._state in (PoolState.CLOSED, PoolState.BROKEN):
+            error = self._error or PoolClosedError("the pool was closed")
+            if isinstance(error, PoolClosedError):
+                raise PoolClosedError(f"{error} (no batches can be taken after close())")
+            raise PoolClosedError(
+                f"the source's workers were shut down after an earlier error: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+
+    @property
+    def broken(self) -> bool:
+        return self._state is PoolState.BROKEN
+
+    @property
+    def closed(self) -> bool:
+        return self._state is PoolState.CLOSED
+
+    # -- engine: clients ------------------------------------------------------------------------
+
+    def attach(self, client: PoolClient) -> int:
+        """*engine*, consumer thread: adds a source before start; returns its id."""
+        with self.condition:
+            self.check_owner()
+            if self._state is not PoolState.NEW:
+                raise RuntimeError("sources must be added to a WorkerPool before it starts")
+            self._clients.append(weakref.ref(client))
+            return len(self._clients) - 1
+
+    def pin_worker(self) -> int:
+        """*engine*: a worker for a source whose state must stay in one process (round robin)."""
+        worker = self._pins % self.options.num_workers
+        self._pins += 1
+        return worker
+
+    def fail(self, error: BaseException) -> None:
+        """*engine*, lock held: a source found a fault (a timeout): break the pool with ``error``.
+
+        The I/O thread stops the workers; waiters wake up.
+        """
+        self._break(error)
+
+    # -- engine: work and slots (lock held) -----------------------------------------------------
+
+    def submit(self, task: Task, worker: Optional[int] = None) -> None:
+        """*engine*, lock held: queues ``task`` (for ``worker`` only, if given)."""
+        if worker is None:
+            self._queue.append(task)
+        else:
+            self._pinned.setdefault(worker, deque()).append(task)
+        self.wake()
+
+    def discard_queued(self, source_id: int) -> List[Task]:
+        """*engine*, lock held: removes the source's tasks not yet sent to a worker; returns them."""
+        removed = [t for t in self._queue if t.source_id == source_id]
+        if removed:
+            self._queue = deque(t for t in self._queue if t.source_id != source_id)
+        for worker, queue in self._pinned.items():
+            mine = [t for t in queue if t.source_id == source_id]
+            if mine:
+                removed += mine
+                self._pinned[worker] = deque(t for t in queue if t.source_id != source_id)
+        for worker in self._workers:
+            kept: Deque[Tuple[Any, Tuple[int, ...]]] = deque()
+            for message, fds in worker.outbox:
+                if isinstance(message, Task) and message.source_id == source_id:
+                    del worker.outstanding[message.ticket]
+                    removed.append(message)
+                else:
+                    kept.append((message, fds))
+            worker.outbox = kept
+        return removed
+
+    def add_slot(self, source_id: int, slot_id: int, region_fd: int, overflow_fds: Sequence[int]) -> None:
+        """*engine*, lock held: sends every worker a new slot (descriptors are duplicated)."""
+        if self._state is not PoolState.RUNNING:
+            return
+        from extsrc.shm.segment import backend
+
+        kind = backend()
+        for worker in self._workers:
+            fds = (os.dup(region_fd), os.dup(overflow_fds[worker.index]))
+            worker.outbox.append((AddSlot(source_id, slot_id, kind), fds))
+        self.wake()
+
+    def drop_slot(self, source_id: int, slot_id: int) -> None:
+        """*engine*, lock held: tells every worker to drop a slot."""
+        if self._state is not PoolState.RUNNING:
+            return
+        for worker in self._workers:
+            worker.outbox.append((DropSlot(source_id, slot_id), ()))
+        self.wake()
+
+    def wake(self) -> None:
+        """*engine*, any thread, any time: makes the I/O thread run its loop once more."""
+        waker = self._waker
+        if waker is not None and threading.get_ident() != self._io_ident:
+            waker.wake()
+
+    def running_tasks(self, source_id: int) -> List[Tuple[int, int, Task, float]]:
+        """*engine*, lock held: ``(worker, pid, task, seconds running)`` of the source's sent tasks."""
+        now = time.monotonic()
+        rows = []
+        for worker in self._workers:
+            for position, task in enumerate(worker.outstanding.values()):
+                if task.source_id == source_id:
+                    running = now - worker.busy_since if position == 0 else 0.0
+                    rows.append((worker.index, worker.pid, task, running))
+        return rows
+
+    # -- the I/O thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._io_ident = threading.get_ident()
+        try:
+            poller, sockets, sentinels = self._poller()
+            while self._io_round(poller, sockets, sentinels):
+                pass
+        except BaseException as exc:  # a bug: the pool must not hang its consumers
+            with self.condition:
+                error = InternalError(f"the extsrc pool's I/O thread failed: {type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+                self._break(error)
+        finally:
+            with self.condition:
+                workers, self._workers = self._workers, []
+            worker_processes.stop(workers, ask=self._state is PoolState.CLOSED)
+            with self.condition:
+                self.condition.notify_all()
+
+    def _poller(self) -> Tuple[Any, Dict[int, WorkerHandle], Dict[int, WorkerHandle]]:
+        """One poll set for the life of the pool: the waker, each worker's socket and sentinel."""
+        poller = select.poll()
+        assert self._waker is not None
+        poller.register(self._waker.fileno(), select.POLLIN)
+        sockets, sentinels = {}, {}
+        for worker in self._workers:
+            sockets[worker.channel.fileno()] = worker
+            sentinels[worker.sentinel] = worker
+            poller.register(worker.channel.fileno(), select.POLLIN)
+            poller.register(worker.sentinel, select.POLLIN)
+        return poller, sockets, sentinels
+
+    def _io_round(self, poller: Any, sockets: Dict[int, WorkerHandle],
+                  sentinels: Dict[int, WorkerHandle]) -> bool:
+        """One round: service, send, wait, receive. False when the pool stops running."""
+        with self.condition:
+            if self._state is not PoolState.RUNNING:
+                return False
+            changed = False
+            for ref in self._clients:
+                client = ref()
+                if client is not None:
+                    changed = client.service() or changed
+            self._assign()
+            if not self._flush():
+                return False
+            if changed:
+                self.condition.notify_all()
+            waker = self._waker
+            assert waker is not None
+        events = poller.poll()
+        with self.condition:
+            if self._state is not PoolState.RUNNING:
+                return False
+            changed = False
+            for fd, _event in events:
+                if fd == waker.fileno():
+                    waker.drain()
+                elif fd in sockets:
+                    worker = sockets[fd]
+                    received = self._receive(worker)
+                    if received is None:
+                        self._worker_died(worker)
+                        return False
+                    changed = received or changed
+                elif fd in sentinels:
+                    worker = sentinels[fd]
+                    self._receive(worker)  # what it sent before it ended still counts
+                    self._worker_died(worker)
+                    return False
+            if changed:
+                self.condition.notify_all()
+        return True
+
+    def _assign(self) -> None:
+        if not self._queue and not any(self._pinned.values()):
+            return
+        for level in range(1, MAX_OUTSTANDING + 1):
+            for worker in self._workers:
+                if len(worker.outstanding) >= level:
+                    continue
+                pinned = self._pinned.get(worker.index)
+                if pinned:
+                    task = pinned.popleft()
+                elif self._queue:
+                    task = self._queue.popleft()
+                else:
+                    continue
+                if not worker.outstanding:
+                    worker.busy_since = time.monotonic()
+                worker.outstanding[task.ticket] = task
+                worker.outbox.append((task, ()))
+
+    def _flush(self) -> bool:
+        for worker in self._workers:
+            while worker.outbox:
+                message, fds = worker.outbox[0]
+                try:
+                    worker.channel.send(message, fds)
+                except OSError:
+                    self._worker_died(worker)
+                    return False
+                worker.outbox.popleft()
+                for fd in fds:
+                    os.close(fd)
+        return True
+
+    def _receive(self, worker: WorkerHandle) -> Optional[bool]:
+        """Routes every message that arrived from ``worker``: ``None`` if its channel
+        closed, else whether a consumer may be waiting for what changed."""
+        try:
+            messages = worker.channel.recv_available()
+        except (EOFError, OSError):
+            return None
+        changed = False
+        for message in messages:
+            if isinstance(message, (TaskDone, TaskFailed)):
+                worker.outstanding.pop(message.ticket, None)
+                worker.busy_since = time.monotonic()
+                client = self._clients[message.source_id]()
+                if client is not None and client.on_result(message):
+                    changed = True
+            elif isinstance(message, SetupFailed):
+                self._break(RuntimeError(
+                    f"extsrc worker {message.worker} could not load the sources: {message.message}\n"
+                    f"Worker traceback:\n{message.traceback}"
+                ))
+                changed = True
+        return changed
+
+    def _worker_died(self, worker: WorkerHandle) -> None:
+        if self._state is not PoolState.RUNNING:
+            return
+        how, hint = worker_processes.describe_exit(worker, self.options.start_method)
+        held = []
+        for task in worker.outstanding.values():
+            client = self._clients[task.source_id]()
+            held.append(client.describe_task(task) if client is not None else f"a task of source {task.source_id}")
+        what = "; ".join(held) if held else "no samples"
+        self._break(WorkerDiedError(
+            f"extsrc worker {worker.index} (pid {worker.pid}) {how} while it held {what}."
+            f"{hint} The remaining workers were shut down."
+        ))
+
+    def _break(self, error: BaseException) -> None:
+        if self._state in (PoolState.BROKEN, PoolState.CLOSED):
+            return
+        self._state = PoolState.BROKEN
+        self._error = error
+        self.condition.notify_all()
+        self.wake()
+
+
+_live_pools: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
+
+
+def _close_live_pools() -> None:
+    for pool in list(_live_pools):
+        try:
+            pool.close()
+        except Exception:
+            pass
+
+
+atexit.register(_close_live_pools)

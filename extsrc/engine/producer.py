@@ -1,0 +1,250 @@
+"""Producing a source's batches: which batch goes where, and what came back.
+
+A :class:`Producer` is a source's side of the pool (a
+:class:`~extsrc.engine.pool.PoolClient`). It owns the source's slots
+(:class:`~extsrc.shm.slots.SlotPool`), the layouts learned so far, and the
+batches in production. All of that changes in the pool's I/O thread only:
+
+* the consumer asks for a *run* (an epoch from a given iteration) by
+  setting :attr:`Producer.requested` (one assignment) and waking the pool;
+* the I/O thread, in :meth:`service`, switches to the requested run
+  (abandoning the batches of the previous one), takes back memory of
+  batches the consumer dropped, and dispatches batches into free slots,
+  ``prefetch`` ahead; in :meth:`on_result` it records what workers wrote;
+* the consumer takes finished batches (:meth:`ready`, :meth:`commit`) with
+  the lock held and never changes anything else, so an interrupt in the
+  consumer thread cannot leave production half done.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+from extsrc.engine.assembly import PendingBatch
+from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
+from extsrc.engine.runner import BATCH_GENERATOR, BATCH_ITERABLE, SAMPLE
+from extsrc.errors import SharedMemoryError
+from extsrc.options import SourceOptions
+from extsrc.shm import limits
+from extsrc.shm.layout import LayoutPlan
+from extsrc.shm.segment import backend
+from extsrc.shm.slots import SlotPool, SlotState
+
+
+class Run(NamedTuple):
+    """One stretch of production: epoch ``epoch_idx`` from iteration ``first_iteration``."""
+
+    run_id: int
+    epoch_idx: int
+    first_iteration: int
+
+
+class Producer:
+    """See the module docstring. Created by :class:`~extsrc.ParallelSource`."""
+
+    def __init__(self, source: Any, kind: str, options: SourceOptions, pool: Any,
+                 name: Optional[str]):
+        self.source = source
+        self.kind = kind
+        self.options = options
+        self.pool = pool
+        self.source_id = pool.attach(self)
+        self.name = name if name is not None else f"#{self.source_id}"
+        self.pinned_worker = pool.pin_worker() if kind in (BATCH_ITERABLE, BATCH_GENERATOR) else None
+        self.slots = SlotPool(self.source_id, f"source {self.name}", pool.num_workers,
+                              options.prefetch + options.batches_held, pool)
+        self.layout = LayoutPlan(options.outputs, options.batch_size)
+        self.requested: Optional[Run] = None  # set by the consumer thread
+        self.run: Optional[Run] = None  # what the I/O thread produces
+        self.pending: Dict[int, PendingBatch] = {}  # iteration -> batch of the run, not yet taken
+        self.in_flight: Dict[int, PendingBatch] = {}  # ticket -> batch (abandoned ones too)
+        self.next_dispatch = 0
+        self.end_at: Optional[int] = None  # the run's epoch ends at this iteration
+        self.error: Optional[Tuple[int, BaseException]] = None  # (iteration, dispatch failure)
+        self._tickets = itertools.count()
+        self._batch_seq = itertools.count()
+        self._runs = itertools.count(1)
+        self._closed = False
+        self._range_cache: Optional[List[Tuple[int, int]]] = None
+
+    # -- consumer thread, lock held ----------------------------------------------------------
+
+    def request(self, epoch_idx: Optional[int], first_iteration: int = 0) -> Optional[Run]:
+        """Asks for a new run (``None``: stop producing); the I/O thread switches to it."""
+        run = None if epoch_idx is None else Run(next(self._runs), epoch_idx, first_iteration)
+        self.requested = run
+        self.pool.wake()
+        return run
+
+    def ready(self, run: Run, iteration: int) -> Optional[PendingBatch]:
+        """The batch ``iteration`` of ``run`` if every task of it reported back."""
+        if self.run is not run:
+            return None
+        pending = self.pending.get(iteration)
+        return pending if pending is not None and pending.complete else None
+
+    def failure(self, run: Run, iteration: int) -> Optional[BaseException]:
+        """Why batch ``iteration`` of ``run`` could not be dispatched, if it could not."""
+        if self.run is run and self.error is not None and self.error[0] == iteration:
+            return self.error[1]
+        return None
+
+    def commit(self, pending: PendingBatch) -> None:
+        """The consumer took ``pending`` (its slot is LEASED)."""
+        self.pending.pop(pending.iteration, None)
+        self.pool.wake()  # one batch fewer ahead: dispatch the next
+
+    def uncommit(self, pending: PendingBatch) -> None:
+        """Undoes :meth:`commit` (the take was interrupted)."""
+        self.pending[pending.iteration] = pending
+
+    # -- I/O thread, lock held (the PoolClient protocol) ---------------------------------------
+
+    def worker_source(self, pickler: Any) -> SourceSetup:
+        callback = self.source
+        pickled = pickler is not None
+        if pickled:
+            callback = pickler.dumps(self.source, what=f"source {self.name}")
+        o = self.options
+        return SourceSetup(
+            source_id=self.source_id, name=self.name, kind=self.kind, callback=callback,
+            pickled=pickled, batch_size=o.batch_size, num_outputs=o.num_outputs,
+            batch_info=o.batch_info, dtypes=tuple(None if d is None else d.str for d in o.dtypes),
+            ndims=o.ndims,
+        )
+
+    def on_result(self, message: Any) -> bool:
+        pending = self.in_flight.pop(message.ticket, None)
+        if pending is None:
+            return False
+        pending.add(message)
+        if pending.complete:
+            self.slots.filled(pending.slot)
+        if isinstance(message, TaskDone):
+            if message.count:
+                self._learn(pending, message)
+            if message.stopped and self.run is not None and pending is self.pending.get(pending.iteration):
+                self.end_at = pending.iteration if self.end_at is None else min(self.end_at, pending.iteration)
+        elif isinstance(message, TaskFailed) and pending is self.pending.get(pending.iteration):
+            self.end_at = pending.iteration if self.end_at is None else min(self.end_at, pending.iteration)
+        return pending.complete
+
+    def service(self) -> bool:
+        if self._closed:
+            return False
+        if self.slots.returns:
+            self.slots.process_returns()
+        if self.requested is not self.run:
+            self._switch(self.requested)
+        failed = self.error
+        self._fill()
+        self.slots.trim()
+        return self.error is not failed
+
+    def describe_task(self, task: Task) -> str:
+        if self.kind == SAMPLE:
+            base = task.iteration * self.options.batch_size
+            return (
+                f"samples {task.start}..{task.stop - 1} of batch {task.iteration} of epoch "
+                f"{task.epoch_idx} (idx_in_epoch {base + task.start}..{base + task.stop - 1}) "
+                f"of source {self.name}"
+            )
+        return f"batch {task.iteration} of epoch {task.epoch_idx} of source {self.name}"
+
+    def on_pool_closed(self) -> None:
+        self.close(tell_workers=False)
+
+    # -- production ----------------------------------------------------------------------------
+
+    def _switch(self, run: Optional[Run]) -> None:
+        """Abandons the current run's batches and starts ``run``."""
+        for task in self.pool.discard_queued(self.source_id):
+            pending = self.in_flight.pop(task.ticket, None)
+            if pending is not None:
+                pending.cancel(task.ticket)  # never sent: nothing will come for it
+        for pending in self.pending.values():
+            self.slots.abandon(pending.slot)
+            if pending.complete and pending.slot.state is SlotState.DRAINING:
+                self.slots.filled(pending.slot)
+        self.pending.clear()
+        self.run = run
+        self.next_dispatch = 0 if run is None else run.first_iteration
+        self.end_at = None
+        self.error = None
+
+    def _fill(self) -> None:
+        run = self.run
+        if run is None or self.error is not None:
+            return
+        o = self.options
+        while len(self.pending) < o.prefetch:
+            if not self.layout.known and self.pending:
+                return  # the first batch tells the layouts; until then one at a time
+            iteration = self.next_dispatch
+            if self.end_at is not None and iteration > self.end_at:
+                return
+            regions, region_bytes = self.layout.regions()
+            try:
+                slot = self.slots.acquire(region_bytes, self._total_need(region_bytes))
+            except SharedMemoryError as exc:
+                self.error = (iteration, limits.with_advice(exc, backend(),
+                                                            self._total_need(region_bytes)))
+                return
+            pending = PendingBatch(next(self._batch_seq), run.epoch_idx, iteration, slot, regions)
+            tasks = []
+            for start, stop in self._ranges():
+                ticket = next(self._tickets)
+                pending.expect(ticket, start, stop)
+                self.in_flight[ticket] = pending
+                tasks.append(Task(self.source_id, ticket, slot.slot_id, pending.seq, run.epoch_idx,
+                                  iteration, start, stop, region_bytes, regions))
+            self.pending[iteration] = pending
+            self.next_dispatch += 1
+            for task in tasks:
+                self.pool.submit(task, self.pinned_worker)
+
+    def _ranges(self) -> List[Tuple[int, int]]:
+        if self._range_cache is None:
+            self._range_cache = self._compute_ranges()
+        return self._range_cache
+
+    def _compute_ranges(self) -> List[Tuple[int, int]]:
+        batch_size = self.options.batch_size
+        if self.kind != SAMPLE:
+            return [(0, batch_size)]
+        workers = self.pool.num_workers
+        # Enough tasks per batch that every worker has work queued while `prefetch` batches
+        # are in flight, and no more (each task costs two messages).
+        parts = min(batch_size, max(1, math.ceil(2 * workers / self.options.prefetch)))
+        bounds = [round(i * batch_size / parts) for i in range(parts + 1)]
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    def _total_need(self, region_bytes: int) -> int:
+        return max(region_bytes, 1) * (self.slots.keep + 1)
+
+    def _learn(self, pending: PendingBatch, message: TaskDone) -> None:
+        """Regions for later batches follow the layout of what the workers wrote."""
+        for j, spilled in enumerate(message.spilled):
+            if not spilled:
+                continue  # everything in place: the layout holds
+            first = spilled[0]
+            uniform = all(s.dtype == first.dtype and s.shape == first.shape for s in spilled)
+            if uniform and len(spilled) == message.count:
+                self.layout.learn(j, (first.dtype, tuple(first.shape)))
+            else:
+                self.layout.learn(j, None)
+
+    # -- end -----------------------------------------------------------------------------------
+
+    def close(self, tell_workers: bool) -> None:
+        """Gives back the source's memory (held batches keep theirs). Lock held."""
+        if self._closed:
+            return
+        self._closed = True
+        if tell_workers:
+            self._switch(None)
+        self.pending.clear()
+        self.in_flight.clear()
+        self.slots.close(tell_workers)

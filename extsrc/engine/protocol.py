@@ -1,0 +1,146 @@
+"""The messages between a pool and its workers, and what a worker is given at start.
+
+Messages are typed records with named fields (``NamedTuple``: they pickle
+small and fast). They carry ranges, offsets, shapes and dtypes, never sample
+bytes: samples are in shared memory. Each worker has one channel
+(:mod:`extsrc.engine.channel`); messages on it arrive in the order sent.
+
+Pool -> worker: :class:`AddSlot` (with descriptors), :class:`DropSlot`,
+:class:`Task`, :class:`Stop`. Worker -> pool: :class:`TaskDone`,
+:class:`TaskFailed`, :class:`SetupFailed`. A worker sees a slot's
+:class:`AddSlot` before any task for it, and its :class:`DropSlot` only
+after every task for it has reported back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional, Tuple
+
+from extsrc.shm.layout import Region, Spilled
+
+
+# -- pool -> worker ---------------------------------------------------------------------------
+
+
+class AddSlot(NamedTuple):
+    """A new slot of a source; sent with two descriptors: its region segment, and the
+    receiving worker's own overflow segment of it."""
+
+    source_id: int
+    slot_id: int
+    kind: str  # the segments' backend ("memfd", "devshm"), for error messages
+
+
+class DropSlot(NamedTuple):
+    """The slot is retired: close and unmap it."""
+
+    source_id: int
+    slot_id: int
+
+
+class Task(NamedTuple):
+    """Produce samples ``[start, stop)`` of one batch of one source into slot ``slot_id``.
+
+    In batch mode the range is ``[0, batch_size)`` and the callback decides
+    the batch length. ``regions[j]`` is where output ``j`` is written in
+    place, or ``None`` while its layout is not known (then all its samples go
+    to overflow). ``region_bytes``: how much of the region segment is in use.
+    """
+
+    source_id: int
+    ticket: int
+    slot_id: int
+    batch_seq: int  # unique per batch dispatched; a worker's overflow area starts over at a new one
+    epoch_idx: int
+    iteration: int
+    start: int
+    stop: int
+    region_bytes: int
+    regions: Tuple[Optional[Region], ...]
+
+
+class Stop(NamedTuple):
+    """Finish and exit."""
+
+
+# -- worker -> pool ---------------------------------------------------------------------------
+
+
+class TaskDone(NamedTuple):
+    """The task produced ``count`` samples (``stopped``: the epoch ended right after them).
+
+    ``spilled[j]`` lists the samples of output ``j`` that went to overflow;
+    every other sample is in place in its region. ``overflow_bytes`` is how
+    much of the worker's overflow segment the parent must map to read them.
+    """
+
+    source_id: int
+    ticket: int
+    worker: int
+    count: int
+    stopped: bool
+    spilled: Tuple[Tuple[Spilled, ...], ...]
+    overflow_bytes: int
+
+
+class TaskFailed(NamedTuple):
+    """The task failed at ``position`` (idx_in_batch); its earlier samples are lost with it.
+
+    ``error`` is the pickled exception when it pickles (else ``None``);
+    ``type_name``/``message``/``traceback`` always describe it. ``where`` is
+    the ``SampleInfo``/``BatchInfo`` of the failing call, ``None`` when the
+    failure is not tied to one. ``in_callback``: raised by the callback
+    (rather than by checking or writing its output).
+    """
+
+    source_id: int
+    ticket: int
+    worker: int
+    position: int
+    where: Optional[Any]
+    error: Optional[bytes]
+    type_name: str
+    message: str
+    traceback: str
+    in_callback: bool
+
+
+class SetupFailed(NamedTuple):
+    """The worker could not load its sources (unpickling, ``__setstate__``)."""
+
+    worker: int
+    message: str
+    traceback: str
+
+
+# -- what a worker is given at start ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SourceSetup:
+    """What a worker needs to run one source; built once per source at pool start."""
+
+    source_id: int
+    name: str
+    kind: str  # see extsrc.engine.runner: "sample", "callable", "iterable", "generator"
+    callback: Any  # the callable/iterable (fork), or its pickled bytes (spawn, forkserver)
+    pickled: bool
+    batch_size: int
+    num_outputs: Optional[int]
+    batch_info: bool
+    dtypes: Tuple[Optional[str], ...]
+    ndims: Tuple[Optional[int], ...]
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """Everything a worker process is started with."""
+
+    index: int
+    parent_pid: Optional[int]  # None: the parent is a fork server, whatever it is at start
+    forked: bool  # started with fork: drop what was inherited from the parent
+    die_with_parent: bool  # PR_SET_PDEATHSIG is reliable (started from the main thread)
+    sources: Tuple[SourceSetup, ...]
+    pickler: Any  # extsrc.engine.pickling.Pickler, or None with fork
+

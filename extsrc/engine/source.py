@@ -1,0 +1,456 @@
+"""``ParallelSource``: epochs of batches produced by a worker pool.
+
+The source is the consumer's side: it checks the arguments (once, in
+:class:`~extsrc.options.SourceOptions`), owns or shares a
+:class:`~extsrc.engine.pool.WorkerPool`, and hands out batches epoch by
+epoch. Production (dispatch, results, memory) is its
+:class:`~extsrc.engine.producer.Producer`'s, in the pool's I/O thread; the
+consumer thread only waits for a finished batch, takes it and moves its own
+cursor, all with the pool's lock held. That is why an interrupt
+(``KeyboardInterrupt``) anywhere in ``next()`` leaves the source
+consistent: the take is undone, and the next call returns the same batch.
+
+Life cycle of a batch: dispatched into a free slot (I/O thread) -> written
+by the workers -> every task reported back -> taken by ``next()``, which
+wraps the slot's memory in a :class:`~extsrc.shm.slots.Lease` -> the
+consumer's arrays hold the lease -> freed when the last reference is gone
+(the slot is reused, or given back).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import time
+from typing import Any, Dict, Iterator, Optional
+
+import numpy as np
+
+from extsrc.batch import Batch
+from extsrc.engine.assembly import BatchOutput, PendingBatch
+from extsrc.engine.pool import WorkerPool
+from extsrc.engine.producer import Producer, Run
+from extsrc.engine.runner import BATCH_GENERATOR, BATCH_ITERABLE, SAMPLE, classify
+from extsrc.errors import EmptyEpochError, SampleError, SourceTimeoutError
+from extsrc.options import UNSET, SourceOptions
+from extsrc.shm.slots import SlotState
+
+
+class EpochState(enum.Enum):
+    RUNNING = "running"  # batches come
+    LAST_GIVEN = "last given"  # the final (short) batch was handed out; the next call ends it
+    ENDED = "ended"  # StopIteration was raised, or the epoch was superseded or closed
+
+
+class Epoch:
+    """The iterator of one epoch, what ``iter(source)`` returns.
+
+    States: RUNNING -> LAST_GIVEN -> ENDED, or RUNNING -> ENDED (the end of
+    the data, an error, a newer epoch, ``close()``).
+    """
+
+    def __init__(self, source: "ParallelSource", run: Run):
+        self.source = source
+        self.run = run
+        self.epoch_idx = run.epoch_idx
+        self.next_yield = run.first_iteration
+        self.state = EpochState.RUNNING
+
+    def __iter__(self) -> "Epoch":
+        return self
+
+    def __next__(self) -> BatchOutput:
+        # What a take has done so far, so that an exception arriving anywhere before the
+        # batch reaches the caller (a KeyboardInterrupt) undoes it: the next call returns
+        # the same batch.
+        take = _Take()
+        try:
+            return self.source._next_batch(self, take)
+        except BaseException:
+            if take.pending is not None:
+                self.source._undo(self, take)
+            raise
+
+
+class _Take:
+    """The steps of one take, recorded for :meth:`ParallelSource._undo`."""
+
+    __slots__ = ("pending", "lease", "next_yield", "state")
+
+    def __init__(self) -> None:
+        self.pending: Optional[PendingBatch] = None
+        self.lease: Any = None
+        self.next_yield = 0
+        self.state = EpochState.RUNNING
+
+
+class ParallelSource:
+    """Runs ``source`` in worker processes; each ``for`` loop over it is one epoch.
+
+    Sample mode (``batch=False``): ``source(SampleInfo)`` returns one sample,
+    an array, or a tuple of ``num_outputs`` arrays; sample ``k`` of iteration
+    ``i`` has ``idx_in_epoch = i * batch_size + k``. Batch mode
+    (``batch=True``): ``source`` is a callable taking the iteration number (or
+    a ``BatchInfo`` with ``batch_info=True``), an iterable, or a generator
+    function; it returns a whole batch: a list of samples (or one array with
+    the samples along axis 0), or a tuple of ``num_outputs`` such. Iterables
+    and generators run in one worker, so that their state stays in one place.
+
+    Each batch is a :class:`~extsrc.Batch` (a list of arrays), or a tuple of
+    ``num_outputs`` of them. Its arrays are zero-copy views of shared memory
+    and stay valid and unchanged for as long as any of them, or anything made
+    from them (a slice, ``as_array()``, ``torch.from_numpy``), is referenced;
+    only then is the memory reused. Holding ``n`` batches costs about ``n``
+    batches of memory; ``batches_held`` (default 2) is how many held batches
+    have memory kept ready for them, so that a loop holding no more than that
+    allocates nothing in steady state. Batches come in index order whatever
+    the number of workers or their timing.
+
+    The epoch ends when the callback raises ``StopIteration``:
+    ``last_batch="drop"`` drops the batch in which it happened,
+    ``"partial"`` yields the samples before it as a shorter final batch. An
+    epoch whose every sample was dropped raises
+    :class:`~extsrc.errors.EmptyEpochError`.
+
+    Errors: an exception in the callback (any ``BaseException``) is raised
+    from ``next()`` at its batch, with its type, message and worker
+    traceback, and ends the epoch; an invalid sample raises
+    :class:`~extsrc.errors.SampleError`; a dead worker
+    :class:`~extsrc.errors.WorkerDiedError` and a batch slower than
+    ``timeout`` seconds :class:`~extsrc.errors.SourceTimeoutError` (after
+    those two the pool is shut down). In a process forked from the one that
+    created it, every method raises :class:`~extsrc.errors.ForkedChildError`.
+
+    Threads: several threads may take batches from one epoch; each batch
+    goes to exactly one of them, whole. ``iter()`` in one thread ends the
+    epoch other threads iterate (they get ``StopIteration``).
+
+    ``dtype``/``ndim`` (one value, or one per output) declare what samples
+    must be. Workers start on first use or at ``start()``; ``close()`` (or
+    ``with``) stops them and frees the shared memory no batch holds. ``pool``
+    shares one :class:`~extsrc.WorkerPool` between sources; then
+    ``num_workers``, ``start_method`` and ``pickler`` come from the pool and
+    giving them is an error.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        batch_size: int,
+        *,
+        num_outputs: Optional[int] = None,
+        batch: bool = False,
+        batch_info: bool = False,
+        num_workers: int = UNSET,
+        start_method: str = UNSET,
+        pickler: Any = UNSET,
+        prefetch: Optional[int] = None,
+        last_batch: str = "drop",
+        dtype: Any = None,
+        ndim: Any = None,
+        timeout: Optional[float] = None,
+        batches_held: int = 2,
+        pool: Optional[WorkerPool] = None,
+        name: Optional[str] = None,
+    ):
+        given = {k: v for k, v in (("num_workers", num_workers), ("start_method", start_method),
+                                   ("pickler", pickler)) if v is not UNSET}
+        if pool is None:
+            defaults = {"num_workers": 1, "start_method": "fork", "pickler": None}
+            pool = WorkerPool(**{**defaults, **given})
+            self._owns_pool = True
+        else:
+            if not isinstance(pool, WorkerPool):
+                raise TypeError(f"pool must be an extsrc.WorkerPool, got {type(pool).__name__}")
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} come(s) from the shared pool (num_workers="
+                    f"{pool.num_workers}, start_method={pool.start_method!r}); do not pass "
+                    "them together with pool="
+                )
+            self._owns_pool = False
+        self.options = SourceOptions.create(
+            batch_size, num_outputs=num_outputs, batch=batch, batch_info=batch_info,
+            prefetch=prefetch, num_workers=pool.num_workers, last_batch=last_batch, dtype=dtype,
+            ndim=ndim, timeout=timeout, batches_held=batches_held,
+        )
+        kind = classify(source, self.options.batch)
+        if self.options.batch_info and kind != "callable":
+            raise ValueError("batch_info=True needs a callable source (not an iterable or generator)")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {name!r}")
+        self.source = source
+        self.kind = kind
+        self._pool = pool
+        self._pid = os.getpid()
+        self._producer = Producer(source, kind, self.options, pool, name)
+        self.name = self._producer.name
+        self._epoch: Optional[Epoch] = None
+        self._next_epoch = 0
+        self._resume_iteration = 0
+        self._closed = False
+
+    # -- properties users read -------------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        return self.options.batch_size
+
+    @property
+    def num_outputs(self) -> Optional[int]:
+        return self.options.num_outputs
+
+    @property
+    def prefetch(self) -> int:
+        return self.options.prefetch
+
+    @property
+    def last_batch(self) -> str:
+        return self.options.last_batch
+
+    @property
+    def timeout(self) -> Optional[float]:
+        return self.options.timeout
+
+    @property
+    def batches_held(self) -> int:
+        return self.options.batches_held
+
+    @property
+    def pool(self) -> WorkerPool:
+        return self._pool
+
+    def worker_pids(self) -> list:
+        """The pids of the workers serving this source (empty before start and after close)."""
+        return self._pool.worker_pids()
+
+    def shared_memory_bytes(self) -> int:
+        """Shared memory this source holds now for its slots, in bytes (held batches included)."""
+        with self._pool.condition:
+            return self._producer.slots.reserved_bytes()
+
+    # -- life cycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the workers now (with fork: call it before CUDA is initialised)."""
+        self._check_open()
+        self._pool.start()
+
+    def close(self) -> None:
+        """Stops the workers (of an owned pool) and frees the shared memory no batch holds.
+
+        Idempotent; a loop over the source ends quietly. Batches still held
+        stay valid until dropped. In a forked child it does nothing.
+        """
+        if self._closed or self._pid != os.getpid():
+            return
+        self._closed = True
+        with self._pool.condition:
+            epoch, self._epoch = self._epoch, None
+            if epoch is not None:
+                epoch.state = EpochState.ENDED
+            self._pool.condition.notify_all()
+        if self._owns_pool:
+            self._pool.close()  # frees the memory of every source once the workers stopped
+        else:
+            with self._pool.condition:
+                self._producer.close(tell_workers=not self._pool.closed)
+
+    def __enter__(self) -> "ParallelSource":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _check_open(self) -> None:
+        self._pool.check_owner()
+        if self._closed:
+            raise_closed(self.name)
+
+    # -- epochs ----------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[BatchOutput]:
+        """Starts the next epoch (ending an unfinished one) and returns its iterator."""
+        self._check_open()
+        self._pool.start()
+        with self._pool.condition:
+            self._pool.check_usable(self._producer.source_id)
+            previous = self._epoch
+            if previous is not None:
+                previous.state = EpochState.ENDED
+            run = self._producer.request(self._next_epoch, self._resume_iteration)
+            assert run is not None
+            self._epoch = Epoch(self, run)
+            self._next_epoch += 1
+            self._resume_iteration = 0
+            self._pool.condition.notify_all()
+            return self._epoch
+
+    def get_state(self) -> Dict[str, int]:
+        """Where the source stands: the next batch it would hand out (JSON-able)."""
+        with self._pool.condition:
+            epoch = self._epoch
+            if epoch is not None and epoch.state is EpochState.RUNNING:
+                return {"epoch_idx": epoch.epoch_idx, "iteration": epoch.next_yield}
+            return {"epoch_idx": self._next_epoch, "iteration": self._resume_iteration}
+
+    def set_state(self, state: Dict[str, int]) -> None:
+        """Makes the next ``iter()`` resume at ``state`` (from :meth:`get_state`).
+
+        Raises ``ValueError`` for a state not made by :meth:`get_state`, and
+        for resuming mid-epoch an iterable source (it cannot be rewound).
+        """
+        epoch_idx, iteration = _parse_state(state)
+        if iteration and self.kind in (BATCH_ITERABLE, BATCH_GENERATOR):
+            raise ValueError("resuming in the middle of an epoch needs a callable source, not an iterable")
+        self._check_open()
+        with self._pool.condition:
+            if self._epoch is not None:
+                self._epoch.state = EpochState.ENDED
+                self._epoch = None
+            self._producer.request(None)
+            self._next_epoch, self._resume_iteration = epoch_idx, iteration
+
+    def _end(self, epoch: Epoch) -> None:
+        """Ends ``epoch`` (lock held): production stops; the next iter() starts anew."""
+        epoch.state = EpochState.ENDED
+        if self._epoch is epoch:
+            self._producer.request(None)
+
+    # -- taking a batch --------------------------------------------------------------------------
+
+    def _next_batch(self, epoch: Epoch, take: "_Take") -> BatchOutput:
+        pool = self._pool
+        pool.check_owner()
+        producer = self._producer
+        with pool.condition:
+            self._wait_ready(epoch)  # raises StopIteration, an error, or returns with it ready
+            pending = producer.ready(epoch.run, epoch.next_yield)
+            assert pending is not None
+            decision = pending.decide(self.options.last_batch, self.name)
+            if decision.error is not None or decision.size == 0:
+                self._end(epoch)
+                if decision.error is not None:
+                    raise decision.error
+                if decision.produced and epoch.next_yield == 0 and epoch.run.first_iteration == 0:
+                    raise EmptyEpochError(
+                        f"source {self.name}: epoch {epoch.epoch_idx} ended after "
+                        f"{decision.produced} samples, fewer than batch_size="
+                        f"{self.options.batch_size}, and last_batch='drop' dropped them all, so "
+                        "the epoch has no batch. Use last_batch='partial', or a batch_size of at "
+                        f"most {decision.produced}."
+                    )
+                raise StopIteration
+            take.next_yield, take.state = epoch.next_yield, epoch.state
+            take.pending = pending
+            take.lease = producer.slots.take(pending.slot, pending.overflow_sizes(decision.size))
+            producer.commit(pending)
+            epoch.next_yield += 1
+            if decision.ended:
+                epoch.state = EpochState.LAST_GIVEN
+        # The arrays are made without the lock: the slot is the consumer's now, and its memory
+        # is reached only through the lease.
+        try:
+            outcome = pending.build(take.lease, decision.size, self.options.num_outputs)
+        except SampleError:
+            take.pending = None  # not undone: the batch is bad; its slot returns with the lease
+            with pool.condition:
+                self._end(epoch)
+            raise
+        return self._finish(outcome)
+
+    def _undo(self, epoch: Epoch, take: "_Take") -> None:
+        """Undoes an interrupted take (see :meth:`Epoch.__next__`); each step only if done."""
+        pending = take.pending
+        with self._pool.condition:
+            producer = self._producer
+            if producer.run is epoch.run and pending.iteration not in producer.pending:
+                producer.uncommit(pending)
+            epoch.next_yield = take.next_yield
+            if epoch.state is EpochState.LAST_GIVEN:
+                epoch.state = take.state
+            if pending.slot.state is SlotState.LEASED:
+                producer.slots.untake(pending.slot, take.lease)
+
+    def _wait_ready(self, epoch: Epoch) -> None:
+        pool, producer = self._pool, self._producer
+        deadline = None if self.options.timeout is None else time.monotonic() + self.options.timeout
+        while True:
+            if epoch.state is EpochState.LAST_GIVEN:
+                self._end(epoch)
+                raise StopIteration
+            if epoch.state is EpochState.ENDED or epoch is not self._epoch:
+                raise StopIteration  # superseded by a newer epoch, set_state() or close()
+            pool.check_usable(producer.source_id)
+            if producer.ready(epoch.run, epoch.next_yield) is not None:
+                return
+            failure = producer.failure(epoch.run, epoch.next_yield)
+            if failure is not None:
+                self._end(epoch)
+                raise failure
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise self._timed_out(epoch)
+            pool.condition.wait(remaining)
+
+    def _finish(self, outcome: BatchOutput) -> BatchOutput:
+        """Outputs that came uniform but spilled (the first batch) become one dense array."""
+        outputs = (outcome,) if self.options.num_outputs is None else outcome
+        if all(samples.is_dense or not samples for samples in outputs):
+            return outcome
+        finished = []
+        for samples in outputs:
+            if not samples.is_dense and samples and _uniform(samples):
+                samples = Batch(dense=np.stack(samples))  # a copy, for this batch only
+            finished.append(samples)
+        return finished[0] if self.options.num_outputs is None else tuple(finished)
+
+    def _timed_out(self, epoch: Epoch) -> SourceTimeoutError:
+        stuck = []
+        pending = self._producer.pending.get(epoch.next_yield)
+        for worker, pid, task, running in self._pool.running_tasks(self._producer.source_id):
+            if pending is None or task.batch_seq == pending.seq:
+                state = f"running for {running:.1f} s" if running else "queued behind another task"
+                stuck.append(f"worker {worker} (pid {pid}): {self._producer.describe_task(task)}, {state}")
+        error = SourceTimeoutError(
+            f"batch {epoch.next_yield} of epoch {epoch.epoch_idx} of source {self.name} was not "
+            f"ready after timeout={self.options.timeout} s. Stuck: "
+            + ("; ".join(stuck) if stuck else "no task was running")
+            + ". The workers were shut down."
+        )
+        self._pool.fail(error)
+        self._pool.check_usable(self._producer.source_id)  # marks it as reported
+        return error
+
+
+def _uniform(samples: Batch) -> bool:
+    first = samples[0]
+    return all(s.shape == first.shape and s.dtype == first.dtype for s in samples)
+
+
+def _parse_state(state: Any) -> tuple:
+    expected = "a dict {'epoch_idx': int, 'iteration': int} as returned by get_state()"
+    if not isinstance(state, dict):
+        raise ValueError(f"set_state expects {expected}, got {type(state).__name__} {state!r}")
+    missing = [k for k in ("epoch_idx", "iteration") if k not in state]
+    if missing:
+        raise ValueError(f"set_state expects {expected}; {state!r} lacks {', '.join(missing)}")
+    values = []
+    for key in ("epoch_idx", "iteration"):
+        value = state[key]
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"set_state: {key} must be an int >= 0, got {value!r}")
+        values.append(int(value))
+    return tuple(values)
+
+
+def raise_closed(name: str) -> None:
+    from extsrc.errors import PoolClosedError
+
+    raise PoolClosedError(f"source {name} is closed; no batches can be taken after close()")

@@ -1,0 +1,192 @@
+"""Worker processes as the pool sees them: starting, stopping, and why one ended.
+
+A :class:`WorkerHandle` is owned by one pool. Worker processes are
+``multiprocessing`` processes (so that ``spawn`` and ``forkserver`` prepare
+the main module as users expect), but the pool reaps them itself: they are
+taken off ``multiprocessing``'s list of children right after start, so that
+``multiprocessing``'s exit handler never terminates them from a forked child
+of the consumer that happens to exit (see :mod:`extsrc.forking`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.process
+import os
+import signal
+import threading
+import time
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+
+from extsrc import forking
+from extsrc.engine.channel import Channel
+from extsrc.engine.protocol import Stop, Task, WorkerSetup
+from extsrc.engine.worker import worker_main
+
+# A worker asked to stop finishes its current callback first; most are done in
+# milliseconds, and one second covers a loaded machine. After that: SIGTERM,
+# then SIGKILL, each with the same grace.
+STOP_GRACE_S = 1.0
+# Reading the exit status of a worker whose socket or sentinel says it ended.
+EXIT_STATUS_WAIT_S = 1.0
+
+
+class WorkerHandle:
+    """One worker process: its channel, the tasks it holds, the messages waiting for it."""
+
+    def __init__(self, index: int, process: Any, channel: Channel):
+        self.index = index
+        self.process = process
+        self.pid: int = process.pid
+        self.channel = channel
+        self.outstanding: Dict[int, Task] = {}  # ticket -> task, in the order sent
+        self.busy_since = time.monotonic()
+        self.outbox: Deque[Tuple[Any, Tuple[int, ...]]] = deque()  # (message, owned fds)
+
+    @property
+    def sentinel(self) -> int:
+        return self.process.sentinel
+
+    def discard_outbox(self) -> None:
+        while self.outbox:
+            _message, fds = self.outbox.popleft()
+            for fd in fds:
+                os.close(fd)
+
+
+def launch(context: Any, setup: WorkerSetup) -> WorkerHandle:
+    """Starts one worker process with ``setup``."""
+    pool_end, worker_end = Channel.pair()
+    try:
+        process = context.Process(
+            target=worker_main,
+            args=(setup, worker_end),
+            name=f"extsrc-worker-{setup.index}",
+            daemon=True,
+        )
+        process.start()
+    except BaseException:
+        pool_end.close()
+        raise
+    finally:
+        worker_end.close()
+    # The pool reaps its workers itself (see the module docstring).
+    multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
+    return WorkerHandle(setup.index, process, pool_end)
+
+
+def stop(workers: Sequence[WorkerHandle], ask: bool) -> None:
+    """Stops ``workers``: asks them (``Stop``) if ``ask``, then SIGTERM, then SIGKILL; reaps them."""
+    for worker in workers:
+        worker.discard_outbox()
+        if ask:
+            try:
+                worker.channel.send(Stop())
+            except OSError:
+                pass
+        worker.channel.close()
+    deadline = time.monotonic() + (STOP_GRACE_S if ask else 0.0)
+    for worker in workers:
+        worker.process.join(max(0.0, deadline - time.monotonic()))
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [w.process for w in workers if w.process.exitcode is None]
+        if not alive:
+            break
+        for process in alive:
+            try:
+                os.kill(process.pid, sig)
+            except ProcessLookupError:
+                pass
+        for process in alive:
+            process.join(STOP_GRACE_S)
+    for worker in workers:
+        if worker.process.exitcode is not None:
+            worker.process.close()
+
+
+def describe_exit(worker: WorkerHandle, start_method: str) -> Tuple[str, str]:
+    """``(how it ended, hint)`` for a worker that ended without being asked to."""
+    process = worker.process
+    process.join(EXIT_STATUS_WAIT_S)
+    code = process.exitcode
+    hint = ""
+    if code is None:
+        how = "closed its connection"
+    elif code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        how = f"was killed by {name} (signal {-code})"
+        if -code == signal.SIGKILL:
+            hint = " SIGKILL often comes from the kernel's out-of-memory killer (see dmesg)."
+        elif -code == signal.SIGBUS:
+            hint = " SIGBUS usually means shared memory ran out."
+        elif -code == signal.SIGSEGV:
+            hint = (" SIGSEGV is a crash in native code (the callback, a library it uses), or "
+                    "a callback reading a batch of another source that it captured.")
+    else:
+        how = f"exited with code {code}"
+        if code == 1 and start_method != "fork":
+            how += (
+                " (with spawn/forkserver a worker fails like this when the main script "
+                "starts workers without an `if __name__ == '__main__':` guard, or cannot "
+                "import something; its stderr above says which)"
+            )
+    return how, hint
+
+
+class Waker:
+    """Wakes the pool's I/O thread; safe from any thread, any time, even after close."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pid = os.getpid()
+        forking.register(self)
+
+    def fileno(self) -> int:
+        return self._read
+
+    def wake(self) -> None:
+        with self._lock:  # a closed pipe's number may belong to another file by now
+            if self._closed or self._pid != os.getpid():
+                return
+            try:
+                os.write(self._write, b"\0")
+            except (BlockingIOError, OSError):
+                pass  # full: a wake-up is pending already
+
+    def drain(self) -> None:
+        try:
+            while os.read(self._read, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed and self._pid == os.getpid():
+                os.close(self._read)
+                os.close(self._write)
+            self._closed = True
+
+    def forget_after_fork(self) -> None:
+        self._lock = threading.Lock()  # the parent's may have been held by a thread not in the child
+        if not self._closed:
+            for fd in (self._read, self._write):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._closed = True
+
+
+def context_for(start_method: str) -> Any:
+    return multiprocessing.get_context(start_method)
+
+
+def alive(workers: List[WorkerHandle]) -> List[WorkerHandle]:
+    return [w for w in workers if w.process.exitcode is None]

@@ -1,0 +1,123 @@
+"""What becomes of extsrc's resources when the process forks.
+
+Any process may fork after it created sources: a pool starting ``fork``
+workers, ``os.fork()`` by the user, a library (a PyTorch ``DataLoader``,
+``multiprocessing`` with ``fork``). The rules:
+
+* **Owner process.** Every resource (segment, mapping, pool) records the pid
+  that created it. Closing a descriptor, unmapping memory, stopping or
+  signalling a worker happen only in that process; in any other they are
+  no-ops, so a child's garbage collector or exit never touches the parent's
+  workers or memory.
+* **In every child**, right after the fork (:func:`_after_fork_in_child`),
+  registered resources forget what they held: descriptors of segments and
+  of worker sockets are closed (a child holding a worker's socket would keep
+  that worker alive after the parent died), and pools refuse any use with
+  :class:`~extsrc.errors.ForkedChildError`.
+* **Memory in a child.** Right before each fork, every mapping is marked
+  ``MADV_DONTFORK`` unless a batch the consumer holds lives in it, so a
+  child inherits only the memory of held batches: those stay readable in
+  the child (a validation set kept in memory, then a ``DataLoader`` forked
+  over it), the rest (free and in-flight slots) is not kept alive by it.
+* **Fork generation.** :func:`generation` counts the forks of this process.
+  A lease taken before a fork may be referenced by the child, which the
+  parent cannot see; so when such a lease ends, its memory is retired
+  (replaced by new memory) rather than reused.
+* A pool's own fork workers also unmap what they inherited
+  (:func:`drop_inherited_memory`): a worker holds the memory of its own
+  sources only.
+
+Only forks made through ``os.fork()`` from Python (which is what
+``multiprocessing`` and most libraries use) run these hooks; ``subprocess``
+and spawn start a new program, which inherits nothing (descriptors are
+close-on-exec).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Protocol
+
+_lock = threading.Lock()  # held across every fork: what it guards is consistent in the child
+_generation = 0
+_forgetful: "weakref.WeakSet[ForgetsAfterFork]" = weakref.WeakSet()
+_droppable: "weakref.WeakSet[DroppableMemory]" = weakref.WeakSet()
+
+
+class ForgetsAfterFork(Protocol):
+    """A resource that must let go of the parent's descriptors in a forked child."""
+
+    def forget_after_fork(self) -> None:
+        """Called in the child right after a fork, with no lock held; must not block."""
+
+
+class DroppableMemory(Protocol):
+    """Shared memory mapped in this process (see :func:`drop_inherited_memory`)."""
+
+    def before_fork(self) -> None:
+        """Decides whether the child about to be forked inherits it (fork lock held)."""
+
+    def drop_in_worker(self) -> None:
+        """In a pool's fork worker: unmaps it if it was inherited."""
+
+
+def generation() -> int:
+    """How many times this process has forked (from Python) so far."""
+    return _generation
+
+
+def register(resource: ForgetsAfterFork) -> None:
+    """Has ``resource.forget_after_fork()`` called in every child forked from now on."""
+    with _lock:
+        _forgetful.add(resource)
+
+
+def register_memory(mapping: DroppableMemory) -> None:
+    """Has a pool's fork worker unmap ``mapping`` at start (see :func:`drop_inherited_memory`)."""
+    with _lock:
+        _droppable.add(mapping)
+
+
+def drop_inherited_memory() -> None:
+    """In a pool's fork worker: unmaps every mapping inherited from the parent.
+
+    Only mappings of held batches are inherited at all (``MADV_DONTFORK``
+    keeps the rest out); a worker never reads them, and keeping them mapped
+    would keep their memory alive for the worker's lifetime.
+    """
+    for mapping in list(_droppable):
+        mapping.drop_in_worker()
+
+
+def _before_fork() -> None:
+    global _generation
+    _lock.acquire()
+    _generation += 1
+    for mapping in list(_droppable):
+        try:
+            mapping.before_fork()
+        except Exception:  # the fork must happen whatever a mapping says
+            pass
+
+
+def _after_fork_in_parent() -> None:
+    _lock.release()
+
+
+def _after_fork_in_child() -> None:
+    _lock.release()
+    for resource in list(_forgetful):
+        try:
+            resource.forget_after_fork()
+        except Exception:  # a child must come up whatever a resource says
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )

@@ -1,0 +1,171 @@
+"""The options of a pool and of a source, checked once, in one place.
+
+:class:`PoolOptions` and :class:`SourceOptions` are frozen records built by
+their ``create`` class methods, which raise ``ValueError``/``TypeError``
+saying which argument is wrong, what was expected and what came. Everything
+downstream trusts them. A ``bool`` is never accepted where a number is
+expected (``num_workers=True`` is an error, not 1).
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+START_METHODS = ("fork", "spawn", "forkserver")
+LAST_BATCH_POLICIES = ("drop", "partial")
+
+
+class _Unset:
+    """Marks an argument the caller did not give (so that an explicit default is told apart)."""
+
+    _instance: Optional["_Unset"] = None
+
+    def __new__(cls) -> "_Unset":
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+    def __reduce__(self):
+        return (_Unset, ())
+
+
+UNSET: Any = _Unset()
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def positive_int(name: str, value: Any) -> int:
+    if not is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def optional_positive_int(name: str, value: Any) -> Optional[int]:
+    return None if value is None else positive_int(name, value)
+
+
+def per_output(name: str, value: Any, count: int) -> tuple:
+    """One value per output: a list/tuple must have ``count`` entries; anything else repeats."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries for {count} outputs: {value!r}")
+        return tuple(value)
+    return (value,) * count
+
+
+def _dtype(value: Any, output: int) -> Optional[np.dtype]:
+    if value is None:
+        return None
+    try:
+        dtype = np.dtype(value)
+    except TypeError as exc:
+        raise TypeError(f"dtype of output {output}: expected a NumPy dtype, got {value!r} ({exc})") from None
+    if dtype.kind not in "biufc":
+        raise TypeError(f"dtype of output {output}: expected a numeric or bool dtype, got {dtype}")
+    return dtype
+
+
+def _ndim(value: Any, output: int) -> Optional[int]:
+    if value is None:
+        return None
+    if not is_int(value) or value < 0:
+        raise ValueError(f"ndim of output {output}: expected None or an int >= 0, got {value!r}")
+    return int(value)
+
+
+def default_prefetch(num_workers: int) -> int:
+    """Batches produced ahead by default: two per worker (as PyTorch's ``DataLoader``), so
+    that each batch can be one task and every worker still has a task queued."""
+    return 2 * num_workers
+
+
+@dataclass(frozen=True)
+class PoolOptions:
+    """How a :class:`~extsrc.WorkerPool` runs its workers."""
+
+    num_workers: int
+    start_method: str
+    pickler: Any  # an extsrc.engine.pickling.Pickler
+
+    @classmethod
+    def create(cls, num_workers: Any = 1, start_method: Any = "fork", pickler: Any = None) -> "PoolOptions":
+        from extsrc.engine.pickling import Pickler
+
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+        return cls(positive_int("num_workers", num_workers), start_method, Pickler(pickler))
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """What a :class:`~extsrc.ParallelSource` produces and how far ahead."""
+
+    batch_size: int
+    num_outputs: Optional[int]
+    batch: bool
+    batch_info: bool
+    prefetch: int
+    last_batch: str
+    dtypes: Tuple[Optional[np.dtype], ...]
+    ndims: Tuple[Optional[int], ...]
+    timeout: Optional[float]
+    batches_held: int
+
+    @property
+    def outputs(self) -> int:
+        """How many outputs a sample has (1 when ``num_outputs`` is None)."""
+        return 1 if self.num_outputs is None else self.num_outputs
+
+    @classmethod
+    def create(
+        cls,
+        batch_size: Any,
+        *,
+        num_outputs: Any = None,
+        batch: Any = False,
+        batch_info: Any = False,
+        prefetch: Any = None,
+        num_workers: int = 1,
+        last_batch: Any = "drop",
+        dtype: Any = None,
+        ndim: Any = None,
+        timeout: Any = None,
+        batches_held: Any = 2,
+    ) -> "SourceOptions":
+        batch_size = positive_int("batch_size", batch_size)
+        num_outputs = optional_positive_int("num_outputs", num_outputs)
+        for name, value in (("batch", batch), ("batch_info", batch_info)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
+        if batch_info and not batch:
+            raise ValueError("batch_info=True needs batch=True (it is what a batch callback is given)")
+        if last_batch not in LAST_BATCH_POLICIES:
+            raise ValueError(f"last_batch must be one of {LAST_BATCH_POLICIES}, got {last_batch!r}")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0
+        ):
+            raise ValueError(f"timeout must be None or a positive number of seconds, got {timeout!r}")
+        outputs = 1 if num_outputs is None else num_outputs
+        dtypes = tuple(_dtype(d, j) for j, d in enumerate(per_output("dtype", dtype, outputs)))
+        ndims = tuple(_ndim(n, j) for j, n in enumerate(per_output("ndim", ndim, outputs)))
+        return cls(
+            batch_size=batch_size,
+            num_outputs=num_outputs,
+            batch=bool(batch),
+            batch_info=bool(batch_info),
+            prefetch=default_prefetch(num_workers) if prefetch is None else positive_int("prefetch", prefetch),
+            last_batch=last_batch,
+            dtypes=dtypes,
+            ndims=ndims,
+            timeout=timeout,
+            batches_held=positive_int("batches_held", batches_held),
+        )

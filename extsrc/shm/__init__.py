@@ -1,0 +1,1 @@
+"""Shared memory: segments, mappings, limits, the consumer's slots and the workers' writer."""

@@ -1,0 +1,160 @@
+"""A process's mapping of a shared-memory segment, and NumPy arrays over it.
+
+Mappings are made with ``mmap(2)`` through libc rather than Python's
+``mmap`` module, for three reasons:
+
+* an array over the memory must keep the memory mapped for as long as the
+  array (or any view of it) lives, whatever else happens; arrays made here
+  reach their memory through :func:`array_base`, whose exporter object keeps
+  an *owner* alive (a :class:`Mapping`, or a batch lease holding mappings);
+* only the process that made a mapping may unmap it: a forked child that
+  frees its copy of a :class:`Mapping` must not unmap whatever the child has
+  at that address by then (Python's ``mmap`` objects unmap unconditionally);
+* mappings are kept out of forked children (``MADV_DONTFORK``) unless a
+  held batch lives in them (:attr:`Mapping.leased`; decided right before
+  each fork, :meth:`Mapping.before_fork`), see :mod:`extsrc.forking`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from extsrc import forking
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+_PROT_READ_WRITE = 0x1 | 0x2
+_MAP_SHARED = 0x01
+_MAP_POPULATE = 0x8000  # fault every page in at mmap time: no page faults on first touch later
+_MADV_DONTFORK = 10
+_MADV_DOFORK = 11
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long)
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class MapError(OSError):
+    """``mmap(2)`` refused; ``errno`` says why (``ENOMEM``: address space or memory limit)."""
+
+
+class _Exporter:
+    """Shows ``nbytes`` at an address to NumPy and keeps ``owner`` alive while any array uses it."""
+
+    __slots__ = ("__array_interface__", "owner")
+
+    def __init__(self, interface: Dict[str, Any], owner: object):
+        self.__array_interface__ = interface
+        self.owner = owner
+
+
+class Mapping:
+    """``size`` bytes of a segment mapped shared at ``address`` in this process.
+
+    Valid until :meth:`close` (explicit) or until it is garbage, whichever
+    comes first; arrays made by :meth:`array` or :func:`array_base` hold a
+    reference, so it is never garbage while one of them lives. Unmapping
+    happens only in the process that created the mapping.
+    """
+
+    __slots__ = ("address", "size", "leased", "_pid", "_inherited", "_interface", "__weakref__")
+
+    def __init__(self, fd: int, size: int):
+        if size <= 0:
+            raise ValueError(f"a mapping needs a positive size, got {size}")
+        address = _libc.mmap(None, size, _PROT_READ_WRITE, _MAP_SHARED | _MAP_POPULATE, fd, 0)
+        if address is None or address == _MAP_FAILED:
+            code = ctypes.get_errno() or errno.ENOMEM
+            raise MapError(code, f"mmap of {size} bytes failed: {os.strerror(code)}")
+        self.address: int = address
+        self.size = size
+        self.leased = False  # a held batch lives here: a forked child must see it
+        self._pid = os.getpid()
+        self._inherited = True
+        self._interface = {
+            "shape": (size,), "typestr": "|u1", "data": (address, False), "version": 3,
+        }
+        self._advise(inherited=False)
+        forking.register_memory(self)
+
+    @property
+    def is_open(self) -> bool:
+        return self.address != 0 and self._pid == os.getpid()
+
+    def _advise(self, inherited: bool) -> None:
+        if inherited != self._inherited and self.is_open:
+            _libc.madvise(self.address, self.size, _MADV_DOFORK if inherited else _MADV_DONTFORK)
+            self._inherited = inherited
+
+    def before_fork(self) -> None:
+        """Right before this process forks (fork lock held): a child inherits this memory
+        only if a held batch lives in it."""
+        self._advise(inherited=self.leased)
+
+    def array(self, offset: int, dtype: np.dtype, shape: Tuple[int, ...]) -> np.ndarray:
+        """An array over ``offset`` onwards that keeps this mapping alive (for writers)."""
+        return view(array_base(self, self), offset, dtype, shape)
+
+    def close(self) -> None:
+        """Unmaps now, if this process has the memory mapped.
+
+        Only for memory no array can reach any more: a worker dropping a
+        slot, or garbage collection (``__del__``). The consumer side never
+        calls it: its mappings go when the last lease and slot let go. In a
+        forked child, the memory is mapped only if it was inherited (the
+        mapping of a held batch), and then it is the child's own copy.
+        """
+        if self.address and (self._pid == os.getpid() or self._inherited):
+            _libc.munmap(self.address, self.size)
+        self.address = 0
+
+    def drop_in_worker(self) -> None:
+        """In a pool's fork worker: unmaps this inherited mapping (see :mod:`extsrc.forking`)."""
+        if self._pid != os.getpid():
+            self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # at interpreter exit libc may already be gone; so is the process
+            pass
+
+    def __repr__(self) -> str:
+        return f"<Mapping {self.size} bytes at {self.address:#x}>"
+
+
+def array_base(mapping: Mapping, owner: object) -> np.ndarray:
+    """All of ``mapping`` as a uint8 array whose views keep ``owner`` alive.
+
+    ``owner`` must keep ``mapping`` alive (a lease holding it, or the
+    mapping itself).
+    """
+    if not mapping.address:
+        raise ValueError(f"{mapping!r} is closed")
+    return np.asarray(_Exporter(mapping._interface, owner))
+
+
+def view(base: np.ndarray, offset: int, dtype: np.dtype, shape: Tuple[int, ...]) -> np.ndarray:
+    """An array of ``dtype`` and ``shape`` at byte ``offset`` of ``base`` (no copy)."""
+    return np.ndarray(shape, dtype, buffer=base, offset=offset)
+
+
+def owner_of(array: Any) -> Optional[object]:
+    """What keeps ``array``'s memory alive if it is extsrc shared memory (a lease, a
+    mapping), else ``None``. Follows the array's ``base`` chain; no copy, no side effect."""
+    base = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return base.owner if isinstance(base, _Exporter) else None

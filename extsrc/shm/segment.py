@@ -1,0 +1,149 @@
+"""Shared-memory segments: files known only by their descriptor.
+
+A :class:`Segment` is an anonymous ``memfd`` by default, or
+(``EXTSRC_SHM_BACKEND=devshm``) an unnamed file in /dev/shm (``O_TMPFILE``,
+or unlinked the moment it is created where that is missing). Either way no name is left in /dev/shm, so a crash leaks nothing:
+the memory goes when the last process holding the descriptor or a mapping
+of it lets go. ``memfd`` memory does not count against the size of /dev/shm
+(Docker's ``--shm-size``), only against the process's memory limits.
+
+Memory is reserved with ``posix_fallocate`` before anything is written, after
+:func:`extsrc.shm.limits.check_reserve` compared the request with the limits
+that apply, so running short is a :class:`~extsrc.errors.SharedMemoryError`
+with the sizes involved, never a SIGBUS in the middle of a copy nor an OOM
+kill. Segments only grow.
+
+Descriptors reach workers by ``SCM_RIGHTS`` over their sockets
+(:mod:`extsrc.engine.channel`); a segment is closed only by the process that
+created or received it, and forked children close their inherited copies at
+once (:mod:`extsrc.forking`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Optional
+
+from extsrc import forking
+from extsrc.errors import SharedMemoryError
+from extsrc.shm import limits
+from extsrc.shm.layout import align
+from extsrc.shm.mapping import PAGE, Mapping, MapError
+
+BACKENDS = ("memfd", "devshm")
+
+
+def backend() -> str:
+    """The backend in force: ``$EXTSRC_SHM_BACKEND`` or ``memfd`` where the kernel has it."""
+    chosen = os.environ.get("EXTSRC_SHM_BACKEND", "").strip().lower()
+    if chosen:
+        if chosen not in BACKENDS:
+            raise ValueError(f"EXTSRC_SHM_BACKEND must be one of {BACKENDS}, got {chosen!r}")
+        return chosen
+    return "memfd" if hasattr(os, "memfd_create") else "devshm"
+
+
+class Segment:
+    """One shared-memory file, owned through its descriptor ``fd``.
+
+    :meth:`reserve` grows it with memory actually allocated; :meth:`map`
+    maps it; :meth:`close` drops this process's descriptor (mappings stay
+    valid). Closing happens only in the process that holds the segment.
+    """
+
+    __slots__ = ("fd", "kind", "label", "_pid", "__weakref__")
+
+    def __init__(self, fd: int, kind: str, label: str):
+        self.fd = fd
+        self.kind = kind
+        self.label = label
+        self._pid = os.getpid()
+        forking.register(self)
+
+    @classmethod
+    def create(cls, label: str) -> "Segment":
+        """A new, empty segment of the backend in force."""
+        kind = backend()
+        if kind == "memfd":
+            fd = os.memfd_create(f"extsrc:{label}", os.MFD_CLOEXEC)
+        else:
+            try:  # a file that never has a name, so nothing can ever see or leak it
+                fd = os.open("/dev/shm", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            except (OSError, AttributeError):
+                path = f"/dev/shm/extsrc-{os.getpid()}-{os.urandom(6).hex()}"
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                os.unlink(path)
+        return cls(fd, kind, label)
+
+    @property
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def reserve(self, nbytes: int, total_needed: Optional[int] = None) -> int:
+        """Grows the segment to at least ``nbytes`` (a whole number of pages); returns its size.
+
+        Raises :class:`SharedMemoryError` naming the sizes and the limit when
+        the memory cannot be had; nothing has been written then.
+        """
+        current = self.size
+        if nbytes <= current:
+            return current
+        target = align(nbytes, PAGE)
+        limits.check_reserve(target - current, self.label, current, self.kind, total_needed)
+        try:
+            os.posix_fallocate(self.fd, 0, target)
+        except OSError as exc:
+            raise self._reserve_error(exc, current, target, total_needed) from None
+        return target
+
+    def _reserve_error(self, exc: OSError, current: int, target: int,
+                       total_needed: Optional[int]) -> SharedMemoryError:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        msg = (
+            f"cannot reserve {limits.format_bytes(target)} of shared memory for {self.label} "
+            f"(it had {limits.format_bytes(current)}): {reason}."
+        )
+        if self.kind == "devshm":
+            usage = limits.dev_shm_usage()
+            if usage:
+                msg += (f" /dev/shm has {limits.format_bytes(usage[0])} in all, "
+                        f"{limits.format_bytes(usage[1])} free.")
+        msg += limits.shortage_advice(self.kind, total_needed or target)
+        return SharedMemoryError(exc.errno or errno.ENOMEM, msg)
+
+    def map(self, size: Optional[int] = None) -> Mapping:
+        """Maps the first ``size`` bytes (default: all); the segment must be that large."""
+        size = self.size if size is None else size
+        limits.check_map(size, self.label)
+        try:
+            return Mapping(self.fd, size)
+        except MapError as exc:
+            raise SharedMemoryError(
+                exc.errno, f"cannot map {limits.format_bytes(size)} of shared memory for "
+                f"{self.label}: {exc.strerror}"
+            ) from None
+
+    def close(self) -> None:
+        if self.fd >= 0 and self._pid == os.getpid():
+            os.close(self.fd)
+        self.fd = -1
+
+    def forget_after_fork(self) -> None:
+        # In a forked child: the descriptor is a copy the child must not keep (it would keep
+        # the memory alive) and must never close later under a number reused by then.
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+        self.fd = -1
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"<Segment {self.label!r} fd={self.fd} ({self.kind})>"

@@ -1,0 +1,344 @@
+"""The consumer side of a source's shared memory: slots, their states, and leases.
+
+A *slot* is the memory of one batch: one segment for the in-place regions
+(where uniform outputs are written side by side, so the batch is one dense
+array) and, per worker, one overflow segment (samples that do not fit their
+region). :class:`SlotPool` is the one owner of a source's slots: every state
+change goes through it and is checked.
+
+Slot states::
+
+                 acquire()                 all tasks reported             take()
+      FREE ─────────────────► FILLING ───────────────────────► READY ───────────► LEASED
+       ▲  ▲                      │                               │  ▲                 │
+       │  │        drained       │ abandon()          abandon()  │  │ untake()        │ last array
+       │  └──────── DRAINING ◄───┘                               │  └─────────────────┤ of the batch
+       │                                                         │                    │ is gone
+       └─────────────────────────────────────────────────────────┴────────────────────┘
+      FREE ──► RETIRED: trim() (more slots than needed), a fork while leased, close()
+
+* **FREE**: nothing references the memory; it waits for a batch.
+* **FILLING**: a batch was dispatched into it; workers may write.
+* **DRAINING**: its batch was abandoned (a new epoch, ``set_state``) while
+  workers may still write; it becomes FREE when every task reported back.
+* **READY**: every task reported back; the consumer has not taken it yet.
+* **LEASED**: the batch was handed out. Its arrays, and every view, slice or
+  tensor made from them, hold a :class:`Lease`; when the last of them is
+  gone, the lease returns the slot. Only then is the memory written again.
+* **RETIRED**: memory given back to the system (terminal).
+
+Threads: every method runs with the pool's lock held, except the lease's
+return, which may run in any thread (wherever the last reference is
+dropped): it only appends to :attr:`SlotPool.returns` and wakes the pool,
+whose thread calls :meth:`SlotPool.process_returns`.
+
+Memory: mappings are reference-counted; a lease holds the mappings of its
+batch, the pool holds those of its live slots. ``close()`` (and retiring)
+drops the pool's references, so memory no lease holds is unmapped at once;
+a held batch keeps its memory until it is dropped, even after ``close()``.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections import deque
+from typing import Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
+
+import numpy as np
+
+from extsrc import forking
+from extsrc.errors import InternalError
+from extsrc.shm.mapping import Mapping, array_base, owner_of
+from extsrc.shm.segment import Segment
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    FILLING = "filling"
+    DRAINING = "draining"
+    READY = "ready"
+    LEASED = "leased"
+    RETIRED = "retired"
+
+    __hash__ = object.__hash__  # members are singletons; the default hashes the name, slowly
+
+
+_ALLOWED = {
+    SlotState.FREE: frozenset({SlotState.FILLING, SlotState.RETIRED}),
+    SlotState.FILLING: frozenset({SlotState.READY, SlotState.DRAINING}),
+    SlotState.DRAINING: frozenset({SlotState.FREE}),
+    SlotState.READY: frozenset({SlotState.LEASED, SlotState.FREE}),
+    SlotState.LEASED: frozenset({SlotState.READY, SlotState.FREE}),
+    SlotState.RETIRED: frozenset(),
+}
+
+
+class WorkerLink(Protocol):
+    """How a slot pool tells the workers about slots (implemented by the worker pool).
+
+    Called with the pool's lock held. Messages reach each worker in the order
+    sent, before any task sent after them.
+    """
+
+    def add_slot(self, source_id: int, slot_id: int, region_fd: int,
+                 overflow_fds: Sequence[int]) -> None:
+        """Sends every worker the region descriptor and its own overflow descriptor."""
+
+    def drop_slot(self, source_id: int, slot_id: int) -> None:
+        """Tells every worker to close and unmap the slot."""
+
+    def wake(self) -> None:
+        """Makes the pool's thread run soon; safe to call from any thread, at any time."""
+
+
+class Slot:
+    """Memory for one batch; its state is changed only by its :class:`SlotPool`."""
+
+    __slots__ = ("slot_id", "state", "region", "region_map", "overflow", "overflow_maps",
+                 "lease_seq", "lease_generation")
+
+    def __init__(self, slot_id: int, label: str, num_workers: int):
+        self.slot_id = slot_id
+        self.state = SlotState.FREE
+        self.region = Segment.create(f"{label}, slot {slot_id}")
+        self.overflow: List[Segment] = []
+        try:
+            for worker in range(num_workers):
+                self.overflow.append(Segment.create(f"{label}, slot {slot_id}, worker {worker}"))
+        except BaseException:
+            self._close_segments()
+            raise
+        self.region_map: Optional[Mapping] = None
+        self.overflow_maps: List[Optional[Mapping]] = [None] * num_workers
+        self.lease_seq = 0
+        self.lease_generation = 0
+
+    def _close_segments(self) -> None:
+        self.region.close()
+        for segment in self.overflow:
+            segment.close()
+
+    def __repr__(self) -> str:
+        return f"<Slot {self.slot_id} {self.state.value}>"
+
+
+class Lease:
+    """The consumer's hold on a slot, alive while any array of its batch is.
+
+    Every array of a batch reaches its memory through the lease (see
+    :func:`extsrc.shm.mapping.array_base`), so the lease dies exactly when
+    the last array, view, slice or tensor made from the batch does. It holds
+    the batch's mappings (:attr:`region`, :attr:`overflow` by worker), so the
+    memory stays mapped until then even if the source was closed. Its death
+    returns the slot (:meth:`SlotPool.process_returns`).
+    """
+
+    __slots__ = ("slot_id", "seq", "generation", "region", "overflow", "_returns", "_wake", "_pid",
+                 "active", "__weakref__")
+
+    def __init__(self, slot_id: int, seq: int, generation: int, region: Optional[Mapping],
+                 overflow: Dict[int, Mapping], returns: Deque[Tuple[int, int]],
+                 wake: Callable[[], None]):
+        self.slot_id = slot_id
+        self.seq = seq
+        self.generation = generation
+        self.region = region
+        self.overflow = overflow
+        self._returns = returns
+        self._wake = wake
+        self._pid = os.getpid()
+        self.active = True
+
+    @property
+    def mappings(self) -> Tuple[Mapping, ...]:
+        head = () if self.region is None else (self.region,)
+        return head + tuple(self.overflow.values())
+
+    def base(self, mapping: Mapping) -> np.ndarray:
+        """All of ``mapping`` (one of :attr:`mappings`) as a uint8 array whose views keep
+        this lease alive. Callers keep it no longer than they need to make views."""
+        return array_base(mapping, self)
+
+    def __del__(self) -> None:
+        if self.active and self._pid == os.getpid():
+            self._returns.append((self.slot_id, self.seq))
+            self._wake()
+
+
+def lease_of(array: object) -> Optional[Lease]:
+    """The lease that keeps ``array`` (an array of a batch, or a view of one) valid, if any."""
+    owner = owner_of(array)
+    return owner if isinstance(owner, Lease) else None
+
+
+class SlotPool:
+    """The slots of one source; the only place their states change (see the module doc).
+
+    ``keep`` is how many slots stay allocated when free (the source's
+    prefetch plus the batches a consumer usually holds): up to that many,
+    steady state allocates nothing; beyond it, slots are created while the
+    consumer holds more batches and retired when it drops them.
+    """
+
+    def __init__(self, source_id: int, label: str, num_workers: int, keep: int, link: WorkerLink):
+        self.source_id = source_id
+        self.label = label
+        self.num_workers = num_workers
+        self.keep = keep
+        self.link = link
+        self.slots: Dict[int, Slot] = {}
+        self.returns: Deque[Tuple[int, int]] = deque()
+        self._next_id = 0
+        self._closed = False
+
+    # -- state changes ---------------------------------------------------------------------
+
+    def _move(self, slot: Slot, to: SlotState) -> None:
+        if to not in _ALLOWED[slot.state]:
+            raise InternalError(
+                f"{self.label}: slot {slot.slot_id} cannot go from {slot.state.value} to {to.value}"
+            )
+        slot.state = to
+
+    def acquire(self, region_bytes: int, total_needed: int) -> Slot:
+        """A slot for a new batch, now FILLING, with ``region_bytes`` of region memory reserved.
+
+        Reuses a free slot, else creates one (and tells the workers). Raises
+        :class:`~extsrc.errors.SharedMemoryError` when the memory cannot be
+        had; the slot is then left FREE.
+        """
+        self._check_open()
+        slot = next((s for s in self.slots.values() if s.state is SlotState.FREE), None)
+        if slot is None:
+            slot = self._create()
+        if region_bytes and (slot.region_map is None or slot.region_map.size < region_bytes):
+            size = slot.region.reserve(region_bytes, total_needed)
+            slot.region_map = slot.region.map(size)  # an older, smaller mapping goes with its last user
+        self._move(slot, SlotState.FILLING)
+        return slot
+
+    def _create(self) -> Slot:
+        slot_id = self._next_id
+        self._next_id += 1
+        slot = Slot(slot_id, self.label, self.num_workers)
+        self.slots[slot_id] = slot
+        self.link.add_slot(self.source_id, slot_id, slot.region.fd, [s.fd for s in slot.overflow])
+        return slot
+
+    def filled(self, slot: Slot) -> None:
+        """Every task of the slot's batch reported back: FILLING -> READY, DRAINING -> FREE."""
+        self._move(slot, SlotState.FREE if slot.state is SlotState.DRAINING else SlotState.READY)
+
+    def abandon(self, slot: Slot) -> None:
+        """Nobody will take the slot's batch: READY -> FREE, FILLING -> DRAINING."""
+        if slot.state is SlotState.READY:
+            self._move(slot, SlotState.FREE)
+        elif slot.state is SlotState.FILLING:
+            self._move(slot, SlotState.DRAINING)
+
+    def take(self, slot: Slot, overflow_sizes: Dict[int, int]) -> Lease:
+        """READY -> LEASED: a new lease over the slot's memory, for the consumer.
+
+        ``overflow_sizes`` gives, per worker that wrote overflow, the bytes to
+        map of its overflow segment. The lease starts holding the memory in
+        forked children too (see :mod:`extsrc.forking`).
+        """
+        overflow: Dict[int, Mapping] = {}
+        for worker, size in overflow_sizes.items():
+            current = slot.overflow_maps[worker]
+            if current is None or current.size < size:
+                current = slot.overflow[worker].map(size)
+                slot.overflow_maps[worker] = current
+            overflow[worker] = current
+        if slot.state is not SlotState.READY:
+            raise InternalError(f"{self.label}: slot {slot.slot_id} taken while {slot.state.value}")
+        generation = forking.generation()
+        lease = Lease(slot.slot_id, slot.lease_seq + 1, generation, slot.region_map, overflow,
+                      self.returns, self.link.wake)
+        for mapping in lease.mappings:
+            mapping.leased = True
+        slot.lease_generation = generation
+        slot.lease_seq += 1
+        self._move(slot, SlotState.LEASED)
+        return lease
+
+    def untake(self, slot: Slot, lease: Optional[Lease]) -> None:
+        """LEASED -> READY: the take was interrupted before the consumer got the batch.
+
+        ``lease`` is ``None`` when :meth:`take` itself was interrupted after its last step.
+        """
+        if lease is not None:
+            lease.active = False
+        slot.lease_seq += 1  # a return of whatever lease was made is now stale
+        self._move(slot, SlotState.READY)
+
+    def process_returns(self) -> None:
+        """Applies the leases that ended since the last call: LEASED -> FREE (or retired)."""
+        while self.returns:
+            slot_id, seq = self.returns.popleft()
+            slot = self.slots.get(slot_id)
+            if slot is None or slot.state is not SlotState.LEASED or slot.lease_seq != seq:
+                continue  # retired, or a stale return of an interrupted take
+            self._move(slot, SlotState.FREE)
+            if slot.lease_generation != forking.generation():
+                self._retire(slot)  # a child forked while it was held may still read it
+                continue
+            for mapping in (slot.region_map, *slot.overflow_maps):
+                if mapping is not None:
+                    mapping.leased = False
+
+    def trim(self) -> None:
+        """Retires free slots while more than ``keep`` slots are allocated."""
+        excess = len(self.slots) - self.keep
+        if excess <= 0:
+            return
+        for slot in [s for s in self.slots.values() if s.state is SlotState.FREE][:excess]:
+            self._retire(slot)
+
+    def _retire(self, slot: Slot) -> None:
+        self._move(slot, SlotState.RETIRED)
+        del self.slots[slot.slot_id]
+        slot._close_segments()
+        slot.region_map = None
+        slot.overflow_maps = []
+        if not self._closed:
+            self.link.drop_slot(self.source_id, slot.slot_id)
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def count(self, state: SlotState) -> int:
+        return sum(1 for s in self.slots.values() if s.state is state)
+
+    def reserved_bytes(self) -> int:
+        """Shared memory the slots hold now (region and overflow segments), in bytes."""
+        total = 0
+        for slot in self.slots.values():
+            total += slot.region.size + sum(s.size for s in slot.overflow)
+        return total
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InternalError(f"{self.label}: slot pool used after close()")
+
+    # -- end -------------------------------------------------------------------------------
+
+    def close(self, tell_workers: bool) -> None:
+        """Gives back all memory no lease holds, at once; held batches keep theirs until dropped.
+
+        Idempotent. ``tell_workers``: the workers live on (a source closed on
+        a shared pool) and are told to drop the slots; otherwise they have
+        stopped already.
+        """
+        if self._closed:
+            return
+        for slot in list(self.slots.values()):
+            if tell_workers:
+                self.link.drop_slot(self.source_id, slot.slot_id)
+            slot._close_segments()
+            slot.region_map = None
+            slot.overflow_maps = []
+            slot.state = SlotState.RETIRED
+        self._closed = True
+        self.slots.clear()
+        self.returns.clear()
