@@ -40,7 +40,10 @@ import threading
 import weakref
 from typing import Protocol
 
-_lock = threading.Lock()  # held across every fork: what it guards is consistent in the child
+# Held across every fork, and while a descriptor is created and registered, so that no child
+# is forked between the two (it would inherit a descriptor it does not know to close).
+_lock = threading.RLock()
+lock = _lock
 _generation = 0
 _forgetful: "weakref.WeakSet[ForgetsAfterFork]" = weakref.WeakSet()
 _droppable: "weakref.WeakSet[DroppableMemory]" = weakref.WeakSet()

@@ -8,6 +8,7 @@ to the error, and whether workers or /dev/shm entries outlived the run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -108,3 +109,80 @@ def unshare_small_dev_shm(size: str = "16m") -> Optional[List[str]]:
         return None
     return ["unshare", "-m", "sh", "-c",
             f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$0" "$@"']
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit_bytes: int):
+    """A command prefix that runs a program in a new memory cgroup limited to ``limit_bytes``.
+
+    Yields ``None`` where no cgroup can be made here (not root, no writable
+    memory controller). The cgroup is removed afterwards.
+    """
+    from extsrc.shm.limits import _cgroup_mounts, _own_cgroups
+
+    own = _own_cgroups()
+    made = None
+    for version, root, mount_point in _cgroup_mounts():
+        path = own.get(version)
+        if path is None:
+            continue
+        relative = os.path.relpath(path, root) if path.startswith(root) else path.lstrip("/")
+        parent = os.path.normpath(os.path.join(mount_point, relative))
+        limit_file = "memory.max" if version == "v2" else "memory.limit_in_bytes"
+        if version == "v2" and "memory" not in open(os.path.join(parent, "cgroup.controllers")).read().split():
+            continue
+        directory = os.path.join(parent, f"extsrc-test-{os.getpid()}-{time.monotonic_ns()}")
+        try:
+            os.mkdir(directory)
+            with open(os.path.join(directory, limit_file), "w") as f:
+                f.write(str(limit_bytes))
+            if version == "v1":  # no swap to fall back on: the limit is the limit
+                try:
+                    with open(os.path.join(directory, "memory.swappiness"), "w") as f:
+                        f.write("0")
+                except OSError:
+                    pass
+        except OSError:
+            try:
+                os.rmdir(directory)
+            except OSError:
+                pass
+            continue
+        made = directory
+        break
+    if made is None:
+        yield None
+        return
+    try:
+        yield ["sh", "-c", f'echo $$ > {made}/cgroup.procs && exec "$0" "$@"']
+    finally:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                os.rmdir(made)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+
+
+def run_isolated(code: str, timeout: float = 120, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """Runs ``code`` as a script in a fresh interpreter; a hang past ``timeout`` fails the test.
+
+    The script can import the test helpers (``sources``, ...). Returns the
+    completed process; the caller checks its output.
+    """
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(tests_dir, f"_isolated_{os.getpid()}_{time.monotonic_ns()}.py")
+    with open(path, "w") as f:
+        f.write(textwrap.dedent(code))
+    environment = dict(os.environ, **(env or {}))
+    environment["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, environment.get("PYTHONPATH")) if p)
+    try:
+        return subprocess.run([sys.executable, path], capture_output=True, text=True,
+                              timeout=timeout, env=environment, cwd=tests_dir)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the script hung for {timeout} s:\n{exc.stdout}\n{exc.stderr}") from None
+    finally:
+        os.unlink(path)

@@ -160,3 +160,39 @@ def test_timeout_names_the_stuck_samples():
         next(it)
     assert time.monotonic() - started < 10
     src.close()
+
+
+class CustomBase(BaseException):
+    """A BaseException that is neither SystemExit nor KeyboardInterrupt."""
+
+
+def raises_base_exceptions(info):
+    if info.idx_in_epoch == 5:
+        raise SystemExit(3)
+    if info.idx_in_epoch == 13:
+        raise KeyboardInterrupt("raised by the callback")
+    if info.idx_in_epoch == 21:
+        raise CustomBase("custom")
+    return np.array([info.idx_in_epoch])
+
+
+@pytest.mark.parametrize("at, kind, text", [
+    (0, SystemExit, "3"),
+    (8, KeyboardInterrupt, "raised by the callback"),
+    (16, CustomBase, "custom"),
+])
+def test_a_base_exception_in_the_callback_reaches_the_consumer_like_any_other(at, kind, text):
+    with ParallelSource(raises_base_exceptions, 4, num_workers=2) as src:
+        src.set_state({"epoch_idx": 0, "iteration": at // 4})
+        it = iter(src)
+        next(it)  # the batch before the failing one
+        with pytest.raises(kind) as caught:
+            next(it)
+        assert str(caught.value) == text
+        cause = caught.value.__cause__
+        assert isinstance(cause, WorkerTraceback)
+        assert f"idx_in_epoch={at + 5}" in str(cause) and "raises_base_exceptions" in cause.text
+        pids = src.worker_pids()
+        src.set_state({"epoch_idx": 0, "iteration": 0})
+        assert int(next(iter(src))[0][0]) == 0  # the workers lived through it
+        assert src.worker_pids() == pids

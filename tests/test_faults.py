@@ -366,3 +366,24 @@ def run(report):
     assert result.returncode == -9
     assert result.pids and result.leftover_pids == [], "workers outlived their killed parent"
     assert result.new_shm == []
+
+
+def test_workers_die_with_a_parent_killed_while_callbacks_hold_the_gil_in_c():
+    scenario = ENGINE + '''
+import json
+def hog(info):
+    if info.idx_in_epoch >= 8:
+        sum(range(10 ** 12))  # hours in C, holding the GIL: no Python thread of the worker can run
+    return np.zeros(4)
+def run(report):
+    src = extsrc.ParallelSource(hog, 4, num_workers=2)
+    it = iter(src)
+    next(it)
+    pids = src.worker_pids()
+    time.sleep(0.5)  # both workers are inside sum() now
+    print("RESULT " + json.dumps({"type": None, "message": None, "seconds": 0, "pids": pids}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+'''
+    result = run_fault(scenario, timeout=60)
+    assert result.returncode == -9
+    assert result.pids and result.leftover_pids == [], "workers outlived their killed parent"

@@ -67,6 +67,11 @@ class PendingBatch:
     def complete(self) -> bool:
         return not self.outstanding
 
+    @property
+    def spilled(self) -> bool:
+        """Whether any sample went to a worker's overflow segment."""
+        return any(isinstance(m, TaskDone) and any(m.spilled) for m in self.results.values())
+
     def _ordered(self) -> List[Tuple[int, Union[TaskDone, TaskFailed]]]:
         """``(start, result)`` by start; computed once the batch is complete."""
         if self._order is None or len(self._order) != len(self.results):

@@ -43,8 +43,9 @@ class Channel:
     @classmethod
     def pair(cls) -> Tuple["Channel", "Channel"]:
         """``(pool end, worker end)``."""
-        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        return cls(a, pool_end=True), cls(b, pool_end=False)
+        with forking.lock:
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            return cls(a, pool_end=True), cls(b, pool_end=False)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -166,6 +167,42 @@ class Channel:
         from multiprocessing import reduction
 
         return (_rebuild_worker_end, (reduction.DupFd(self.sock.fileno()),))
+
+
+class OwnedFds:
+    """Duplicates of descriptors waiting to be sent; closed once sent or dropped.
+
+    A forked child closes its copies at once (see :mod:`extsrc.forking`): a
+    pool's fork worker must not hold another source's memory by them.
+    """
+
+    __slots__ = ("fds", "_pid", "__weakref__")
+
+    def __init__(self, fds: Sequence[int]):
+        self._pid = os.getpid()
+        with forking.lock:
+            self.fds: Tuple[int, ...] = tuple(os.dup(fd) for fd in fds)
+            forking.register(self)
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, ()
+        if self._pid == os.getpid():
+            for fd in fds:
+                os.close(fd)
+
+    def forget_after_fork(self) -> None:
+        fds, self.fds = self.fds, ()
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 def _rebuild_worker_end(dup) -> Channel:

@@ -14,10 +14,14 @@ Threads and ownership:
   this bookkeeping can be cut in half by one.
 * **Consumer threads** (calling ``next()``, ``iter()``, ``close()`` on
   sources) change the pool only through the methods below marked *lock
-  held*, and wait on :attr:`WorkerPool.condition`, which the I/O thread
-  notifies after every change.
-* One lock (:attr:`WorkerPool.condition`) guards the pool and every source
-  attached to it.
+  held*. To wait, a consumer takes a :meth:`WorkerPool.waiter` with the
+  lock held and acquires it after leaving the lock; the I/O thread releases
+  every waiter after each change a consumer may wait for.
+* One lock (:attr:`WorkerPool.lock`, a C-level ``RLock`` only ever used in
+  ``with`` statements) guards the pool and every source attached to it. A
+  ``KeyboardInterrupt`` landing anywhere in a consumer therefore never
+  leaves it held: ``threading.Condition`` is not used, because its Python
+  code can be interrupted between taking and giving back the lock.
 
 Pool states::
 
@@ -39,6 +43,7 @@ to a worker (iterable sources, whose state lives in one worker).
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import enum
 import multiprocessing.connection
@@ -55,12 +60,16 @@ from extsrc.engine.cuda_state import FORK_AFTER_CUDA, cuda_initialized
 from extsrc.engine.protocol import (
     AddSlot, DropSlot, SetupFailed, SourceSetup, Task, TaskDone, TaskFailed, WorkerSetup,
 )
+from extsrc.engine.channel import OwnedFds
 from extsrc.engine.workers import WorkerHandle, Waker
 from extsrc.errors import ForkedChildError, InternalError, PoolClosedError, WorkerDiedError
 from extsrc import forking
 from extsrc.options import UNSET, PoolOptions
 
 MAX_OUTSTANDING = 2  # tasks per worker: one running, one waiting, so a worker never idles
+# While the consumer holds batches, the I/O thread looks for ended leases at least this often
+# (a lease's end wakes no thread, see extsrc.shm.slots.Lease); any other event is sooner.
+RETURN_POLL_S = 0.05
 # close() waits this long for the I/O thread, which stops the workers with their graces.
 IO_THREAD_JOIN_S = 4 * worker_processes.STOP_GRACE_S + 2.0
 
@@ -95,6 +104,9 @@ class PoolClient(Protocol):
         """Take back returned memory and dispatch more work, if any; cheap when there is none.
         True if a consumer may now be able to go on (a dispatch failed)."""
 
+    def lends(self) -> bool:
+        """Whether the consumer holds batches of this source (their end must be noticed)."""
+
     def describe_task(self, task: Task) -> str:
         """``"samples 0..3 of batch 1 of epoch 0 (idx_in_epoch 8..11) of source #0"``."""
 
@@ -125,7 +137,8 @@ class WorkerPool:
 
     def __init__(self, num_workers: int = 1, start_method: str = "fork", pickler: Any = None):
         self.options = PoolOptions.create(num_workers, start_method, pickler)
-        self.condition = threading.Condition(threading.RLock())
+        self.lock = threading.RLock()
+        self._waiters: List[Any] = []
         self._pid = os.getpid()
         self._state = PoolState.NEW
         self._error: Optional[BaseException] = None
@@ -187,7 +200,7 @@ class WorkerPool:
         With ``fork``, call it before CUDA is initialised. Pickling errors of a
         source (spawn, forkserver) are raised here, with the pool still NEW.
         """
-        with self.condition:
+        with self.lock:
             self.check_owner()
             if self._state is PoolState.RUNNING:
                 return
@@ -217,7 +230,6 @@ class WorkerPool:
             except BaseException:
                 worker_processes.stop(self._workers, ask=False)
                 self._workers = []
-                self._waker.close()
                 self._waker = None
                 raise
             self._state = PoolState.RUNNING
@@ -231,19 +243,19 @@ class WorkerPool:
         """
         if self._pid != os.getpid():
             return
-        with self.condition:
+        with self.lock:
             if self._state is PoolState.CLOSED:
                 return
             self._state = PoolState.CLOSED
             if self._error is None:
                 self._error = PoolClosedError("the pool was closed")
-            self.condition.notify_all()
+            self.notify()
         thread = self._thread
         if self._waker is not None:
             self._waker.wake()
         if thread is not None and thread is not threading.current_thread():
             thread.join(IO_THREAD_JOIN_S)
-        with self.condition:
+        with self.lock:
             if self._workers:  # the I/O thread did not get to it (or never ran)
                 worker_processes.stop(self._workers, ask=False)
                 self._workers = []
@@ -251,8 +263,6 @@ class WorkerPool:
                 client = self._clients[i]()
                 if client is not None:
                     client.on_pool_closed()
-            if self._waker is not None:
-                self._waker.close()
         _live_pools.discard(self)
 
     def forget_after_fork(self) -> None:
@@ -300,7 +310,7 @@ class WorkerPool:
 
     def attach(self, client: PoolClient) -> int:
         """*engine*, consumer thread: adds a source before start; returns its id."""
-        with self.condition:
+        with self.lock:
             self.check_owner()
             if self._state is not PoolState.NEW:
                 raise RuntimeError("sources must be added to a WorkerPool before it starts")
@@ -312,6 +322,23 @@ class WorkerPool:
         worker = self._pins % self.options.num_workers
         self._pins += 1
         return worker
+
+    def waiter(self) -> Any:
+        """*engine*, lock held: a held lock that the next change releases.
+
+        The caller leaves the pool's lock, then acquires the waiter (with its
+        timeout) to wait; a waiter left unused is harmless.
+        """
+        waiter = _thread.allocate_lock()
+        waiter.acquire()
+        self._waiters.append(waiter)
+        return waiter
+
+    def notify(self) -> None:
+        """*engine*, lock held: wakes every consumer waiting for a change."""
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            waiter.release()
 
     def fail(self, error: BaseException) -> None:
         """*engine*, lock held: a source found a fault (a timeout): break the pool with ``error``.
@@ -341,7 +368,7 @@ class WorkerPool:
                 removed += mine
                 self._pinned[worker] = deque(t for t in queue if t.source_id != source_id)
         for worker in self._workers:
-            kept: Deque[Tuple[Any, Tuple[int, ...]]] = deque()
+            kept: Deque[Tuple[Any, Optional[OwnedFds]]] = deque()
             for message, fds in worker.outbox:
                 if isinstance(message, Task) and message.source_id == source_id:
                     del worker.outstanding[message.ticket]
@@ -359,7 +386,7 @@ class WorkerPool:
 
         kind = backend()
         for worker in self._workers:
-            fds = (os.dup(region_fd), os.dup(overflow_fds[worker.index]))
+            fds = OwnedFds((region_fd, overflow_fds[worker.index]))
             worker.outbox.append((AddSlot(source_id, slot_id, kind), fds))
         self.wake()
 
@@ -368,7 +395,7 @@ class WorkerPool:
         if self._state is not PoolState.RUNNING:
             return
         for worker in self._workers:
-            worker.outbox.append((DropSlot(source_id, slot_id), ()))
+            worker.outbox.append((DropSlot(source_id, slot_id), None))
         self.wake()
 
     def wake(self) -> None:
@@ -397,16 +424,16 @@ class WorkerPool:
             while self._io_round(poller, sockets, sentinels):
                 pass
         except BaseException as exc:  # a bug: the pool must not hang its consumers
-            with self.condition:
+            with self.lock:
                 error = InternalError(f"the extsrc pool's I/O thread failed: {type(exc).__name__}: {exc}")
                 error.__cause__ = exc
                 self._break(error)
         finally:
-            with self.condition:
+            with self.lock:
                 workers, self._workers = self._workers, []
             worker_processes.stop(workers, ask=self._state is PoolState.CLOSED)
-            with self.condition:
-                self.condition.notify_all()
+            with self.lock:
+                self.notify()
 
     def _poller(self) -> Tuple[Any, Dict[int, WorkerHandle], Dict[int, WorkerHandle]]:
         """One poll set for the life of the pool: the waker, each worker's socket and sentinel."""
@@ -424,23 +451,25 @@ class WorkerPool:
     def _io_round(self, poller: Any, sockets: Dict[int, WorkerHandle],
                   sentinels: Dict[int, WorkerHandle]) -> bool:
         """One round: service, send, wait, receive. False when the pool stops running."""
-        with self.condition:
+        with self.lock:
             if self._state is not PoolState.RUNNING:
                 return False
             changed = False
+            lending = False
             for ref in self._clients:
                 client = ref()
                 if client is not None:
                     changed = client.service() or changed
+                    lending = lending or client.lends()
             self._assign()
             if not self._flush():
                 return False
             if changed:
-                self.condition.notify_all()
+                self.notify()
             waker = self._waker
             assert waker is not None
-        events = poller.poll()
-        with self.condition:
+        events = poller.poll(RETURN_POLL_S * 1000 if lending else None)
+        with self.lock:
             if self._state is not PoolState.RUNNING:
                 return False
             changed = False
@@ -460,7 +489,7 @@ class WorkerPool:
                     self._worker_died(worker)
                     return False
             if changed:
-                self.condition.notify_all()
+                self.notify()
         return True
 
     def _assign(self) -> None:
@@ -480,20 +509,20 @@ class WorkerPool:
                 if not worker.outstanding:
                     worker.busy_since = time.monotonic()
                 worker.outstanding[task.ticket] = task
-                worker.outbox.append((task, ()))
+                worker.outbox.append((task, None))
 
     def _flush(self) -> bool:
         for worker in self._workers:
             while worker.outbox:
                 message, fds = worker.outbox[0]
                 try:
-                    worker.channel.send(message, fds)
+                    worker.channel.send(message, fds.fds if fds is not None else ())
                 except OSError:
                     self._worker_died(worker)
                     return False
                 worker.outbox.popleft()
-                for fd in fds:
-                    os.close(fd)
+                if fds is not None:
+                    fds.close()
         return True
 
     def _receive(self, worker: WorkerHandle) -> Optional[bool]:
@@ -538,7 +567,7 @@ class WorkerPool:
             return
         self._state = PoolState.BROKEN
         self._error = error
-        self.condition.notify_all()
+        self.notify()
         self.wake()
 
 

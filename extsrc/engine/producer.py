@@ -94,6 +94,10 @@ class Producer:
     def commit(self, pending: PendingBatch) -> None:
         """The consumer took ``pending`` (its slot is LEASED)."""
         self.pending.pop(pending.iteration, None)
+        if pending.spilled and all(r is not None for r in self.layout.regions()[0]):
+            # Its overflow held the samples of a layout learned since (the first batch):
+            # give that memory back once the batch is dropped.
+            pending.slot.retire_when_free = True
         self.pool.wake()  # one batch fewer ahead: dispatch the next
 
     def uncommit(self, pending: PendingBatch) -> None:
@@ -143,6 +147,9 @@ class Producer:
         self.slots.trim()
         return self.error is not failed
 
+    def lends(self) -> bool:
+        return bool(self.slots.leases)
+
     def describe_task(self, task: Task) -> str:
         if self.kind == SAMPLE:
             base = task.iteration * self.options.batch_size
@@ -186,13 +193,14 @@ class Producer:
             if self.end_at is not None and iteration > self.end_at:
                 return
             regions, region_bytes = self.layout.regions()
+            seq = next(self._batch_seq)
             try:
-                slot = self.slots.acquire(region_bytes, self._total_need(region_bytes))
+                slot = self.slots.acquire(region_bytes, self._total_need(region_bytes), seq)
             except SharedMemoryError as exc:
                 self.error = (iteration, limits.with_advice(exc, backend(),
                                                             self._total_need(region_bytes)))
                 return
-            pending = PendingBatch(next(self._batch_seq), run.epoch_idx, iteration, slot, regions)
+            pending = PendingBatch(seq, run.epoch_idx, iteration, slot, regions)
             tasks = []
             for start, stop in self._ranges():
                 ticket = next(self._tickets)

@@ -75,11 +75,12 @@ class Epoch:
 class _Take:
     """The steps of one take, recorded for :meth:`ParallelSource._undo`."""
 
-    __slots__ = ("pending", "lease", "next_yield", "state")
+    __slots__ = ("pending", "lease", "lease_seq", "next_yield", "state")
 
     def __init__(self) -> None:
         self.pending: Optional[PendingBatch] = None
-        self.lease: Any = None
+        self.lease: Any = None  # held here, so the batch's memory cannot be returned before _undo
+        self.lease_seq = 0  # the lease seq the take makes
         self.next_yield = 0
         self.state = EpochState.RUNNING
 
@@ -226,7 +227,8 @@ class ParallelSource:
 
     def shared_memory_bytes(self) -> int:
         """Shared memory this source holds now for its slots, in bytes (held batches included)."""
-        with self._pool.condition:
+        self._pool.check_owner()
+        with self._pool.lock:
             return self._producer.slots.reserved_bytes()
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -245,15 +247,15 @@ class ParallelSource:
         if self._closed or self._pid != os.getpid():
             return
         self._closed = True
-        with self._pool.condition:
+        with self._pool.lock:
             epoch, self._epoch = self._epoch, None
             if epoch is not None:
                 epoch.state = EpochState.ENDED
-            self._pool.condition.notify_all()
+            self._pool.notify()
         if self._owns_pool:
             self._pool.close()  # frees the memory of every source once the workers stopped
         else:
-            with self._pool.condition:
+            with self._pool.lock:
                 self._producer.close(tell_workers=not self._pool.closed)
 
     def __enter__(self) -> "ParallelSource":
@@ -279,7 +281,7 @@ class ParallelSource:
         """Starts the next epoch (ending an unfinished one) and returns its iterator."""
         self._check_open()
         self._pool.start()
-        with self._pool.condition:
+        with self._pool.lock:
             self._pool.check_usable(self._producer.source_id)
             previous = self._epoch
             if previous is not None:
@@ -289,12 +291,13 @@ class ParallelSource:
             self._epoch = Epoch(self, run)
             self._next_epoch += 1
             self._resume_iteration = 0
-            self._pool.condition.notify_all()
+            self._pool.notify()
             return self._epoch
 
     def get_state(self) -> Dict[str, int]:
         """Where the source stands: the next batch it would hand out (JSON-able)."""
-        with self._pool.condition:
+        self._pool.check_owner()
+        with self._pool.lock:
             epoch = self._epoch
             if epoch is not None and epoch.state is EpochState.RUNNING:
                 return {"epoch_idx": epoch.epoch_idx, "iteration": epoch.next_yield}
@@ -310,7 +313,7 @@ class ParallelSource:
         if iteration and self.kind in (BATCH_ITERABLE, BATCH_GENERATOR):
             raise ValueError("resuming in the middle of an epoch needs a callable source, not an iterable")
         self._check_open()
-        with self._pool.condition:
+        with self._pool.lock:
             if self._epoch is not None:
                 self._epoch.state = EpochState.ENDED
                 self._epoch = None
@@ -329,75 +332,99 @@ class ParallelSource:
         pool = self._pool
         pool.check_owner()
         producer = self._producer
-        with pool.condition:
-            self._wait_ready(epoch)  # raises StopIteration, an error, or returns with it ready
-            pending = producer.ready(epoch.run, epoch.next_yield)
-            assert pending is not None
-            decision = pending.decide(self.options.last_batch, self.name)
-            if decision.error is not None or decision.size == 0:
-                self._end(epoch)
-                if decision.error is not None:
-                    raise decision.error
-                if decision.produced and epoch.next_yield == 0 and epoch.run.first_iteration == 0:
-                    raise EmptyEpochError(
-                        f"source {self.name}: epoch {epoch.epoch_idx} ended after "
-                        f"{decision.produced} samples, fewer than batch_size="
-                        f"{self.options.batch_size}, and last_batch='drop' dropped them all, so "
-                        "the epoch has no batch. Use last_batch='partial', or a batch_size of at "
-                        f"most {decision.produced}."
-                    )
-                raise StopIteration
-            take.next_yield, take.state = epoch.next_yield, epoch.state
-            take.pending = pending
-            take.lease = producer.slots.take(pending.slot, pending.overflow_sizes(decision.size))
-            producer.commit(pending)
-            epoch.next_yield += 1
-            if decision.ended:
-                epoch.state = EpochState.LAST_GIVEN
+        deadline = None if self.options.timeout is None else time.monotonic() + self.options.timeout
+        while True:
+            with pool.lock:
+                waiter = self._ready_or_waiter(epoch, deadline)  # or raises StopIteration, an error
+                if waiter is None:
+                    pending = producer.ready(epoch.run, epoch.next_yield)
+                    assert pending is not None
+                    decision = self._decide(epoch, pending)
+                    take.next_yield, take.state = epoch.next_yield, epoch.state
+                    take.lease_seq = pending.slot.lease_seq + 1
+                    take.pending = pending
+                    take.lease = producer.slots.take(pending.slot, pending.overflow_sizes(decision.size))
+                    producer.commit(pending)
+                    epoch.next_yield += 1
+                    if decision.ended:
+                        epoch.state = EpochState.LAST_GIVEN
+                    break
+            # Waiting happens outside the lock (see extsrc.engine.pool).
+            remaining = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+            waiter.acquire(True, remaining)
         # The arrays are made without the lock: the slot is the consumer's now, and its memory
         # is reached only through the lease.
         try:
             outcome = pending.build(take.lease, decision.size, self.options.num_outputs)
         except SampleError:
             take.pending = None  # not undone: the batch is bad; its slot returns with the lease
-            with pool.condition:
+            with pool.lock:
                 self._end(epoch)
             raise
         return self._finish(outcome)
 
     def _undo(self, epoch: Epoch, take: "_Take") -> None:
-        """Undoes an interrupted take (see :meth:`Epoch.__next__`); each step only if done."""
+        """Undoes an interrupted take (see :meth:`Epoch.__next__`): the next call returns the
+        same batch. Each step is checked, since the interrupt may have come before it."""
         pending = take.pending
-        with self._pool.condition:
+        with self._pool.lock:
             producer = self._producer
-            if producer.run is epoch.run and pending.iteration not in producer.pending:
-                producer.uncommit(pending)
-            epoch.next_yield = take.next_yield
-            if epoch.state is EpochState.LAST_GIVEN:
-                epoch.state = take.state
-            if pending.slot.state is SlotState.LEASED:
-                producer.slots.untake(pending.slot, take.lease)
-
-    def _wait_ready(self, epoch: Epoch) -> None:
-        pool, producer = self._pool, self._producer
-        deadline = None if self.options.timeout is None else time.monotonic() + self.options.timeout
-        while True:
-            if epoch.state is EpochState.LAST_GIVEN:
-                self._end(epoch)
-                raise StopIteration
-            if epoch.state is EpochState.ENDED or epoch is not self._epoch:
-                raise StopIteration  # superseded by a newer epoch, set_state() or close()
-            pool.check_usable(producer.source_id)
-            if producer.ready(epoch.run, epoch.next_yield) is not None:
+            if epoch is not self._epoch or epoch.state is EpochState.ENDED:
                 return
-            failure = producer.failure(epoch.run, epoch.next_yield)
-            if failure is not None:
-                self._end(epoch)
-                raise failure
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise self._timed_out(epoch)
-            pool.condition.wait(remaining)
+            epoch.next_yield = take.next_yield
+            epoch.state = take.state
+            if producer.run is not epoch.run:
+                return
+            if producer.slots.holds(pending.slot, pending.seq, take.lease_seq):
+                if pending.slot.state is SlotState.LEASED:
+                    producer.slots.untake(pending.slot, take.lease)
+                if pending.iteration not in producer.pending:
+                    producer.uncommit(pending)
+            else:
+                # The take was cut inside the slot pool and the batch's memory went back:
+                # produce the epoch again from this batch on.
+                epoch.run = producer.request(epoch.epoch_idx, take.next_yield)
+            self._pool.notify()
+
+    def _ready_or_waiter(self, epoch: Epoch, deadline: Optional[float]) -> Any:
+        """Lock held: ``None`` when the epoch's next batch is ready, else a waiter to wait on.
+
+        Raises ``StopIteration`` at the end of the epoch, the pool's fault, a
+        failed dispatch, or :class:`SourceTimeoutError` past ``deadline``.
+        """
+        pool, producer = self._pool, self._producer
+        if epoch.state is EpochState.LAST_GIVEN:
+            self._end(epoch)
+            raise StopIteration
+        if epoch.state is EpochState.ENDED or epoch is not self._epoch:
+            raise StopIteration  # superseded by a newer epoch, set_state() or close()
+        pool.check_usable(producer.source_id)
+        if producer.ready(epoch.run, epoch.next_yield) is not None:
+            return None
+        failure = producer.failure(epoch.run, epoch.next_yield)
+        if failure is not None:
+            self._end(epoch)
+            raise failure
+        if deadline is not None and deadline - time.monotonic() <= 0:
+            raise self._timed_out(epoch)
+        return pool.waiter()
+
+    def _decide(self, epoch: Epoch, pending: PendingBatch) -> Any:
+        """Lock held: what the ready batch becomes; raises at the end of the epoch or an error."""
+        decision = pending.decide(self.options.last_batch, self.name)
+        if decision.error is None and decision.size:
+            return decision
+        self._end(epoch)
+        if decision.error is not None:
+            raise decision.error
+        if decision.produced and epoch.next_yield == 0 and epoch.run.first_iteration == 0:
+            raise EmptyEpochError(
+                f"source {self.name}: epoch {epoch.epoch_idx} ended after {decision.produced} "
+                f"samples, fewer than batch_size={self.options.batch_size}, and "
+                "last_batch='drop' dropped them all, so the epoch has no batch. Use "
+                f"last_batch='partial', or a batch_size of at most {decision.produced}."
+            )
+        raise StopIteration
 
     def _finish(self, outcome: BatchOutput) -> BatchOutput:
         """Outputs that came uniform but spilled (the first batch) become one dense array."""

@@ -20,7 +20,7 @@ from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from extsrc import forking
-from extsrc.engine.channel import Channel
+from extsrc.engine.channel import Channel, OwnedFds
 from extsrc.engine.protocol import Stop, Task, WorkerSetup
 from extsrc.engine.worker import worker_main
 
@@ -42,7 +42,7 @@ class WorkerHandle:
         self.channel = channel
         self.outstanding: Dict[int, Task] = {}  # ticket -> task, in the order sent
         self.busy_since = time.monotonic()
-        self.outbox: Deque[Tuple[Any, Tuple[int, ...]]] = deque()  # (message, owned fds)
+        self.outbox: Deque[Tuple[Any, Optional[OwnedFds]]] = deque()  # (message, fds to send)
 
     @property
     def sentinel(self) -> int:
@@ -51,8 +51,8 @@ class WorkerHandle:
     def discard_outbox(self) -> None:
         while self.outbox:
             _message, fds = self.outbox.popleft()
-            for fd in fds:
-                os.close(fd)
+            if fds is not None:
+                fds.close()
 
 
 def launch(context: Any, setup: WorkerSetup) -> WorkerHandle:
@@ -138,50 +138,57 @@ def describe_exit(worker: WorkerHandle, start_method: str) -> Tuple[str, str]:
 
 
 class Waker:
-    """Wakes the pool's I/O thread; safe from any thread, any time, even after close."""
+    """Wakes the pool's I/O thread; safe from any thread, at any time.
+
+    Lock-free on purpose (see :mod:`extsrc.engine.pool`): the pipe stays open
+    until the waker is garbage, so a late wake-up writes into a pipe nobody
+    reads (and a full pipe is ignored), never into a reused descriptor.
+    """
 
     def __init__(self) -> None:
-        self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._lock = threading.Lock()
-        self._closed = False
         self._pid = os.getpid()
-        forking.register(self)
+        self._open = True
+        with forking.lock:
+            self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            forking.register(self)
 
     def fileno(self) -> int:
         return self._read
 
     def wake(self) -> None:
-        with self._lock:  # a closed pipe's number may belong to another file by now
-            if self._closed or self._pid != os.getpid():
-                return
+        if self._open:
             try:
                 os.write(self._write, b"\0")
-            except (BlockingIOError, OSError):
+            except OSError:
                 pass  # full: a wake-up is pending already
 
     def drain(self) -> None:
         try:
             while os.read(self._read, 4096):
                 pass
-        except (BlockingIOError, OSError):
+        except OSError:
             pass
 
-    def close(self) -> None:
-        with self._lock:
-            if not self._closed and self._pid == os.getpid():
-                os.close(self._read)
-                os.close(self._write)
-            self._closed = True
+    def _close(self) -> None:
+        if self._open and self._pid == os.getpid():
+            self._open = False
+            os.close(self._read)
+            os.close(self._write)
+
+    def __del__(self) -> None:
+        try:
+            self._close()
+        except Exception:
+            pass
 
     def forget_after_fork(self) -> None:
-        self._lock = threading.Lock()  # the parent's may have been held by a thread not in the child
-        if not self._closed:
+        if self._open:
+            self._open = False
             for fd in (self._read, self._write):
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        self._closed = True
 
 
 def context_for(start_method: str) -> Any:

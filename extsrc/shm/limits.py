@@ -212,7 +212,8 @@ def check_reserve(nbytes: int, what: str, current: int, kind: str,
     """Raises :class:`SharedMemoryError` if reserving ``nbytes`` more would break a limit.
 
     ``what`` names the memory (``"source '#0', slot 3"``), ``current`` is what
-    it already has; ``total_needed`` what the source needs in all, for the advice.
+    it already has; ``total_needed`` what the source needs in all, for the advice
+    (without it, the caller adds the advice with :func:`with_advice`).
     """
     limit = tightest(memory_limits())
     if limit is None or nbytes + HEADROOM <= limit.room:
@@ -222,7 +223,7 @@ def check_reserve(nbytes: int, what: str, current: int, kind: str,
         f"cannot reserve {format_bytes(nbytes)} more shared memory for {what} (it has "
         f"{format_bytes(current)}): {limit.describe()}, so {format_bytes(limit.room)} is left, "
         f"and extsrc keeps {format_bytes(HEADROOM)} of that for everything else."
-        + shortage_advice(kind, total_needed if total_needed is not None else nbytes, limit),
+        + ("" if total_needed is None else shortage_advice(kind, total_needed, limit)),
     )
 
 
@@ -274,6 +275,8 @@ def shortage_advice(kind: str, total_needed: int, limit: Optional[Limit] = None)
             "memory, which does not count against /dev/shm."
         )
     raise_limit = "raise the process's memory limit"
+    if limit is None:
+        limit = tightest(memory_limits())
     if limit is not None and "cgroup" in limit.name:
         raise_limit = ("raise the container's memory limit (docker run --memory, the pod's "
                        "resources.limits.memory)")

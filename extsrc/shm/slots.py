@@ -28,9 +28,10 @@ Slot states::
 * **RETIRED**: memory given back to the system (terminal).
 
 Threads: every method runs with the pool's lock held, except the lease's
-return, which may run in any thread (wherever the last reference is
-dropped): it only appends to :attr:`SlotPool.returns` and wakes the pool,
-whose thread calls :meth:`SlotPool.process_returns`.
+return, which happens in whatever thread drops the last reference: it only
+appends to :attr:`SlotPool.returns` (from C, see :class:`Lease`); the pool's
+thread applies it (:meth:`SlotPool.process_returns`) at its next round, at
+the latest :data:`~extsrc.engine.pool.RETURN_POLL_S` later.
 
 Memory: mappings are reference-counted; a lease holds the mappings of its
 batch, the pool holds those of its live slots. ``close()`` (and retiring)
@@ -41,7 +42,7 @@ a held batch keeps its memory until it is dropped, even after ``close()``.
 from __future__ import annotations
 
 import enum
-import os
+import weakref
 from collections import deque
 from typing import Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
@@ -88,15 +89,13 @@ class WorkerLink(Protocol):
     def drop_slot(self, source_id: int, slot_id: int) -> None:
         """Tells every worker to close and unmap the slot."""
 
-    def wake(self) -> None:
-        """Makes the pool's thread run soon; safe to call from any thread, at any time."""
 
 
 class Slot:
     """Memory for one batch; its state is changed only by its :class:`SlotPool`."""
 
     __slots__ = ("slot_id", "state", "region", "region_map", "overflow", "overflow_maps",
-                 "lease_seq", "lease_generation")
+                 "batch_seq", "lease_seq", "lease_generation", "retire_when_free")
 
     def __init__(self, slot_id: int, label: str, num_workers: int):
         self.slot_id = slot_id
@@ -111,8 +110,10 @@ class Slot:
             raise
         self.region_map: Optional[Mapping] = None
         self.overflow_maps: List[Optional[Mapping]] = [None] * num_workers
+        self.batch_seq = -1  # the batch it holds (or last held)
         self.lease_seq = 0
         self.lease_generation = 0
+        self.retire_when_free = False
 
     def _close_segments(self) -> None:
         self.region.close()
@@ -130,25 +131,22 @@ class Lease:
     :func:`extsrc.shm.mapping.array_base`), so the lease dies exactly when
     the last array, view, slice or tensor made from the batch does. It holds
     the batch's mappings (:attr:`region`, :attr:`overflow` by worker), so the
-    memory stays mapped until then even if the source was closed. Its death
-    returns the slot (:meth:`SlotPool.process_returns`).
+    memory stays mapped until then even if the source was closed.
+
+    Its death is noticed by a weak reference whose callback is
+    ``deque.append``, which runs no Python code: a ``KeyboardInterrupt``
+    arriving while the last array is dropped cannot lose the return.
     """
 
-    __slots__ = ("slot_id", "seq", "generation", "region", "overflow", "_returns", "_wake", "_pid",
-                 "active", "__weakref__")
+    __slots__ = ("slot_id", "seq", "region", "overflow", "ref", "__weakref__")
 
-    def __init__(self, slot_id: int, seq: int, generation: int, region: Optional[Mapping],
-                 overflow: Dict[int, Mapping], returns: Deque[Tuple[int, int]],
-                 wake: Callable[[], None]):
+    def __init__(self, slot_id: int, seq: int, region: Optional[Mapping],
+                 overflow: Dict[int, Mapping]):
         self.slot_id = slot_id
         self.seq = seq
-        self.generation = generation
         self.region = region
         self.overflow = overflow
-        self._returns = returns
-        self._wake = wake
-        self._pid = os.getpid()
-        self.active = True
+        self.ref: Optional["weakref.ReferenceType[Lease]"] = None
 
     @property
     def mappings(self) -> Tuple[Mapping, ...]:
@@ -159,11 +157,6 @@ class Lease:
         """All of ``mapping`` (one of :attr:`mappings`) as a uint8 array whose views keep
         this lease alive. Callers keep it no longer than they need to make views."""
         return array_base(mapping, self)
-
-    def __del__(self) -> None:
-        if self.active and self._pid == os.getpid():
-            self._returns.append((self.slot_id, self.seq))
-            self._wake()
 
 
 def lease_of(array: object) -> Optional[Lease]:
@@ -188,7 +181,11 @@ class SlotPool:
         self.keep = keep
         self.link = link
         self.slots: Dict[int, Slot] = {}
-        self.returns: Deque[Tuple[int, int]] = deque()
+        # id(weak reference of a live lease) -> (slot id, lease seq, the reference); a dead
+        # lease's reference lands in `returns` (see Lease). Keyed by id: a dead reference
+        # whose hash was never taken cannot be hashed.
+        self.leases: Dict[int, Tuple[int, int, "weakref.ReferenceType[Lease]"]] = {}
+        self.returns: Deque["weakref.ReferenceType[Lease]"] = deque()
         self._next_id = 0
         self._closed = False
 
@@ -201,7 +198,7 @@ class SlotPool:
             )
         slot.state = to
 
-    def acquire(self, region_bytes: int, total_needed: int) -> Slot:
+    def acquire(self, region_bytes: int, total_needed: int, batch_seq: int) -> Slot:
         """A slot for a new batch, now FILLING, with ``region_bytes`` of region memory reserved.
 
         Reuses a free slot, else creates one (and tells the workers). Raises
@@ -216,6 +213,7 @@ class SlotPool:
             size = slot.region.reserve(region_bytes, total_needed)
             slot.region_map = slot.region.map(size)  # an older, smaller mapping goes with its last user
         self._move(slot, SlotState.FILLING)
+        slot.batch_seq = batch_seq
         return slot
 
     def _create(self) -> Slot:
@@ -253,15 +251,24 @@ class SlotPool:
             overflow[worker] = current
         if slot.state is not SlotState.READY:
             raise InternalError(f"{self.label}: slot {slot.slot_id} taken while {slot.state.value}")
-        generation = forking.generation()
-        lease = Lease(slot.slot_id, slot.lease_seq + 1, generation, slot.region_map, overflow,
-                      self.returns, self.link.wake)
+        lease = Lease(slot.slot_id, slot.lease_seq + 1, slot.region_map, overflow)
+        lease.ref = ref = weakref.ref(lease, self.returns.append)
+        self.leases[id(ref)] = (slot.slot_id, lease.seq, ref)
         for mapping in lease.mappings:
             mapping.leased = True
-        slot.lease_generation = generation
+        slot.lease_generation = forking.generation()
         slot.lease_seq += 1
         self._move(slot, SlotState.LEASED)
         return lease
+
+    def holds(self, slot: Slot, batch_seq: int, lease_seq: int) -> bool:
+        """Whether ``slot`` still holds batch ``batch_seq``, READY or LEASED by lease
+        ``lease_seq`` (not yet returned): after an interrupted take, whether it can be undone."""
+        if slot.batch_seq != batch_seq or slot.slot_id not in self.slots:
+            return False
+        if slot.state is SlotState.READY:
+            return True
+        return slot.state is SlotState.LEASED and slot.lease_seq == lease_seq
 
     def untake(self, slot: Slot, lease: Optional[Lease]) -> None:
         """LEASED -> READY: the take was interrupted before the consumer got the batch.
@@ -269,20 +276,22 @@ class SlotPool:
         ``lease`` is ``None`` when :meth:`take` itself was interrupted after its last step.
         """
         if lease is not None:
-            lease.active = False
+            self.leases.pop(id(lease.ref), None)
         slot.lease_seq += 1  # a return of whatever lease was made is now stale
         self._move(slot, SlotState.READY)
 
     def process_returns(self) -> None:
         """Applies the leases that ended since the last call: LEASED -> FREE (or retired)."""
         while self.returns:
-            slot_id, seq = self.returns.popleft()
+            slot_id, seq, _ref = self.leases.pop(id(self.returns.popleft()), (-1, -1, None))
             slot = self.slots.get(slot_id)
             if slot is None or slot.state is not SlotState.LEASED or slot.lease_seq != seq:
                 continue  # retired, or a stale return of an interrupted take
             self._move(slot, SlotState.FREE)
-            if slot.lease_generation != forking.generation():
-                self._retire(slot)  # a child forked while it was held may still read it
+            if slot.lease_generation != forking.generation() or slot.retire_when_free:
+                # A child forked while it was held may still read it; or it holds overflow
+                # memory no later batch needs.
+                self._retire(slot)
                 continue
             for mapping in (slot.region_map, *slot.overflow_maps):
                 if mapping is not None:
@@ -306,6 +315,11 @@ class SlotPool:
             self.link.drop_slot(self.source_id, slot.slot_id)
 
     # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def held(self) -> int:
+        """Batches the consumer holds now (leased slots whose lease lives)."""
+        return len(self.leases) - len(self.returns)
 
     def count(self, state: SlotState) -> int:
         return sum(1 for s in self.slots.values() if s.state is state)
@@ -341,4 +355,5 @@ class SlotPool:
             slot.state = SlotState.RETIRED
         self._closed = True
         self.slots.clear()
+        self.leases.clear()
         self.returns.clear()

@@ -1,0 +1,91 @@
+"""A KeyboardInterrupt anywhere in next(): the source stays consistent; re-running the loop works.
+
+Each case runs in its own interpreter with a time limit (a hang fails the test).
+The interrupts are real signals (a timer whose handler raises
+KeyboardInterrupt, as Ctrl-C does) at random moments, and, to reach every
+function, a KeyboardInterrupt raised at the entry of the n-th extsrc
+function called. After each interrupt the loop carries on with the same
+iterator, or starts a new epoch, and every batch must come exactly once,
+whole and in order.
+"""
+
+import pytest
+
+from faultkit import run_isolated
+
+SCENARIO = '''
+import os, random, signal, sys
+import numpy as np, extsrc
+from sources import StopsAt
+
+MODE, SEED = sys.argv[1] if len(sys.argv) > 1 else "{mode}", {seed}
+EXTSRC = os.path.dirname(extsrc.__file__)
+rng = random.Random(SEED)
+armed = [False]
+
+def on_alarm(signum, frame):
+    if armed[0]:
+        raise KeyboardInterrupt("timer")
+
+def at_nth_call(target):
+    count = [0]
+    def trace(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(EXTSRC):
+            count[0] += 1
+            if count[0] == target:
+                raise KeyboardInterrupt(frame.f_code.co_name)
+    return trace
+
+def arm():
+    if rng.random() < 0.4:
+        return  # some calls go through, so that every epoch gets to its end
+    if MODE == "timer":
+        armed[0] = True
+        signal.setitimer(signal.ITIMER_REAL, rng.uniform(0, 0.0005))
+    else:
+        sys.settrace(at_nth_call(rng.randint(1, 40)))
+
+signal.signal(signal.SIGALRM, on_alarm)
+src = extsrc.ParallelSource(StopsAt(120), 4, num_workers=2)
+expected = [[k + i for i in range(4)] for k in range(0, 120, 4)]
+interrupts = restarts = 0
+for epoch in range(10):
+    it = iter(src)
+    seen = []
+    restarted = False
+    while True:
+        try:
+            arm()
+            for batch in it:
+                armed[0] = False  # first, inline: no check point for signals before it
+                sys.settrace(None)
+                seen.append([int(s[0]) for s in batch])
+                arm()
+        except KeyboardInterrupt:
+            armed[0] = False  # inline: a function call would be a check point for the next alarm
+            sys.settrace(None)
+            interrupts += 1
+            if not restarted and rng.random() < 0.1:  # the notebook habit: run the loop again
+                restarts += 1
+                restarted = True
+                it, seen = iter(src), []
+            continue
+        finally:
+            armed[0] = False
+            sys.settrace(None)
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        break
+    assert seen == expected, (epoch, [s[0] for s in seen])
+src.close()
+print("interrupts", interrupts, "restarts", restarts)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["timer", "call"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_interrupts_anywhere_in_next_lose_and_repeat_nothing(mode, seed):
+    result = run_isolated(SCENARIO.format(mode=mode, seed=seed), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    interrupts = int(result.stdout.split()[1])
+    assert interrupts >= 20, result.stdout  # the interrupts really landed

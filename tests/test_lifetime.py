@@ -1,0 +1,164 @@
+"""Batches stay right for as long as they are held, and memory follows what is held."""
+
+import gc
+import os
+import resource
+
+import numpy as np
+import pytest
+
+from extsrc import ParallelSource
+
+from sources import StopsAt, two_outputs
+
+
+def first_values(batches):
+    return [int(b[0][0]) for b in batches]
+
+
+def test_list_of_an_epoch_keeps_every_batch_right():
+    def f(i):
+        if i.idx_in_epoch >= 40:
+            raise StopIteration
+        return np.full(2, i.idx_in_epoch)
+
+    with ParallelSource(f, batch_size=4) as s:
+        batches = list(s)
+    assert first_values(batches) == list(range(0, 40, 4))  # still right after close()
+    assert [b.as_array()[:, 1].tolist() for b in batches] == [list(range(k, k + 4)) for k in range(0, 40, 4)]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_batches_kept_from_earlier_epochs_stay_right(workers):
+    with ParallelSource(StopsAt(48), 4, num_workers=workers) as src:
+        epochs = [list(src) for _ in range(3)]
+        for epoch_idx, epoch in enumerate(epochs):
+            assert [[int(s[0]) for s in b] for b in epoch] == [[k, k + 1, k + 2, k + 3] for k in range(0, 48, 4)]
+            assert [int(b[0][3]) for b in epoch] == [epoch_idx] * 12
+
+
+def test_kept_batches_with_dense_and_ragged_outputs_stay_right():
+    with ParallelSource(two_outputs, 5, num_outputs=2, num_workers=2) as src:
+        it = iter(src)
+        kept = [next(it) for _ in range(12)]
+        for i, (images, ragged) in enumerate(kept):
+            assert images.as_array()[:, 0, 0].tolist() == list(range(5 * i, 5 * i + 5))
+            assert [r.tolist() for r in ragged] == [list(range(k + 1)) for k in range(5)]
+
+
+def test_kept_batches_of_a_batch_mode_source_stay_right():
+    def batch(iteration):
+        if iteration == 20:
+            raise StopIteration
+        return np.full((3, 2), iteration, np.int32)
+
+    with ParallelSource(batch, 3, batch=True, num_workers=2) as src:
+        kept = list(src)
+    assert [int(b.as_array()[2, 1]) for b in kept] == list(range(20))
+
+
+def test_a_slice_or_one_sample_keeps_its_memory_after_the_batch_is_dropped():
+    with ParallelSource(StopsAt(10_000), 4, num_workers=2) as src:
+        it = iter(src)
+        rows, samples = [], []
+        for _ in range(10):
+            batch = next(it)
+            rows.append(batch.as_array()[1:3])  # a view of a view
+            samples.append(batch[3])
+            del batch
+        for _ in range(30):  # memory of dropped batches is reused meanwhile
+            next(it)
+        assert [r[:, 0].tolist() for r in rows] == [[4 * i + 1, 4 * i + 2] for i in range(10)]
+        assert [int(s[0]) for s in samples] == [4 * i + 3 for i in range(10)]
+
+
+def test_torch_tensors_made_from_batches_keep_their_memory():
+    torch = pytest.importorskip("torch")
+    with ParallelSource(StopsAt(10_000), 8, num_workers=2) as src:
+        it = iter(src)
+        tensors = [torch.from_numpy(next(it).as_array()) for _ in range(20)]
+        for _ in range(20):
+            next(it)
+        assert [int(t[0, 0]) for t in tensors] == list(range(0, 160, 8))
+
+
+def _extsrc_mappings() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum("extsrc:" in line for line in maps)
+
+
+def test_a_loop_that_keeps_nothing_runs_in_the_same_memory_and_mappings():
+    def sample(info):
+        return np.full((64 << 10,), info.idx_in_epoch % 256, np.uint8)
+
+    batch_bytes = 16 * (64 << 10)
+    with ParallelSource(sample, 16, num_workers=2) as src:
+        it = iter(src)
+        for _ in range(50):
+            next(it)
+        mappings = _extsrc_mappings()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for i in range(300):
+            batch = next(it)
+            assert int(batch[0][0]) == (50 + i) * 16 % 256
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        assert src.shared_memory_bytes() <= (src.prefetch + src.batches_held) * batch_bytes
+        assert _extsrc_mappings() - mappings <= 2  # at most a slot or two more, not one per batch
+    # 300 batches of 1 MiB: far fewer faults than one per page of a batch (256)
+    assert faults < 300, f"{faults} page faults in 300 batches"
+
+
+def test_holding_batches_costs_their_memory_and_dropping_them_gives_it_back():
+    def sample(info):
+        return np.full((1 << 20,), info.idx_in_epoch % 256, np.uint8)
+
+    with ParallelSource(sample, 8, num_workers=2) as src:  # 8 MiB batches
+        it = iter(src)
+        for _ in range(10):
+            next(it)
+        steady = src.shared_memory_bytes()
+        held = [next(it) for _ in range(12)]
+        holding = src.shared_memory_bytes()
+        assert holding - steady >= 10 * (8 << 20)  # about one batch of memory per held batch
+        assert [int(b[0][0]) for b in held] == [(10 + i) * 8 % 256 for i in range(12)]
+        del held
+        for _ in range(5):
+            next(it)
+        # back to what is kept ready: prefetch + batches_held batches
+        assert src.shared_memory_bytes() <= (src.prefetch + src.batches_held) * (8 << 20)
+
+
+def test_close_frees_shared_memory_without_the_garbage_collector():
+    def sample(info):
+        return np.full((1 << 20,), 1, np.uint8)
+
+    before = _extsrc_mappings()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(5):
+            src = ParallelSource(sample, 8, num_workers=2)
+            it = iter(src)
+            for _ in range(3):
+                next(it)
+            assert _extsrc_mappings() > before
+            src.close()
+            assert _extsrc_mappings() == before
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def test_a_batch_held_after_close_stays_right_then_its_memory_goes():
+    def sample(info):
+        return np.full((1 << 16,), info.idx_in_epoch % 256, np.uint8)
+
+    before = _extsrc_mappings()
+    src = ParallelSource(sample, 4, num_workers=2)
+    it = iter(src)
+    kept = [next(it) for _ in range(3)]
+    src.close()
+    assert [int(b[1][0]) for b in kept] == [1, 5, 9]
+    assert _extsrc_mappings() > before
+    del kept, it
+    assert _extsrc_mappings() == before

@@ -1,0 +1,123 @@
+"""Unit tests: the slot pool's states, leases and memory."""
+
+import gc
+
+import numpy as np
+import pytest
+
+from extsrc.errors import InternalError
+from extsrc.shm.slots import SlotPool, SlotState
+
+
+class Link:
+    """Records what a slot pool tells the workers."""
+
+    def __init__(self):
+        self.added, self.dropped = [], []
+
+    def add_slot(self, source_id, slot_id, region_fd, overflow_fds):
+        assert region_fd >= 0 and len(overflow_fds) == 2
+        self.added.append(slot_id)
+
+    def drop_slot(self, source_id, slot_id):
+        self.dropped.append(slot_id)
+
+
+@pytest.fixture
+def pool():
+    link = Link()
+    slots = SlotPool(0, "source 'unit'", num_workers=2, keep=2, link=link)
+    yield slots, link
+    slots.close(tell_workers=False)
+
+
+def lease_a_batch(slots, seq):
+    slot = slots.acquire(4096, 4096 * 3, batch_seq=seq)
+    slots.filled(slot)
+    return slot, slots.take(slot, {})
+
+
+def test_a_slot_goes_free_filling_ready_leased_and_back_when_its_last_array_dies(pool):
+    slots, link = pool
+    slot = slots.acquire(4096, 8192, batch_seq=0)
+    assert slot.state is SlotState.FILLING and link.added == [slot.slot_id]
+    slots.filled(slot)
+    assert slot.state is SlotState.READY
+    lease = slots.take(slot, {})
+    assert slot.state is SlotState.LEASED
+    array = lease.base(lease.region)[:16]
+    del lease
+    slots.process_returns()
+    assert slot.state is SlotState.LEASED  # an array still lives
+    view = array[4:8]
+    del array
+    slots.process_returns()
+    assert slot.state is SlotState.LEASED  # and a view of it
+    del view
+    slots.process_returns()
+    assert slot.state is SlotState.FREE
+
+
+def test_a_free_slot_is_reused_before_a_new_one_is_made(pool):
+    slots, link = pool
+    slot, lease = lease_a_batch(slots, 0)
+    del lease
+    slots.process_returns()
+    again = slots.acquire(4096, 8192, batch_seq=1)
+    assert again is slot and link.added == [slot.slot_id]
+
+
+def test_held_batches_get_new_slots_and_trim_gives_the_extra_ones_back(pool):
+    slots, link = pool
+    held = [lease_a_batch(slots, seq)[1] for seq in range(5)]
+    assert len(slots.slots) == 5 and slots.held == 5
+    del held
+    gc.collect()
+    slots.process_returns()
+    slots.trim()
+    assert len(slots.slots) == 2 and len(link.dropped) == 3  # keep=2
+
+
+def test_a_wrong_transition_is_an_internal_error(pool):
+    slots, _ = pool
+    slot = slots.acquire(4096, 8192, batch_seq=0)
+    with pytest.raises(InternalError, match="cannot go from filling to leased|taken while filling"):
+        slots.take(slot, {})
+
+
+def test_an_abandoned_filling_slot_drains_before_it_is_free(pool):
+    slots, _ = pool
+    slot = slots.acquire(4096, 8192, batch_seq=0)
+    slots.abandon(slot)
+    assert slot.state is SlotState.DRAINING
+    assert slots.acquire(4096, 8192, batch_seq=1) is not slot  # workers may still write
+    slots.filled(slot)
+    assert slot.state is SlotState.FREE
+
+
+def test_an_interrupted_take_is_undone_and_its_stale_return_ignored(pool):
+    slots, _ = pool
+    slot = slots.acquire(4096, 8192, batch_seq=0)
+    slots.filled(slot)
+    lease = slots.take(slot, {})
+    assert slots.holds(slot, 0, lease.seq)
+    slots.untake(slot, lease)
+    assert slot.state is SlotState.READY
+    del lease
+    slots.process_returns()
+    assert slot.state is SlotState.READY
+    new_lease = slots.take(slot, {})
+    assert slot.state is SlotState.LEASED and new_lease.seq == slot.lease_seq
+
+
+def test_close_gives_back_free_memory_and_leaves_held_batches_readable():
+    link = Link()
+    slots = SlotPool(0, "source 'unit'", num_workers=2, keep=2, link=link)
+    slot, lease = lease_a_batch(slots, 0)
+    array = np.ndarray((4,), np.int64, buffer=lease.base(lease.region), offset=0)
+    array[:] = [1, 2, 3, 4]
+    lease_a_batch(slots, 1)  # its lease dies at once
+    slots.close(tell_workers=True)
+    assert slots.slots == {} and len(link.dropped) == 2
+    del lease
+    assert array.tolist() == [1, 2, 3, 4]
