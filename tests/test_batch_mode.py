@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from extsrc import BatchInfo, ParallelSource, SampleError
+from extsrc import BatchInfo, ParallelSource, SampleError, SourcePicklingError
 
 from sources import batch_of_iteration
 
@@ -79,3 +79,33 @@ def test_shorter_batches_are_fine():
 def test_iterables_need_batch_mode():
     with pytest.raises(TypeError, match="batch=True"):
         ParallelSource([1, 2, 3], 2)
+
+
+def test_a_generator_object_that_ran_out_says_so_at_the_next_epoch():
+    def batches():
+        for i in range(3):
+            yield [np.full((2,), i, np.int32)] * 2
+
+    with ParallelSource(batches(), 2, batch=True) as src:
+        assert [int(b[0][0]) for b in src] == [0, 1, 2]
+        with pytest.raises(SampleError, match="one-pass iterator .*epoch 1 would be empty.*generator function itself"):
+            list(src)
+
+
+def test_a_generator_function_starts_over_every_epoch():
+    def batches():
+        for i in range(3):
+            yield [np.full((2,), i, np.int32)] * 2
+
+    with ParallelSource(batches, 2, batch=True) as src:
+        assert [[int(b[0][0]) for b in src] for _ in range(2)] == [[0, 1, 2]] * 2
+
+
+def test_a_generator_object_with_spawn_is_refused_with_the_fix():
+    def batches():
+        yield [np.zeros(2)]
+
+    src = ParallelSource(batches(), 2, batch=True, start_method="spawn")
+    with pytest.raises(SourcePicklingError, match="generator object.*source=gen, not source=gen\\(\\)"):
+        src.start()
+    src.close()

@@ -65,3 +65,14 @@ def test_demo_rejects_bad_options():
     proc = run_demo("--workers", "0")
     assert proc.returncode == 2
     assert "--workers" in proc.stderr
+
+
+def test_demo_asked_for_a_gpu_where_there_is_none_says_so(tmp_path):
+    from extsrc.engine.cuda_state import gpu_visible
+
+    if gpu_visible()[0]:
+        pytest.skip("a GPU is visible here")
+    out = run_demo("--device", "gpu", "--out", str(tmp_path / "sheet.png"))
+    assert out.returncode == 2
+    assert "--device gpu decodes on a GPU, but" in out.stderr and "use --device cpu" in out.stderr
+    assert "Traceback" not in out.stderr

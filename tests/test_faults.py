@@ -226,7 +226,7 @@ def test_dali_callback_exception_reaches_run_with_type_message_and_sample(dali):
 def test_dali_dead_worker_is_named_not_interrupted(dali, fault, expected):
     result = run_fault(dali_case(fault), timeout=60)
     assert result.type == "WorkerDiedError", result.traceback
-    assert expected in result.message and "idx_in_epoch 8..11" in result.message
+    assert expected in result.message and "idx_in_epoch 8..15" in result.message
     assert "Worker data receiving interrupted" not in result.message
     assert result.seconds < 5
     assert_clean(result)
@@ -235,7 +235,7 @@ def test_dali_dead_worker_is_named_not_interrupted(dali, fault, expected):
 def test_dali_timeout_names_the_stuck_samples(dali):
     result = run_fault(dali_case("lambda: time.sleep(3600)", timeout=1.5), timeout=60)
     assert result.type == "SourceTimeoutError", result.traceback
-    assert "timeout=1.5 s" in result.message and "idx_in_epoch 8..11" in result.message
+    assert "timeout=1.5 s" in result.message and "idx_in_epoch 8..15" in result.message
     assert result.seconds < 6
     assert_clean(result)
 

@@ -22,7 +22,14 @@ def parse_args(doc: str, argv: Optional[Sequence[str]] = None) -> argparse.Names
                         help="folder to save the decoded images and labels in (default: "
                              "$EXTSRC_TUTORIAL_OUT; unset: save nothing)")
     parser.add_argument("--gpu", action="store_true", help="decode on GPU 0 (device='mixed')")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.gpu:
+        from extsrc.engine.cuda_state import gpu_visible
+
+        visible, why = gpu_visible()
+        if not visible:
+            parser.error(f"--gpu decodes on a GPU, but {why}; run without --gpu to decode on the CPU")
+    return args
 
 
 def decoder_device(args: argparse.Namespace) -> Tuple[str, Optional[int]]:

@@ -29,6 +29,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from dataclasses import dataclass, field
@@ -46,7 +47,13 @@ QUIET_OTHER_CPU = 0.25  # cores other processes may use during a run that counts
 # Loader names used by the cells.
 EXTSRC, TORCH, DALI, EXTSRC_DALI = "extsrc", "torch", "dali", "extsrc-dali"
 
-_CELL_CODE = "import sys; from extsrc.bench.runner import _cell_main; sys.exit(_cell_main(sys.argv[1:]))"
+_CELL_CODE = """\
+import sys
+from extsrc.bench.runner import _cell_main
+
+if __name__ == "__main__":
+    sys.exit(_cell_main(sys.argv[1:]))
+"""
 
 
 # -- what a row compares and what it must reach ----------------------------------------------
@@ -340,10 +347,20 @@ def _throughput_cell(loader: str, workload: str, seconds: float, warmup_s: float
     return result
 
 
-def _startup_cell(loader: str, workload: str) -> Dict[str, Any]:
-    if loader not in (DALI, EXTSRC_DALI):
-        raise ValueError(f"no startup cell for {loader!r}")
-    pipeline = _dali_pipeline(workload, STARTUP_WORKERS, "spawn", dropin=loader == EXTSRC_DALI)
+# The startup cell is a script file, as users run their jobs: with spawn, each worker imports
+# the main script again (its top-level imports included), which `python -c` would skip.
+_STARTUP_SCRIPT = """\
+import json, time
+from {module} import fn, pipeline_def
+from extsrc.bench.runner import RESULT_MARK, _CpuMeter, _indices_dali
+from extsrc.bench.workloads import CALLBACKS, WORKLOADS
+
+@pipeline_def(batch_size=WORKLOADS[{workload!r}].batch_size, num_threads={threads}, device_id=None,
+              py_num_workers={workers}, py_start_method="spawn")
+def pipeline():
+    return fn.external_source(source=CALLBACKS[{workload!r}], batch=False, parallel=True)
+
+if __name__ == "__main__":
     meter = _CpuMeter()
     defined = time.perf_counter()
     pipe = pipeline()
@@ -352,20 +369,27 @@ def _startup_cell(loader: str, workload: str) -> Dict[str, Any]:
     (output,) = pipe.run()
     first = time.perf_counter()
     cpu = meter.stop()
-    if _indices_dali(output) != list(range(WORKLOADS[workload].batch_size)):
-        raise RuntimeError(f"{loader}: the first batch does not hold samples 0, 1, ...")
-    del output, pipe
-    return {"startup_s": first - built, "create_to_first_s": first - defined, **cpu}
+    if _indices_dali(output) != list(range(WORKLOADS[{workload!r}].batch_size)):
+        raise RuntimeError("the first batch does not hold samples 0, 1, ...")
+    print(RESULT_MARK + json.dumps({{"startup_s": first - built, "create_to_first_s": first - defined, **cpu}}),
+          flush=True)
+"""
+
+
+def startup_script(loader: str, workload: str) -> str:
+    """The script of a startup cell: a user's job from its imports to the first batch."""
+    if loader not in (DALI, EXTSRC_DALI):
+        raise ValueError(f"no startup cell for {loader!r}")
+    module = "extsrc" if loader == EXTSRC_DALI else "nvidia.dali"
+    return _STARTUP_SCRIPT.format(module=module, workload=workload, threads=DALI_THREADS,
+                                  workers=STARTUP_WORKERS)
 
 
 def _cell_main(argv: Sequence[str]) -> int:
     """Entry point of a cell subprocess: runs one cell, prints its figures as one JSON line."""
     spec = json.loads(argv[0])
-    if spec.get("startup"):
-        result = _startup_cell(spec["loader"], spec["workload"])
-    else:
-        result = _throughput_cell(spec["loader"], spec["workload"], spec["seconds"], spec["warmup_s"],
-                                  spec.get("consumed", False))
+    result = _throughput_cell(spec["loader"], spec["workload"], spec["seconds"], spec["warmup_s"],
+                              spec.get("consumed", False))
     print(RESULT_MARK + json.dumps(result), flush=True)
     return 0
 
@@ -378,9 +402,17 @@ def run_cell(spec: Dict[str, Any], timeout: float) -> Dict[str, Any]:
     """Runs one cell in a fresh interpreter; its figures, or ``{"error": text}``."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory(prefix="extsrc-bench-") as folder:
+        script = os.path.join(folder, "job.py")
+        with open(script, "w") as f:
+            f.write(startup_script(spec["loader"], spec["workload"]) if spec.get("startup")
+                    else _CELL_CODE)
+        return _run_script([sys.executable, script, json.dumps(spec)], env, timeout)
+
+
+def _run_script(command: List[str], env: Dict[str, str], timeout: float) -> Dict[str, Any]:
     process = subprocess.Popen(
-        [sys.executable, "-c", _CELL_CODE, json.dumps(spec)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         start_new_session=True,  # so that a stuck cell is killed with all its workers
     )
     try:

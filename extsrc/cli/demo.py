@@ -1,4 +1,4 @@
-"""``python -m extsrc demo``: decode the bundled image set through extsrc into DALI.
+"""python -m extsrc demo: decode the bundled image set through extsrc into DALI.
 
 An extsrc parallel source reads the bundled JPEGs and labels in worker
 processes; a DALI pipeline decodes them (on the GPU with ``device="mixed"``
@@ -20,6 +20,7 @@ from typing import List, Tuple
 
 import numpy as np
 
+from extsrc.engine.cuda_state import gpu_visible
 from extsrc.options import START_METHODS
 
 COLUMNS = 8  # tiles per row of the contact sheet
@@ -113,6 +114,10 @@ def main(argv: List[str]) -> int:
     args = parser.parse_args(argv)
     if args.workers < 1 or args.batch_size < 1 or args.epochs < 1 or args.size < 16:
         parser.error("--workers, --batch-size and --epochs must be >= 1, --size >= 16")
+    if args.device == "gpu":
+        visible, why = gpu_visible()
+        if not visible:
+            parser.error(f"--device gpu decodes on a GPU, but {why}; use --device cpu (or auto)")
 
     from nvidia.dali import types
     from tqdm import tqdm

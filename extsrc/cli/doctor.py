@@ -1,4 +1,4 @@
-"""``python -m extsrc doctor``: what works here, what the settings need, and advice."""
+"""python -m extsrc doctor: what works here, what the settings need, and advice."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import numpy as np
 import extsrc
 from extsrc.shm import limits
 from extsrc.shm.segment import Segment, backend as shm_backend
-from extsrc.options import START_METHODS
+from extsrc.engine.cuda_state import gpu_visible
+from extsrc.options import START_METHODS, default_prefetch
 
 
 def _probe(info):
@@ -53,11 +54,11 @@ def _version_of(module: str) -> Optional[str]:
 
 
 def _cuda_devices() -> str:
-    try:
-        driver = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return "no CUDA driver (libcuda.so.1 not found): GPU stages unavailable"
-    if driver.cuInit(0) != 0:
+    visible, why = gpu_visible()
+    if not visible:
+        return f"no GPU: {why}; GPU stages (device='mixed'/'gpu') are unavailable"
+    driver = ctypes.CDLL("libcuda.so.1")
+    if driver.cuInit(0) != 0:  # after the start-method checks: initialising CUDA here is fine
         return "CUDA driver present but cuInit failed (no usable GPU?)"
     count = ctypes.c_int(0)
     driver.cuDeviceGetCount(ctypes.byref(count))
@@ -66,25 +67,39 @@ def _cuda_devices() -> str:
 
 def needed_bytes(workers: int, batch_size: int, sample_bytes: int, outputs: int,
                  prefetch: int, batches_held: int) -> int:
-    """Shared memory a source needs: every slot holds a batch, plus first-batch overflow."""
+    """Shared memory a source needs: a batch per slot kept (prefetch + batches_held), plus the
+    first batch, which is written to overflow before the sample shapes are known."""
     slots = prefetch + batches_held
     batch = batch_size * sample_bytes * outputs
-    return slots * batch + batch  # the first batch goes to overflow before shapes are known
+    return slots * batch + batch
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m extsrc doctor",
+        description="Check what works here (shared memory, start methods, GPU, libraries), and "
+                    "how much shared memory a source with these settings needs against what this "
+                    "process may use. Exit code 1 when something needs fixing.",
+    )
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (default: 2)")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per batch (default: 32)")
+    parser.add_argument("--sample-bytes", type=int, default=224 * 224 * 3,
+                        help="bytes of one sample of one output (default: a 224x224 RGB image)")
+    parser.add_argument("--outputs", type=int, default=1, help="outputs per sample (default: 1)")
+    parser.add_argument("--prefetch", type=int, default=None,
+                        help="batches produced ahead (default: 2 per worker, as ParallelSource)")
+    parser.add_argument("--batches-held", type=int, default=3,
+                        help="batches the consumer keeps at once (default 3: what a DALI pipeline "
+                             "with prefetch_queue_depth=2 keeps; a ParallelSource loop keeps 1 or "
+                             "2; holding more costs a batch of memory each)")
+    return parser
 
 
 def main(argv: List[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m extsrc doctor", description=__doc__)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--sample-bytes", type=int, default=224 * 224 * 3,
-                        help="bytes of one sample of one output (default: a 224x224 RGB image)")
-    parser.add_argument("--outputs", type=int, default=1)
-    parser.add_argument("--prefetch", type=int, default=2)
-    parser.add_argument("--batches-held", type=int, default=3,
-                        help="batches the consumer keeps (ParallelSource: batches_held, default 2; "
-                             "a DALI pipeline keeps prefetch_queue_depth + 1, default 3)")
-    args = parser.parse_args(argv)
-    advice: List[str] = []
+    args = _parser().parse_args(argv)
+    prefetch = default_prefetch(args.workers) if args.prefetch is None else args.prefetch
+    problems: List[str] = []
+    notes: List[str] = []
     fmt = limits.format_bytes
 
     print(f"extsrc {extsrc.__version__}, Python {platform.python_version()}, NumPy {np.__version__}, "
@@ -97,19 +112,30 @@ def main(argv: List[str]) -> int:
     print(f"memfd: {_check_memfd()}")
     backend = shm_backend()
     print(f"shared-memory backend in force: {backend}")
+    found = limits.memory_limits()
+    for limit in found:
+        print(f"memory limit: {limit.describe()}, {fmt(limit.room)} left")
 
     need = needed_bytes(args.workers, args.batch_size, args.sample_bytes, args.outputs,
-                        args.prefetch, args.batches_held)
+                        prefetch, args.batches_held)
     print(f"\nsettings: {args.workers} workers, batch {args.batch_size}, {args.outputs} output(s) of "
-          f"{fmt(args.sample_bytes)} per sample, prefetch {args.prefetch}, batches_held "
+          f"{fmt(args.sample_bytes)} per sample, prefetch {prefetch}, batches held "
           f"{args.batches_held}\n  shared memory needed per source: about {fmt(need)}")
+    tightest = limits.tightest(found)
+    if tightest is not None and need + limits.HEADROOM > tightest.room:
+        problems.append(
+            f"these settings need about {fmt(need)} of memory, and {tightest.describe()} leaves "
+            f"{fmt(tightest.room)}: extsrc would refuse them with SharedMemoryError. Lower the "
+            "prefetch, the batch size or the batches held"
+            + (", or raise the container's memory limit" if "cgroup" in tightest.name else "")
+        )
     if backend == "devshm" and usage is not None and need > usage[1]:
-        advice.append(
+        problems.append(
             f"/dev/shm has {fmt(usage[1])} free but these settings need {fmt(need)}: start the "
             f"container with {limits.shm_size_advice(need)}, or unset EXTSRC_SHM_BACKEND to use memfd"
         )
     if backend == "memfd" and usage is not None and usage[0] < (256 << 20):
-        advice.append(
+        notes.append(
             f"/dev/shm is small ({fmt(usage[0])}; Docker's default is 64 MiB). extsrc is not "
             "affected (memfd), but DALI's own parallel source and PyTorch's DataLoader are: "
             f"for them give the container {limits.shm_size_advice(need)} or more"
@@ -120,7 +146,7 @@ def main(argv: List[str]) -> int:
         result = _check_start_method(method)
         print(f"  {method:<11} {result}")
         if result.startswith("FAILS"):
-            advice.append(f"start_method={method!r} does not work here: {result[7:]}")
+            problems.append(f"start_method={method!r} does not work here: {result[7:]}")
 
     print("\nGPU stage:")
     print(f"  {_cuda_devices()}")
@@ -129,9 +155,16 @@ def main(argv: List[str]) -> int:
         version = _version_of(module)
         print(f"  {label:<8} {version or 'not installed'}")
         if label == "DALI" and version is None:
-            advice.append('DALI is not installed: pip install "extsrc[dali]" for extsrc.fn/pipeline_def')
+            notes.append('DALI is not installed: pip install "extsrc[dali]" for extsrc.fn/pipeline_def')
 
-    print("\nadvice:" if advice else "\nno problems found")
-    for line in advice:
-        print(f"  - {line}")
-    return 0
+    if problems:
+        print("\nproblems:")
+        for line in problems:
+            print(f"  - {line}")
+    if notes:
+        print("\nnotes:")
+        for line in notes:
+            print(f"  - {line}")
+    if not problems:
+        print("\nno problems found")
+    return 1 if problems else 0

@@ -34,7 +34,7 @@ from nvidia.dali.pipeline import Pipeline as _DaliPipeline
 
 from extsrc.batch import Batch
 from extsrc.engine.source import ParallelSource
-from extsrc.options import LAST_BATCH_POLICIES
+from extsrc.options import LAST_BATCH_POLICIES, default_prefetch
 
 _CYCLE_OFF = "no"
 _CYCLE_RAISE = "raise"
@@ -291,8 +291,8 @@ def external_source(
     ``batch_info=True``), an iterable or a generator function, and returns
     whole batches. ``cycle`` ("no", "raise", "quiet") applies to iterables and
     generator functions as in DALI. ``prefetch_queue_depth`` is the number of
-    batches the workers prepare ahead (default: the pipeline's
-    ``prefetch_queue_depth``, at least 2); ``bytes_per_sample_hint`` is
+    batches the workers prepare ahead (default: two per worker, at least the
+    pipeline's ``prefetch_queue_depth``); ``bytes_per_sample_hint`` is
     accepted and not needed (the engine sizes its memory from the first
     batch).
 
@@ -437,7 +437,8 @@ def external_source(
         num_outputs=num_outputs,
         batch=bool(batch),
         batch_info=bool(batch_info) and bool(batch) and callable_source,
-        prefetch=prefetch_queue_depth if prefetch_queue_depth is not None else max(2, pipe._extsrc_depth()),
+        prefetch=(prefetch_queue_depth if prefetch_queue_depth is not None
+                  else max(default_prefetch(pipe.py_num_workers), pipe._extsrc_depth())),
         last_batch=last_batch,
         dtype=engine_dtype,
         ndim=engine_ndim,

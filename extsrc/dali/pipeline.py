@@ -7,6 +7,7 @@ from typing import Any, Callable, List, Optional
 
 from nvidia.dali import pipeline as _dali_pipeline
 
+from extsrc.engine.cuda_state import gpu_visible, no_gpu_message
 from extsrc.errors import PoolClosedError
 from extsrc.engine.pool import WorkerPool
 from extsrc.options import START_METHODS
@@ -158,9 +159,24 @@ class Pipeline(_dali_pipeline.Pipeline):
             self._extsrc_pool.start()
 
     def build(self) -> None:
-        """Starts the workers (see :meth:`start_py_workers`), then builds DALI's backend."""
+        """Starts the workers (see :meth:`start_py_workers`), then builds DALI's backend.
+
+        Raises ``RuntimeError`` saying so when the pipeline asks for a GPU
+        (``device_id`` not None) and none is usable here.
+        """
         self._extsrc_check_open()
-        super().build()
+        try:
+            super().build()
+        except RuntimeError as exc:
+            visible, why = gpu_visible()
+            if self.device_id is None or (visible and "CUDA is not available" not in str(exc)):
+                raise
+            raise RuntimeError(no_gpu_message(
+                f"this pipeline (device_id={self.device_id})",
+                why or "CUDA is not available",
+                "Build it with device_id=None and CPU operators (device='cpu' instead of "
+                "'mixed' or 'gpu'), or run it where a GPU is visible.",
+            )) from None
 
     def close(self) -> None:
         """Stops DALI's backend and the workers and frees the shared memory. Idempotent.

@@ -9,8 +9,10 @@ initialised).
 from __future__ import annotations
 
 import ctypes
+import glob
 import os
 import sys
+from typing import Tuple
 
 _CUDA_ERROR_NOT_INITIALIZED = 3
 
@@ -49,3 +51,25 @@ FORK_AFTER_CUDA = (
     "pipe.build() and before touching a GPU with DALI, CuPy or PyTorch), or use "
     "start_method='spawn' (py_start_method='spawn' in a pipeline)."
 )
+
+
+def gpu_visible() -> Tuple[bool, str]:
+    """``(True, "")`` if an NVIDIA GPU looks usable here, else ``(False, why not)``.
+
+    Initialises nothing (forking stays safe): it looks for the driver library
+    and for a device node (``/dev/nvidia0``..., or ``/dev/dxg`` under WSL).
+    A ``True`` is a good guess, not a promise; a ``False`` is reliable.
+    """
+    try:
+        ctypes.CDLL("libcuda.so.1", mode=os.RTLD_LAZY)
+    except OSError:
+        return False, "the NVIDIA driver (libcuda.so.1) is not installed or not visible here"
+    if not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/dxg")):
+        return False, ("no NVIDIA GPU device (/dev/nvidia0, ...) is visible here; in a container "
+                       "start it with --gpus all")
+    return True, ""
+
+
+def no_gpu_message(what: str, why: str, fix: str) -> str:
+    """The error for asking for a GPU where there is none: ``what`` asked, ``why`` not, ``fix``."""
+    return f"{what} needs a GPU, but {why}. {fix}"

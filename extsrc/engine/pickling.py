@@ -106,6 +106,11 @@ class Pickler:
         self.loads_kwargs = dict(loads_kwargs)
 
     @property
+    def by_value_main(self) -> bool:
+        """Whether everything defined in ``__main__`` travels by value (the default pickler)."""
+        return self.impl is DefaultPickler
+
+    @property
     def name(self) -> str:
         impl = self.impl
         return getattr(impl, "__name__", type(impl).__name__)

@@ -215,6 +215,9 @@ class WorkerPool:
             # as the process, any other may end sooner (then workers use a watchdog).
             main = threading.current_thread() is threading.main_thread()
             context = worker_processes.context_for(method)
+            # The default pickler carries everything of __main__ by value: the workers need not
+            # import the main script again (see extsrc.engine.workers._main_hidden).
+            run_main = method == "fork" or not self.options.pickler.by_value_main
             self._waker = Waker()
             try:
                 for index in range(self.options.num_workers):
@@ -226,7 +229,7 @@ class WorkerPool:
                         sources=sources,
                         pickler=pickler,
                     )
-                    self._workers.append(worker_processes.launch(context, setup))
+                    self._workers.append(worker_processes.launch(context, setup, run_main))
             except BaseException:
                 worker_processes.stop(self._workers, ask=False)
                 self._workers = []

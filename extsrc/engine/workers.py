@@ -10,14 +10,16 @@ of the consumer that happens to exit (see :mod:`extsrc.forking`).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.process
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from extsrc import forking
 from extsrc.engine.channel import Channel, OwnedFds
@@ -55,8 +57,12 @@ class WorkerHandle:
                 fds.close()
 
 
-def launch(context: Any, setup: WorkerSetup) -> WorkerHandle:
-    """Starts one worker process with ``setup``."""
+def launch(context: Any, setup: WorkerSetup, run_main: bool) -> WorkerHandle:
+    """Starts one worker process with ``setup``.
+
+    ``run_main=False`` (spawn/forkserver): the worker does not import the
+    main script again, as ``multiprocessing`` would (see :func:`_main_hidden`).
+    """
     pool_end, worker_end = Channel.pair()
     try:
         process = context.Process(
@@ -65,7 +71,8 @@ def launch(context: Any, setup: WorkerSetup) -> WorkerHandle:
             name=f"extsrc-worker-{setup.index}",
             daemon=True,
         )
-        process.start()
+        with _main_hidden(not run_main):
+            process.start()
     except BaseException:
         pool_end.close()
         raise
@@ -74,6 +81,31 @@ def launch(context: Any, setup: WorkerSetup) -> WorkerHandle:
     # The pool reaps its workers itself (see the module docstring).
     multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
     return WorkerHandle(setup.index, process, pool_end)
+
+
+@contextlib.contextmanager
+def _main_hidden(hide: bool) -> Iterator[None]:
+    """Hides where ``__main__`` came from while a spawn/forkserver worker starts.
+
+    ``multiprocessing`` makes a new worker import the main script again, so
+    that objects pickled by reference to ``__main__`` can be found. extsrc's
+    default pickler sends everything of ``__main__`` by value, so that import
+    only costs time (the script's top-level imports, in every worker) and
+    breaks scripts without an ``if __name__ == "__main__":`` guard. With
+    another pickler the main script is imported as usual.
+    """
+    main = sys.modules.get("__main__")
+    if not hide or main is None:
+        yield
+        return
+    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 def stop(workers: Sequence[WorkerHandle], ask: bool) -> None:

@@ -175,14 +175,22 @@ class TaskWriter:
 
 
 def _write_dense(column, destination: np.ndarray) -> bool:
-    """Fast path: every sample has the region's dtype and shape; one C-level copy."""
+    """Fast path: every sample has the region's dtype and shape; one C-level copy.
+
+    False (nothing written) when a sample differs: the caller checks samples one by one.
+    """
     if isinstance(column, np.ndarray):
         if column.dtype != destination.dtype or column.shape != destination.shape:
             return False
         destination[...] = column
         return True
-    try:
-        np.stack(column, out=destination, casting="no")
-    except (ValueError, TypeError):
-        return False
+    shape, dtype = destination.shape[1:], destination.dtype
+    for sample in column:
+        if sample.__class__ is not np.ndarray or sample.shape != shape or sample.dtype != dtype:
+            return False
+    if not shape:  # 0-d samples cannot be concatenated
+        destination[...] = column
+        return True
+    # Samples of equal shape, one after the other along axis 0: the batch's memory layout.
+    np.concatenate(column, axis=0, out=destination.reshape((-1,) + shape[1:]))
     return True

@@ -135,3 +135,22 @@ def test_a_source_defined_after_the_workers_started_is_refused():
         finally:
             nvidia.dali.Pipeline.pop_current()
         assert len(run_epoch(p)) == 2
+
+
+def test_asking_for_a_gpu_where_there_is_none_says_so():
+    from extsrc.engine.cuda_state import gpu_visible
+
+    if gpu_visible()[0]:
+        pytest.skip("a GPU is visible here")
+
+    @pipeline_def(batch_size=2, num_threads=1, device_id=0, py_num_workers=1)
+    def pipe():
+        return fn.external_source(source=float_sample, parallel=True, batch=False)
+
+    p = pipe()
+    try:
+        with pytest.raises(RuntimeError, match=r"device_id=0\) needs a GPU, but .*device_id=None") as caught:
+            p.build()
+        assert caught.value.__cause__ is None and caught.value.__suppress_context__
+    finally:
+        p.close()

@@ -1,0 +1,23 @@
+"""Every command's --help is plain text and documents every option."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "doctor"])
+def test_help_is_plain_and_every_option_documented(command):
+    out = subprocess.run([sys.executable, "-m", "extsrc", command, "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "``" not in text and ":class:" not in text
+    lines = text.splitlines()
+    options = [i for i, line in enumerate(lines) if re.match(r"^  -", line)]
+    assert options
+    for i in options:
+        described = re.search(r"\S\s{2,}\S", lines[i].strip()) is not None
+        continued = i + 1 < len(lines) and re.match(r"^\s{8,}\S", lines[i + 1]) is not None
+        assert described or continued, f"undocumented option in {command} --help: {lines[i]!r}"
