@@ -118,16 +118,10 @@ def memory_cgroup(limit_bytes: int):
     Yields ``None`` where no cgroup can be made here (not root, no writable
     memory controller). The cgroup is removed afterwards.
     """
-    from extsrc.shm.limits import _cgroup_mounts, _own_cgroups
+    from extsrc.shm.limits import own_cgroup_dirs
 
-    own = _own_cgroups()
     made = None
-    for version, root, mount_point in _cgroup_mounts():
-        path = own.get(version)
-        if path is None:
-            continue
-        relative = os.path.relpath(path, root) if path.startswith(root) else path.lstrip("/")
-        parent = os.path.normpath(os.path.join(mount_point, relative))
+    for version, parent, _mount_point in own_cgroup_dirs():
         limit_file = "memory.max" if version == "v2" else "memory.limit_in_bytes"
         if version == "v2" and "memory" not in open(os.path.join(parent, "cgroup.controllers")).read().split():
             continue

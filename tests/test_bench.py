@@ -69,7 +69,7 @@ def test_help_names_the_comparisons_and_targets():
     out = bench("--help", timeout=60)
     assert out.returncode == 0
     assert "--dali" in out.stdout and "--quick" in out.stdout and "--json" in out.stdout
-    assert ">= 2x samples/s" in out.stdout and ">= 0.95 of ideal" in out.stdout
+    assert ">= 4x samples/s" in out.stdout and ">= 0.95 of ideal" in out.stdout
 
 
 def test_unknown_workload_is_refused():

@@ -112,9 +112,9 @@ def torch_table() -> Table:
     """extsrc.ParallelSource vs torch.utils.data.DataLoader."""
     table = Table(TORCH, f"extsrc.ParallelSource vs PyTorch DataLoader ({WORKERS} workers, fork)",
                   "extsrc", "DataLoader")
-    targets = {
-        "small": Target("samples_per_s", 2.0),
-        "large": Target("mb_per_s", 3.0),
+    targets = {  # the floors the engine keeps (its first targets were 2x and 3x)
+        "small": Target("samples_per_s", 4.0),
+        "large": Target("mb_per_s", 4.0),
         "cpu": Target("ideal_fraction", 0.95),
     }
     table.rows = [Row(_label(w), w, EXTSRC, TORCH, targets[w]) for w in WORKLOADS]

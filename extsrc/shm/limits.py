@@ -128,8 +128,9 @@ def _own_cgroups() -> Dict[str, str]:
     return paths
 
 
-def _cgroup_limits() -> List[Limit]:
-    limits = []
+def own_cgroup_dirs() -> List[Tuple[str, str, str]]:
+    """``(version, directory, mount point)`` of this process's memory cgroup, per hierarchy."""
+    found = []
     own = _own_cgroups()
     for version, root, mount_point in _cgroup_mounts():
         path = own.get(version)
@@ -139,6 +140,13 @@ def _cgroup_limits() -> List[Limit]:
         directory = os.path.normpath(os.path.join(mount_point, relative))
         if not directory.startswith(mount_point):
             directory = mount_point
+        found.append((version, directory, mount_point))
+    return found
+
+
+def _cgroup_limits() -> List[Limit]:
+    limits = []
+    for version, directory, mount_point in own_cgroup_dirs():
         while True:
             limit = _cgroup_limit_at(version, directory, mount_point)
             if limit is not None:
