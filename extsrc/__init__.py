@@ -1,7 +1,7 @@
 """extsrc: parallel Python data sources over shared memory, for GPU pipelines.
 
 Core (imports NumPy only): :class:`ParallelSource`, :class:`WorkerPool`,
-:class:`Batch`, :class:`SampleInfo`, :class:`BatchInfo`,
+:class:`Batch`, :class:`SampleInfo`, :class:`BatchInfo`, :class:`Order`,
 :func:`pickle_by_value` and the exceptions in :mod:`extsrc.errors`.
 
 DALI drop-in (imported on first use, needs ``extsrc[dali]``): ``extsrc.fn`` and
@@ -25,6 +25,7 @@ from extsrc.errors import (
 from extsrc.engine.pickling import pickle_by_value
 from extsrc.engine.pool import WorkerPool
 from extsrc.engine.source import ParallelSource
+from extsrc.order import Order
 from extsrc.sample_info import BatchInfo, SampleInfo
 
 __version__ = "0.1.0"
@@ -36,6 +37,7 @@ __all__ = [
     "EmptyEpochError",
     "ExtsrcError",
     "ForkedChildError",
+    "Order",
     "ParallelSource",
     "PoolClosedError",
     "SampleError",

@@ -16,7 +16,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 START_METHODS = ("fork", "spawn", "forkserver")
-LAST_BATCH_POLICIES = ("drop", "partial")
+LAST_BATCH_POLICIES = ("drop", "partial", "pad")
 
 
 class _Unset:
@@ -119,6 +119,17 @@ class SourceOptions:
     ndims: Tuple[Optional[int], ...]
     timeout: Optional[float]
     batches_held: int
+    order: Any = None  # an extsrc.Order, or None
+
+    @property
+    def batches_per_epoch(self) -> Optional[int]:
+        """With an order: how many batches an epoch has (``len(source)``); else None."""
+        if self.order is None:
+            return None
+        records = len(self.order)
+        if self.last_batch == "drop":
+            return records // self.batch_size
+        return -(-records // self.batch_size)
 
     @property
     def outputs(self) -> int:
@@ -140,6 +151,7 @@ class SourceOptions:
         ndim: Any = None,
         timeout: Any = None,
         batches_held: Any = 2,
+        order: Any = None,
     ) -> "SourceOptions":
         batch_size = positive_int("batch_size", batch_size)
         num_outputs = optional_positive_int("num_outputs", num_outputs)
@@ -150,6 +162,18 @@ class SourceOptions:
             raise ValueError("batch_info=True needs batch=True (it is what a batch callback is given)")
         if last_batch not in LAST_BATCH_POLICIES:
             raise ValueError(f"last_batch must be one of {LAST_BATCH_POLICIES}, got {last_batch!r}")
+        if order is not None:
+            from extsrc.order import Order
+
+            if not isinstance(order, Order):
+                raise TypeError(f"order must be an extsrc.Order, got {type(order).__name__}")
+            if batch:
+                raise ValueError("order= gives each sample its record: it needs sample mode (batch=False)")
+        if last_batch == "pad" and order is None:
+            raise ValueError(
+                "last_batch='pad' fills the last batch with records from the start of the epoch's "
+                "order, so it needs order= (an extsrc.Order)"
+            )
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0
         ):
@@ -168,4 +192,5 @@ class SourceOptions:
             ndims=ndims,
             timeout=timeout,
             batches_held=positive_int("batches_held", batches_held),
+            order=order,
         )

@@ -2,20 +2,55 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import collections
+import functools
+from typing import Any, NamedTuple, Optional
+
+_SampleInfoFields = collections.namedtuple(
+    "SampleInfo", ["idx_in_epoch", "idx_in_batch", "iteration", "epoch_idx", "record", "seed"]
+)
 
 
-class SampleInfo(NamedTuple):
+class SampleInfo(_SampleInfoFields):
     """Identifies one sample; passed to a sample-mode callback.
 
-    ``idx_in_epoch == iteration * batch_size + idx_in_batch``. Immutable and
-    hashable; cheap to create (a tuple).
+    * ``idx_in_epoch``: the position in this shard's epoch,
+      ``iteration * batch_size + idx_in_batch`` (as DALI defines it);
+    * ``idx_in_batch``, ``iteration``, ``epoch_idx``: as DALI's;
+    * ``record``: the record to load. With ``order=`` (an
+      :class:`extsrc.Order`) it is where the epoch's order puts this
+      position (shuffled, sharded); without, it equals ``idx_in_epoch``;
+    * ``seed``: the order's seed (0 without ``order=``);
+    * :attr:`rng`: a ``numpy.random.Generator`` seeded from
+      ``(seed, epoch_idx, record)``: the same draws for the same record in the
+      same epoch, whatever the shard, worker, start method or run.
+
+    Immutable and hashable (a tuple of the six fields); cheap to create.
+    ``SampleInfo(idx_in_epoch, idx_in_batch, iteration, epoch_idx)`` still
+    works: ``record`` defaults to ``idx_in_epoch`` and ``seed`` to 0.
     """
 
-    idx_in_epoch: int
-    idx_in_batch: int
-    iteration: int
-    epoch_idx: int
+    def __new__(cls, idx_in_epoch: int, idx_in_batch: int, iteration: int, epoch_idx: int,
+                record: Optional[int] = None, seed: int = 0) -> "SampleInfo":
+        record = idx_in_epoch if record is None else record
+        return tuple.__new__(cls, (idx_in_epoch, idx_in_batch, iteration, epoch_idx, record, seed))
+
+    @functools.cached_property
+    def rng(self) -> Any:
+        """A ``numpy.random.Generator`` for this record in this epoch (made on first use)."""
+        import numpy as np
+
+        return np.random.default_rng((self.seed, self.epoch_idx, self.record))
+
+    def __repr__(self) -> str:
+        text = (f"SampleInfo(idx_in_epoch={self.idx_in_epoch}, idx_in_batch={self.idx_in_batch}, "
+                f"iteration={self.iteration}, epoch_idx={self.epoch_idx}")
+        if self.record != self.idx_in_epoch:
+            text += f", record={self.record}"
+        return text + ")"
+
+    def __reduce__(self):
+        return (SampleInfo, tuple(self))  # without the cached generator
 
 
 class BatchInfo(NamedTuple):

@@ -11,13 +11,13 @@ import numpy as np
 
 def sample_of(info):
     """A sample that encodes where it came from: [idx_in_epoch, idx_in_batch, iteration, epoch]."""
-    return np.array(info, dtype=np.int64)
+    return np.array(info[:4], dtype=np.int64)
 
 
 def jittered(info):
     """Like :func:`sample_of`, after a random delay, so workers finish out of order."""
     time.sleep(random.random() * 0.004)
-    return np.array(info, dtype=np.int64)
+    return np.array(info[:4], dtype=np.int64)
 
 
 class StopsAt:
@@ -29,7 +29,7 @@ class StopsAt:
     def __call__(self, info):
         if info.idx_in_epoch >= self.n:
             raise StopIteration
-        return np.array(info, dtype=np.int64)
+        return np.array(info[:4], dtype=np.int64)
 
 
 def two_outputs(info):
@@ -45,3 +45,8 @@ def batch_of_iteration(iteration):
 
 def pid_sample(info):
     return np.array([os.getpid()], np.int64)
+
+
+def records_and_draws(info):
+    """[record, a draw of the sample's rng]: what a loader with an augmentation would depend on."""
+    return np.array([info.record, info.rng.integers(1 << 40)], dtype=np.int64)

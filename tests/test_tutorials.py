@@ -31,7 +31,11 @@ EXTSRC_ONLY = {
         "uses last_batch='partial', an extsrc-only option: DALI's external source has no such "
         "argument and drops the incomplete last batch (NVIDIA/DALI#5199)"
     ),
+    "11_shuffle_with_order.py": "uses extsrc.Order, which DALI does not have",
+    "12_shards_with_order.py": "uses extsrc.Order, which DALI does not have",
+    "13_data_parallel_torchrun.py": "uses extsrc.Order, which DALI does not have",
 }
+NEEDS_TORCH = {"13_data_parallel_torchrun.py"}
 
 _REWRITES = [
     (re.compile(r"^from extsrc import fn, pipeline_def$", re.M), "from nvidia.dali import fn, pipeline_def"),
@@ -70,6 +74,8 @@ def extsrc_outputs(tmp_path_factory):
     cache = {}
 
     def get(name: str) -> dict:
+        if name in NEEDS_TORCH:
+            pytest.importorskip("torch")
         if name not in cache:
             with run_script(ROOT / "tutorials" / name, tmp_path_factory.mktemp("extsrc")) as saved:
                 cache[name] = dict(saved)
@@ -164,3 +170,23 @@ def test_partial_last_batch_shows_the_whole_set(extsrc_outputs):
     saved = extsrc_outputs("10_partial_last_batch.py")
     assert saved["labels"].tolist() == bundled_labels()
     assert saved["batch_sizes"].tolist() == [12, 12, 12, 12, 12, 4]
+
+
+def test_order_shuffles_each_epoch_and_draws_the_same_flips_for_the_same_records(extsrc_outputs):
+    saved = extsrc_outputs("11_shuffle_with_order.py")
+    labels, epochs, records = saved["labels"], saved["epochs"], saved["records"]
+    first, second = records[epochs == 0].tolist(), records[epochs == 1].tolist()
+    assert sorted(first) == sorted(second) == list(range(24)) and first != second
+    assert labels.tolist() == [bundled_labels()[r] for r in records]
+    assert set(saved["flips"].tolist()) == {0, 1}
+
+
+def test_order_shards_are_disjoint_but_for_the_padding_and_equal(extsrc_outputs):
+    saved = extsrc_outputs("12_shards_with_order.py")
+    shards, records = saved["shards"], saved["records"]
+    assert saved["batches"].tolist() == [3, 3, 3]
+    per_shard = [records[shards == k].tolist() for k in range(3)]
+    assert all(len(s) == 24 for s in per_shard)
+    shard_records = [set(s[:22]) for s in per_shard]  # 22 records each, then the padded batch
+    assert set().union(*shard_records) == set(range(64))
+    assert sum(len(s) for s in shard_records) == 66  # two records of the epoch's start twice

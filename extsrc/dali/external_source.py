@@ -273,6 +273,7 @@ def external_source(
     batch_info: Optional[bool] = None,
     last_batch: str = "drop",
     timeout: Optional[float] = None,
+    order: Any = None,
     **kwargs: Any,
 ):
     """DALI's ``fn.external_source``; with ``parallel=True`` the source runs on extsrc workers.
@@ -296,10 +297,14 @@ def external_source(
     accepted and not needed (the engine sizes its memory from the first
     batch).
 
-    Extras: ``last_batch="partial"`` hands the samples before a
-    ``StopIteration`` to DALI as a shorter final batch (``"drop"``, the
-    default, drops them as DALI does); ``timeout`` (seconds) bounds the wait
-    for one batch and raises :class:`~extsrc.SourceTimeoutError`.
+    Extras: ``order`` (an :class:`extsrc.Order`) gives each sample its record
+    (``SampleInfo.record``, ``SampleInfo.rng``: shuffled, sharded) and ends
+    each epoch after the shard's records, so that the callback needs no
+    ``StopIteration``; ``last_batch="partial"`` hands a shorter last batch to
+    DALI (``"drop"``, the default, drops it as DALI does; ``"pad"``, with an
+    order, fills it from the start of the epoch's order); ``timeout``
+    (seconds) bounds the wait for one batch and raises
+    :class:`~extsrc.SourceTimeoutError`.
 
     Errors of the source (its exceptions, with their type and message, dead
     workers, invalid samples) are raised from the pipeline's ``run()``.
@@ -307,10 +312,10 @@ def external_source(
     of ``num_outputs`` of them.
     """
     if not parallel:
-        if last_batch != "drop" or timeout is not None:
+        if last_batch != "drop" or timeout is not None or order is not None:
             raise ValueError(
-                "`last_batch` and `timeout` are extsrc options for parallel external sources; "
-                "set parallel=True to use them"
+                "`last_batch`, `timeout` and `order` are extsrc options for parallel external "
+                "sources; set parallel=True to use them"
             )
         return _dali_fn.external_source(
             source,
@@ -440,6 +445,7 @@ def external_source(
         prefetch=(prefetch_queue_depth if prefetch_queue_depth is not None
                   else max(default_prefetch(pipe.py_num_workers), pipe._extsrc_depth())),
         last_batch=last_batch,
+        order=order,
         dtype=engine_dtype,
         ndim=engine_ndim,
         timeout=timeout,

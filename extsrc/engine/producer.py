@@ -116,7 +116,7 @@ class Producer:
             source_id=self.source_id, name=self.name, kind=self.kind, callback=callback,
             pickled=pickled, batch_size=o.batch_size, num_outputs=o.num_outputs,
             batch_info=o.batch_info, dtypes=tuple(None if d is None else d.str for d in o.dtypes),
-            ndims=o.ndims,
+            ndims=o.ndims, order=o.order, last_batch=o.last_batch,
         )
 
     def on_result(self, message: Any) -> bool:
@@ -192,6 +192,9 @@ class Producer:
             iteration = self.next_dispatch
             if self.end_at is not None and iteration > self.end_at:
                 return
+            limit = o.batches_per_epoch
+            if limit is not None and iteration >= limit:
+                return  # an order knows where the epoch ends
             regions, region_bytes = self.layout.regions()
             seq = next(self._batch_seq)
             try:

@@ -131,6 +131,8 @@ class SourceSetup:
     batch_info: bool
     dtypes: Tuple[Optional[str], ...]
     ndims: Tuple[Optional[int], ...]
+    order: Any = None  # extsrc.Order: which record each position of an epoch loads
+    last_batch: str = "drop"
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,14 @@ from __future__ import annotations
 import inspect
 import pickle
 import traceback
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.samples import SampleChecker, at
 from extsrc.errors import SampleError
+from extsrc.order import RecordCache
 from extsrc.shm.writer import TaskWriter
 from extsrc.sample_info import BatchInfo, SampleInfo
 
@@ -66,6 +67,8 @@ class SourceRunner:
         self.iterator: Any = None
         self.iterator_epoch = -1
         self.one_pass_ended = False  # the source is its own iterator, and it ran out
+        self.records = None if setup.order is None else RecordCache(setup.order)
+        self.seed = 0 if setup.order is None else setup.order.seed
 
     def run(self, task: Task) -> Result:
         """Runs one task; returns a :class:`TaskDone` or :class:`TaskFailed`."""
@@ -78,24 +81,26 @@ class SourceRunner:
     def _run_samples(self, task: Task) -> Result:
         callback = self.callback
         base = task.iteration * self.setup.batch_size
+        first, last = base + task.start, base + task.stop
+        records, stop_early = self._records(task.epoch_idx, first, last)
+        seed = self.seed
         make = tuple.__new__
         produced: List[Any] = []
         append = produced.append
-        stopped = False
+        stopped = stop_early
         position = task.start
         try:
-            for position in range(task.start, task.stop):
+            for position, record in zip(range(task.start, task.stop), records):
                 append(callback(make(SampleInfo, (base + position, position, task.iteration,
-                                                  task.epoch_idx))))
+                                                  task.epoch_idx, record, seed))))
         except StopIteration:
             stopped = True
         except BaseException as exc:
-            info = SampleInfo(base + position, position, task.iteration, task.epoch_idx)
-            return self._failed(task, position, info, exc)
+            return self._failed(task, position, self._info(task, position), exc)
         count = len(produced)
 
         def describe(pos: int) -> str:
-            return f"sample {SampleInfo(base + pos, pos, task.iteration, task.epoch_idx)}"
+            return f"sample {self._info(task, pos)}"
 
         try:
             columns = self._columns_of_samples(produced, task.start, describe)
@@ -106,6 +111,32 @@ class SourceRunner:
             return self._failed(task, getattr(exc, "position", task.start), None, exc,
                                 from_callback=False)
         return TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow)
+
+    def _records(self, epoch_idx: int, first: int, last: int) -> Tuple[Sequence[int], bool]:
+        """The records of positions ``first..last-1``, and whether the epoch ends before ``last``.
+
+        Without an order a record is its position. With one, positions past the
+        shard's epoch are the end of it, or, with ``last_batch="pad"``, records
+        from the start of the epoch's order again.
+        """
+        if self.records is None:
+            return range(first, last), False
+        length = len(self.setup.order)
+        if last <= length:
+            return self.records.get(epoch_idx, first, last), False
+        if self.setup.last_batch != "pad":
+            return self.records.get(epoch_idx, first, max(first, length)), True
+        records = self.records.get(epoch_idx, first, length) if first < length else []
+        for position in range(max(first, length), last):  # at most the rest of one batch
+            wrapped = position % length
+            records += self.records.get(epoch_idx, wrapped, wrapped + 1)
+        return records, False
+
+    def _info(self, task: Task, position: int) -> SampleInfo:
+        idx = task.iteration * self.setup.batch_size + position
+        records, _ = self._records(task.epoch_idx, idx, idx + 1)
+        record = records[0] if len(records) else idx
+        return SampleInfo(idx, position, task.iteration, task.epoch_idx, record, self.seed)
 
     def _columns_of_samples(self, produced, start, describe) -> List[Sequence[Any]]:
         num_outputs = self.setup.num_outputs

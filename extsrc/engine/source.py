@@ -107,11 +107,18 @@ class ParallelSource:
     allocates nothing in steady state. Batches come in index order whatever
     the number of workers or their timing.
 
-    The epoch ends when the callback raises ``StopIteration``:
-    ``last_batch="drop"`` drops the batch in which it happened,
-    ``"partial"`` yields the samples before it as a shorter final batch. An
-    epoch whose every sample was dropped raises
-    :class:`~extsrc.errors.EmptyEpochError`.
+    ``order`` (an :class:`extsrc.Order`) decides which record each position
+    of an epoch loads (shuffled, sharded): the callback gets it as
+    ``SampleInfo.record``, with ``SampleInfo.rng`` seeded from the order's
+    seed, the epoch and the record; the epoch ends after the shard's records,
+    and ``len(source)`` is the number of batches per epoch.
+
+    Without an order, the epoch ends when the callback raises
+    ``StopIteration``. ``last_batch="drop"`` drops a last batch shorter than
+    ``batch_size``; ``"partial"`` yields it shorter; ``"pad"`` (with an order)
+    fills it with records from the start of the epoch's order, so that every
+    shard gets the same number of full batches. An epoch whose every sample
+    was dropped raises :class:`~extsrc.errors.EmptyEpochError`.
 
     Errors: an exception in the callback (any ``BaseException``) is raised
     from ``next()`` at its batch, with its type, message and worker
@@ -153,6 +160,7 @@ class ParallelSource:
         batches_held: int = 2,
         pool: Optional[WorkerPool] = None,
         name: Optional[str] = None,
+        order: Any = None,
     ):
         given = {k: v for k, v in (("num_workers", num_workers), ("start_method", start_method),
                                    ("pickler", pickler)) if v is not UNSET}
@@ -173,8 +181,14 @@ class ParallelSource:
         self.options = SourceOptions.create(
             batch_size, num_outputs=num_outputs, batch=batch, batch_info=batch_info,
             prefetch=prefetch, num_workers=pool.num_workers, last_batch=last_batch, dtype=dtype,
-            ndim=ndim, timeout=timeout, batches_held=batches_held,
+            ndim=ndim, timeout=timeout, batches_held=batches_held, order=order,
         )
+        if self.options.batches_per_epoch == 0:
+            raise EmptyEpochError(
+                f"an epoch of {len(order)} records (this shard's, of {order!r}) makes no batch of "
+                f"batch_size={self.options.batch_size} with last_batch='drop'; use "
+                "last_batch='partial' or 'pad', or a smaller batch_size"
+            )
         kind = classify(source, self.options.batch)
         if self.options.batch_info and kind != "callable":
             raise ValueError("batch_info=True needs a callable source (not an iterable or generator)")
@@ -294,14 +308,32 @@ class ParallelSource:
             self._pool.notify()
             return self._epoch
 
-    def get_state(self) -> Dict[str, int]:
-        """Where the source stands: the next batch it would hand out (JSON-able)."""
+    def __len__(self) -> int:
+        """Batches per epoch; known with ``order=`` only (else the callback ends the epoch)."""
+        batches = self.options.batches_per_epoch
+        if batches is None:
+            raise TypeError(
+                "len() of a ParallelSource needs order= (an extsrc.Order): without one, the "
+                "callback ends each epoch by raising StopIteration"
+            )
+        return batches
+
+    def get_state(self) -> Dict[str, Any]:
+        """Where the source stands: the next batch it would hand out (JSON-able, small).
+
+        With an order, the state also records the order's settings, so that
+        :meth:`set_state` can refuse a state saved with another order.
+        """
         self._pool.check_owner()
         with self._pool.lock:
             epoch = self._epoch
             if epoch is not None and epoch.state is EpochState.RUNNING:
-                return {"epoch_idx": epoch.epoch_idx, "iteration": epoch.next_yield}
-            return {"epoch_idx": self._next_epoch, "iteration": self._resume_iteration}
+                state: Dict[str, Any] = {"epoch_idx": epoch.epoch_idx, "iteration": epoch.next_yield}
+            else:
+                state = {"epoch_idx": self._next_epoch, "iteration": self._resume_iteration}
+        if self.options.order is not None:
+            state["order"] = self.options.order.describe()
+        return state
 
     def set_state(self, state: Dict[str, int]) -> None:
         """Makes the next ``iter()`` resume at ``state`` (from :meth:`get_state`).
@@ -310,6 +342,13 @@ class ParallelSource:
         for resuming mid-epoch an iterable source (it cannot be rewound).
         """
         epoch_idx, iteration = _parse_state(state)
+        order = self.options.order
+        saved = state.get("order")
+        if order is not None and saved is not None and saved != order.describe():
+            raise ValueError(
+                f"set_state: the state was saved with the order {saved}, and this source has "
+                f"{order.describe()}; resuming would load other records"
+            )
         if iteration and self.kind in (BATCH_ITERABLE, BATCH_GENERATOR):
             raise ValueError("resuming in the middle of an epoch needs a callable source, not an iterable")
         self._check_open()
@@ -398,6 +437,10 @@ class ParallelSource:
             raise StopIteration
         if epoch.state is EpochState.ENDED or epoch is not self._epoch:
             raise StopIteration  # superseded by a newer epoch, set_state() or close()
+        batches = self.options.batches_per_epoch
+        if batches is not None and epoch.next_yield >= batches:
+            self._end(epoch)
+            raise StopIteration  # the order's epoch is over
         pool.check_usable(producer.source_id)
         if producer.ready(epoch.run, epoch.next_yield) is not None:
             return None
