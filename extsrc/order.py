@@ -4,7 +4,7 @@
 number of records (up to 2**62), in O(1) memory:
 
 * **Shuffling** is a keyed bijection over ``range(num_records)`` (a
-  four-round Feistel network on the smallest even number of bits that covers
+  three-round Feistel network on the smallest even number of bits that covers
   it, walking cycles back into range), keyed by ``(seed, epoch)``: a
   different order every epoch, the same order for the same seed on every
   shard, worker, start method and machine. It is evaluated per position,
@@ -35,7 +35,7 @@ REMAINDERS = ("drop", "pad")
 MAX_RECORDS = 1 << 62  # positions and records fit int64 on every path
 
 _MASK64 = (1 << 64) - 1
-_ROUNDS = 4  # four rounds of a Feistel network: a strong pseudo-random permutation (Luby-Rackoff)
+_ROUNDS = 3  # three rounds of a Feistel network make a pseudo-random permutation (Luby-Rackoff)
 
 
 def _splitmix64(x: int) -> int:
@@ -257,7 +257,7 @@ class RecordCache:
     costs the same for 200 elements as for 20,000), in :data:`CHUNK` * 8 bytes.
     """
 
-    CHUNK = 1 << 14  # 128 KiB of records
+    CHUNK = 1 << 12  # 32 KiB of records, and a few times that while computing them
 
     def __init__(self, order: Order):
         self.order = order

@@ -119,3 +119,16 @@ def test_without_torch_the_dataloader_column_is_skipped_with_a_note():
     label, ours, peer, ratio, target, met = row
     assert label == WORKLOAD_ROWS[2] and "samples/s" in ours
     assert peer == "n/a" and ratio == "n/a" and met in ("yes", "no")
+
+
+@pytest.mark.slow
+def test_quick_order_bench_prints_its_cost_and_memory():
+    out = bench("--no-torch", "--order", "--quick", "--workloads", "small")
+    assert out.returncode == 0, out.stderr
+    rows = table_rows(out.stdout, "extsrc.ParallelSource with a shuffled Order of 1e+09 records")
+    assert [row[0] for row in rows] == ["small: 1 KiB uint8, batch 256: shuffled order vs identity order",
+                                        "worker memory (VmRSS): shuffled order vs identity order"]
+    throughput, memory = rows
+    assert re.fullmatch(r"\d+\.\d\dx", throughput[3]) and throughput[4] == ">= 0.95x samples/s"
+    assert re.fullmatch(r"[+-]\d+\.\d\d MiB", memory[3]) and memory[4] == "< 1 MiB more"
+    assert all(row[5] in ("yes", "no") for row in rows)

@@ -54,14 +54,18 @@ class Workload:
             self._ring = ring
         return ring[1], ring[2]
 
-    def make(self, idx: int) -> np.ndarray:
-        """Sample ``idx``: a uint8 array of ``sample_bytes`` starting with ``idx`` as int64."""
+    def make(self, idx: int, slot: Optional[int] = None) -> np.ndarray:
+        """Sample ``idx``: a uint8 array of ``sample_bytes`` starting with ``idx`` as int64.
+
+        It is buffer ``slot`` of the ring (default ``idx % batch_size``: consecutive
+        indices of a batch get distinct buffers; pass ``idx_in_batch`` otherwise).
+        """
         if self.spin_s:
             end = time.perf_counter() + self.spin_s
             while time.perf_counter() < end:
                 pass
         data, index = self._buffers()
-        k = idx % self.batch_size
+        k = idx % self.batch_size if slot is None else slot
         index[k, 0] = idx
         return data[k]
 
@@ -93,4 +97,10 @@ def cpu(sample_info) -> np.ndarray:
     return CPU.make(sample_info.idx_in_epoch)
 
 
+def small_record(sample_info) -> np.ndarray:
+    """1 KiB uint8 sample of ``sample_info.record`` (for sources with an order)."""
+    return SMALL.make(sample_info.record, sample_info.idx_in_batch)
+
+
 CALLBACKS = {"small": small, "large": large, "cpu": cpu}
+RECORD_CALLBACKS = {"small": small_record}

@@ -1,0 +1,142 @@
+"""The loaders a cell can run, each on a bench workload: open it, take batches, close it.
+
+Every opener returns ``(take, indices, close)``: ``take()`` returns the next
+batch (after touching it as a consumer would), ``indices(batch)`` the sample
+indices it holds (to check the loader delivered the right samples), and
+``close()`` stops it. PyTorch and DALI are imported here only, inside the
+cells' own processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Tuple
+
+from extsrc.bench.measure import Take
+from extsrc.bench.workloads import WORKLOADS
+
+WORKERS = 2
+DALI_THREADS = 1  # num_threads of the DALI pipelines (DALI requires a value)
+
+# Loader names used by the cells.
+EXTSRC, TORCH, DALI, EXTSRC_DALI = "extsrc", "torch", "dali", "extsrc-dali"
+EXTSRC_SHUFFLED, EXTSRC_IDENTITY = "extsrc-shuffled-order", "extsrc-identity-order"
+ORDER_RECORDS = 10 ** 9  # the order of the order rows: a large data set, never materialised
+
+Opened = Tuple[Take, Callable[[Any], List[int]], Callable[[], None]]
+
+def bench_order(loader: str) -> Any:
+    """The order of an extsrc loader: ``None``, a shuffled or an identity ``extsrc.Order``."""
+    import extsrc
+
+    if loader == EXTSRC_SHUFFLED:
+        return extsrc.Order(ORDER_RECORDS, shuffle=True, seed=1)
+    if loader == EXTSRC_IDENTITY:
+        return extsrc.Order(ORDER_RECORDS)
+    return None
+
+def expected_indices(loader: str, batch: int, batch_size: int) -> List[int]:
+    """The sample indices batch ``batch`` of epoch 0 must hold."""
+    order = bench_order(loader)
+    positions = range(batch * batch_size, (batch + 1) * batch_size)
+    return list(positions) if order is None else list(order.epoch(0)[positions.start:positions.stop])
+
+def _open_extsrc(workload: str, workers: int, start_method: str, loader: str = EXTSRC) -> Opened:
+    import extsrc
+    from extsrc.bench.workloads import CALLBACKS, RECORD_CALLBACKS, sample_index
+
+    order = bench_order(loader)
+    callback = CALLBACKS[workload] if order is None else RECORD_CALLBACKS[workload]
+    source = extsrc.ParallelSource(callback, WORKLOADS[workload].batch_size, num_workers=workers,
+                                   start_method=start_method, order=order)
+    batches = iter(source)
+
+    def take():
+        batch = next(batches)
+        batch[0][0]  # the consumer touches one byte
+        return batch
+
+    take.source = source  # type: ignore[attr-defined]  # for cells that look at the workers
+    return take, lambda batch: [sample_index(sample) for sample in batch], source.close
+
+def _open_torch(workload: str, workers: int, start_method: str):
+    from torch.utils.data import DataLoader, Dataset
+
+    from extsrc.bench.workloads import sample_index
+
+    class BenchDataset(Dataset):
+        """What a user writes: a map-style dataset returning one NumPy sample."""
+
+        def __init__(self, name: str):
+            self.workload = WORKLOADS[name]
+
+        def __len__(self) -> int:
+            return 1 << 40  # never exhausted within a cell
+
+        def __getitem__(self, idx: int):
+            return self.workload.make(idx)
+
+    loader = DataLoader(BenchDataset(workload), batch_size=WORKLOADS[workload].batch_size,
+                        num_workers=workers, persistent_workers=True,
+                        multiprocessing_context=start_method)
+    state = {"batches": iter(loader)}
+
+    def take():
+        batch = next(state["batches"])
+        batch[0, 0]  # the consumer touches one byte
+        return batch
+
+    def close():
+        state.clear()  # the iterator's finaliser shuts the persistent workers down
+
+    return take, lambda batch: [sample_index(sample) for sample in batch.numpy()], close
+
+def _dali_pipeline(workload: str, workers: int, start_method: str, dropin: bool, consumed: bool = False):
+    """The same pipeline code for both: only the import differs."""
+    if dropin:
+        from extsrc import fn, pipeline_def
+    else:
+        from nvidia.dali import fn, pipeline_def
+    from extsrc.bench.workloads import CALLBACKS
+
+    callback = CALLBACKS[workload]
+
+    @pipeline_def(batch_size=WORKLOADS[workload].batch_size, num_threads=DALI_THREADS, device_id=None,
+                  py_num_workers=workers, py_start_method=start_method)
+    def pipeline():
+        samples = fn.external_source(source=callback, batch=False, parallel=True)
+        return samples[0:8] if consumed else samples
+
+    return pipeline
+
+def _indices_dali(output) -> List[int]:
+    import numpy as np
+
+    from extsrc.bench.workloads import sample_index
+
+    return [sample_index(np.asarray(output[k])) for k in range(len(output))]
+
+def _open_dali(workload: str, workers: int, start_method: str, dropin: bool, consumed: bool = False):
+    pipe = _dali_pipeline(workload, workers, start_method, dropin, consumed)()
+    pipe.build()
+    state = {"pipe": pipe}
+
+    def take():
+        (output,) = state["pipe"].run()
+        len(output)  # the consumer touches the batch
+        return output
+
+    def close():
+        state.clear()
+
+    return take, _indices_dali, close
+
+def open_loader(loader: str, workload: str, workers: int, start_method: str,
+                consumed: bool = False) -> Opened:
+    """Opens ``loader`` on ``workload``; see the module docstring."""
+    if loader in (EXTSRC, EXTSRC_SHUFFLED, EXTSRC_IDENTITY):
+        return _open_extsrc(workload, workers, start_method, loader)
+    if loader == TORCH:
+        return _open_torch(workload, workers, start_method)
+    if loader in (DALI, EXTSRC_DALI):
+        return _open_dali(workload, workers, start_method, dropin=loader == EXTSRC_DALI, consumed=consumed)
+    raise ValueError(f"unknown loader {loader!r}")
