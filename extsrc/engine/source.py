@@ -239,6 +239,19 @@ class ParallelSource:
         """The pids of the workers serving this source (empty before start and after close)."""
         return self._pool.worker_pids()
 
+    def watch_memory(self, on_map: Any, on_unmap: Any) -> None:
+        """Calls ``on_map(address, size)`` for every piece of this source's shared memory mapped
+        in this process, now and whenever more is mapped, and ``on_unmap(address, size)`` right
+        before a piece is unmapped. For registering the memory with a GPU runtime as page-locked
+        (``cudaHostRegister``), so that batches go to the device by DMA without a copy.
+
+        The callbacks run in the pool's thread or a consumer thread, with the pool's lock held,
+        or in whatever thread drops a batch's last reference; they must be quick and not raise.
+        """
+        self._check_open()
+        with self._pool.lock:
+            self._producer.slots.watch(on_map, on_unmap)
+
     def shared_memory_bytes(self) -> int:
         """Shared memory this source holds now for its slots, in bytes (held batches included)."""
         self._pool.check_owner()

@@ -69,7 +69,8 @@ class Mapping:
     happens only in the process that created the mapping.
     """
 
-    __slots__ = ("address", "size", "leased", "_pid", "_inherited", "_interface", "__weakref__")
+    __slots__ = ("address", "size", "leased", "on_close", "_pid", "_inherited", "_interface",
+                 "__weakref__")
 
     def __init__(self, fd: int, size: int):
         if size <= 0:
@@ -81,6 +82,7 @@ class Mapping:
         self.address: int = address
         self.size = size
         self.leased = False  # a held batch lives here: a forked child must see it
+        self.on_close: list = []  # called with (address, size) right before it is unmapped
         self._pid = os.getpid()
         self._inherited = True
         self._interface = {
@@ -117,6 +119,12 @@ class Mapping:
         mapping of a held batch), and then it is the child's own copy.
         """
         if self.address and (self._pid == os.getpid() or self._inherited):
+            if self._pid == os.getpid():
+                for callback in self.on_close:  # e.g. unregister pinned memory first
+                    try:
+                        callback(self.address, self.size)
+                    except Exception:
+                        pass
             _libc.munmap(self.address, self.size)
         self.address = 0
 

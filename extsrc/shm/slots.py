@@ -188,6 +188,7 @@ class SlotPool:
         self.returns: Deque["weakref.ReferenceType[Lease]"] = deque()
         self._next_id = 0
         self._closed = False
+        self._watchers: List[Tuple[Callable[[int, int], None], Callable[[int, int], None]]] = []
 
     # -- state changes ---------------------------------------------------------------------
 
@@ -211,7 +212,7 @@ class SlotPool:
             slot = self._create()
         if region_bytes and (slot.region_map is None or slot.region_map.size < region_bytes):
             size = slot.region.reserve(region_bytes, total_needed)
-            slot.region_map = slot.region.map(size)  # an older, smaller mapping goes with its last user
+            slot.region_map = self._watched(slot.region.map(size))  # an older one goes with its last user
         self._move(slot, SlotState.FILLING)
         slot.batch_seq = batch_seq
         return slot
@@ -223,6 +224,26 @@ class SlotPool:
         self.slots[slot_id] = slot
         self.link.add_slot(self.source_id, slot_id, slot.region.fd, [s.fd for s in slot.overflow])
         return slot
+
+    def watch(self, on_map: Callable[[int, int], None], on_unmap: Callable[[int, int], None]) -> None:
+        """Calls ``on_map(address, size)`` for every mapping of the slots, now and when made, and
+        ``on_unmap(address, size)`` right before one is unmapped (e.g. to pin the memory for DMA).
+
+        Lock held. The callbacks run in the thread that maps (the pool's or a consumer's) or the
+        one that drops the last reference; they must be quick and must not raise.
+        """
+        self._watchers.append((on_map, on_unmap))
+        for slot in self.slots.values():
+            for mapping in (slot.region_map, *slot.overflow_maps):
+                if mapping is not None:
+                    on_map(mapping.address, mapping.size)
+                    mapping.on_close.append(on_unmap)
+
+    def _watched(self, mapping: Mapping) -> Mapping:
+        for on_map, on_unmap in self._watchers:
+            on_map(mapping.address, mapping.size)
+            mapping.on_close.append(on_unmap)
+        return mapping
 
     def filled(self, slot: Slot) -> None:
         """Every task of the slot's batch reported back: FILLING -> READY, DRAINING -> FREE."""
@@ -246,7 +267,7 @@ class SlotPool:
         for worker, size in overflow_sizes.items():
             current = slot.overflow_maps[worker]
             if current is None or current.size < size:
-                current = slot.overflow[worker].map(size)
+                current = self._watched(slot.overflow[worker].map(size))
                 slot.overflow_maps[worker] = current
             overflow[worker] = current
         if slot.state is not SlotState.READY:

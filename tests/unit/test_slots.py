@@ -121,3 +121,19 @@ def test_close_gives_back_free_memory_and_leaves_held_batches_readable():
     assert slots.slots == {} and len(link.dropped) == 2
     del lease
     assert array.tolist() == [1, 2, 3, 4]
+
+
+def test_watchers_see_every_mapping_made_and_every_mapping_before_it_goes(pool):
+    slots, _ = pool
+    first, lease = lease_a_batch(slots, 0)
+    mapped, unmapped = [], []
+    slots.watch(lambda address, size: mapped.append((address, size)),
+                lambda address, size: unmapped.append((address, size)))
+    assert mapped == [(first.region_map.address, first.region_map.size)]
+    second, lease2 = lease_a_batch(slots, 1)  # a new slot: mapped while watched
+    assert (second.region_map.address, second.region_map.size) in mapped and len(mapped) == 2
+    del lease, lease2
+    slots.process_returns()
+    slots.close(tell_workers=False)
+    gc.collect()
+    assert sorted(unmapped) == sorted(mapped)  # each unregistered before it was unmapped
