@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 import pickle
 import traceback
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -104,13 +104,10 @@ class SourceRunner:
 
         try:
             columns = self._columns_of_samples(produced, task.start, describe)
-            spilled, overflow = self.writer.write(task.slot_id, task.batch_seq, task.start, task.stop,
-                                                  task.region_bytes, task.regions, columns, count,
-                                                  describe)
+            return self._done(task, task.start, columns, count, stopped, describe)
         except Exception as exc:
             return self._failed(task, getattr(exc, "position", task.start), None, exc,
                                 from_callback=False)
-        return TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow)
 
     def _records(self, epoch_idx: int, first: int, last: int) -> Tuple[Sequence[int], bool]:
         """The records of positions ``first..last-1``, and whether the epoch ends before ``last``.
@@ -181,13 +178,21 @@ class SourceRunner:
 
         try:
             columns = self._columns_of_batch(batch, info)
-            count = len(columns[0])
-            spilled, overflow = self.writer.write(task.slot_id, task.batch_seq, 0, task.stop,
-                                                  task.region_bytes, task.regions, columns, count,
-                                                  describe)
+            return self._done(task, 0, columns, len(columns[0]), False, describe)
         except Exception as exc:
             return self._failed(task, getattr(exc, "position", 0), info, exc, from_callback=False)
-        return TaskDone(task.source_id, task.ticket, self.worker, count, False, spilled, overflow)
+
+    # -- what the worker does with the outputs ---------------------------------------------------
+
+    def _done(self, task: Task, start: int, columns: List[Sequence[Any]], count: int, stopped: bool,
+              describe: Callable[[int], str]) -> Any:
+        """Checks and writes ``columns[j][k]`` (output ``j``, sample ``start + k``) into the task's
+        slot, and says where they went. Another backend may deliver them otherwise (Ray actors
+        return them, see :mod:`extsrc.ray.actor`). Raises what the writer raises."""
+        spilled, overflow = self.writer.write(task.slot_id, task.batch_seq, start, task.stop,
+                                              task.region_bytes, task.regions, columns, count,
+                                              describe)
+        return TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow)
 
     def _iterator_for(self, epoch_idx: int):
         if self.iterator_epoch != epoch_idx:
@@ -252,19 +257,27 @@ class SourceRunner:
 
     def _failed(self, task: Task, position: int, where: Optional[Any], exc: BaseException,
                 from_callback: bool = True) -> TaskFailed:
-        tb = exc.__traceback__
-        if from_callback and tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next  # start at the callback, not at the worker's loop
-        text = "".join(traceback.format_exception(type(exc), exc, tb))
-        try:
-            payload: Optional[bytes] = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
-            pickle.loads(payload)
-        except Exception:
-            payload = None
-        return TaskFailed(
-            task.source_id, task.ticket, self.worker, position, where, payload,
-            type(exc).__qualname__, str(exc), text, from_callback,
-        )
+        return failure(task, self.worker, position, where, exc, from_callback)
 
     def close(self) -> None:
         self.writer.close()
+
+
+def failure(task: Task, worker: int, position: int, where: Optional[Any], exc: BaseException,
+            from_callback: bool = True) -> TaskFailed:
+    """The :class:`TaskFailed` of ``task`` for ``exc``, raised at sample ``position`` (``where``:
+    its ``SampleInfo``/``BatchInfo``, if tied to one) by the callback or, if not
+    ``from_callback``, by checking or writing its output."""
+    tb = exc.__traceback__
+    if from_callback and tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next  # start at the callback, not at the worker's loop
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    try:
+        payload: Optional[bytes] = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(payload)
+    except Exception:
+        payload = None
+    return TaskFailed(
+        task.source_id, task.ticket, worker, position, where, payload,
+        type(exc).__qualname__, str(exc), text, from_callback,
+    )

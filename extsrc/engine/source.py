@@ -137,8 +137,15 @@ class ParallelSource:
     must be. Workers start on first use or at ``start()``; ``close()`` (or
     ``with``) stops them and frees the shared memory no batch holds. ``pool``
     shares one :class:`~extsrc.WorkerPool` between sources; then
-    ``num_workers``, ``start_method`` and ``pickler`` come from the pool and
-    giving them is an error.
+    ``num_workers``, ``start_method``, ``pickler``, ``backend`` and
+    ``ray_options`` come from the pool and giving them is an error.
+
+    ``backend="ray"`` runs the workers as Ray actors anywhere in the cluster
+    this process is connected to (or a local Ray started on first use), with
+    ``ray_options`` (``num_cpus``, ``resources``, ``scheduling_strategy``,
+    ``runtime_env``, ...) for the actors; everything above holds unchanged
+    (see :class:`extsrc.ray.RayPool`). The default, ``"processes"``, runs
+    worker processes on this host.
     """
 
     def __init__(
@@ -161,12 +168,14 @@ class ParallelSource:
         pool: Optional[WorkerPool] = None,
         name: Optional[str] = None,
         order: Any = None,
+        backend: str = UNSET,
+        ray_options: Optional[Dict[str, Any]] = UNSET,
     ):
         given = {k: v for k, v in (("num_workers", num_workers), ("start_method", start_method),
-                                   ("pickler", pickler)) if v is not UNSET}
+                                   ("pickler", pickler), ("backend", backend),
+                                   ("ray_options", ray_options)) if v is not UNSET}
         if pool is None:
-            defaults = {"num_workers": 1, "start_method": "fork", "pickler": None}
-            pool = WorkerPool(**{**defaults, **given})
+            pool = WorkerPool(**{"num_workers": 1, **given})
             self._owns_pool = True
         else:
             if not isinstance(pool, WorkerPool):
@@ -174,8 +183,8 @@ class ParallelSource:
             if given:
                 raise ValueError(
                     f"{', '.join(given)} come(s) from the shared pool (num_workers="
-                    f"{pool.num_workers}, start_method={pool.start_method!r}); do not pass "
-                    "them together with pool="
+                    f"{pool.num_workers}, start_method={pool.start_method!r}, backend="
+                    f"{pool.backend!r}); do not pass them together with pool="
                 )
             self._owns_pool = False
         self.options = SourceOptions.create(
