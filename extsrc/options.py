@@ -151,10 +151,11 @@ def _ndim(value: Any, output: int) -> Optional[int]:
     return int(value)
 
 
-def default_prefetch(num_workers: int) -> int:
-    """Batches produced ahead by default: two per worker (as PyTorch's ``DataLoader``), so
-    that each batch can be one task and every worker still has a task queued."""
-    return 2 * num_workers
+def default_prefetch(num_workers: int, tasks_per_worker: int = 2) -> int:
+    """Batches produced ahead by default: as many per worker as a worker holds tasks (two for
+    worker processes, as PyTorch's ``DataLoader``), so that each batch can be one task and
+    every worker still has a task queued."""
+    return tasks_per_worker * num_workers
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,7 @@ class SourceOptions:
         batch_info: Any = False,
         prefetch: Any = None,
         num_workers: int = 1,
+        tasks_per_worker: int = 2,
         last_batch: Any = "drop",
         dtype: Any = None,
         ndim: Any = None,
@@ -278,7 +280,8 @@ class SourceOptions:
             num_outputs=num_outputs,
             batch=bool(batch),
             batch_info=bool(batch_info),
-            prefetch=default_prefetch(num_workers) if prefetch is None else positive_int("prefetch", prefetch),
+            prefetch=(default_prefetch(num_workers, tasks_per_worker) if prefetch is None
+                      else positive_int("prefetch", prefetch)),
             last_batch=last_batch,
             dtypes=dtypes,
             ndims=ndims,

@@ -140,6 +140,8 @@ class WorkerPool:
     ``backend="processes"`` runs worker processes on this host.
     """
 
+    max_outstanding = MAX_OUTSTANDING  # tasks a worker holds at most (a backend may hold more)
+
     def __new__(cls, *args: Any, **kwargs: Any) -> "WorkerPool":
         backend = kwargs.get("backend", args[3] if len(args) > 3 else "processes")
         if cls is WorkerPool and backend == "ray":
@@ -521,7 +523,7 @@ class WorkerPool:
     def _assign(self) -> None:
         if not self._queue and not any(self._pinned.values()):
             return
-        for level in range(1, MAX_OUTSTANDING + 1):
+        for level in range(1, self.max_outstanding + 1):
             for worker in self._workers:
                 if len(worker.outstanding) >= level:
                     continue

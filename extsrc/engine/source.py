@@ -189,7 +189,8 @@ class ParallelSource:
             self._owns_pool = False
         self.options = SourceOptions.create(
             batch_size, num_outputs=num_outputs, batch=batch, batch_info=batch_info,
-            prefetch=prefetch, num_workers=pool.num_workers, last_batch=last_batch, dtype=dtype,
+            prefetch=prefetch, num_workers=pool.num_workers, tasks_per_worker=pool.max_outstanding,
+            last_batch=last_batch, dtype=dtype,
             ndim=ndim, timeout=timeout, batches_held=batches_held, order=order,
         )
         if self.options.batches_per_epoch == 0:

@@ -103,11 +103,12 @@ class SourceActor:
         return ActorReady(self.index, context.get_actor_id(), context.get_node_id(),
                           ray.util.get_node_ip_address(), socket.gethostname(), os.getpid())
 
-    def run(self, task: Task) -> Union[Produced, TaskFailed, SetupFailed]:
-        """Runs one task (see :meth:`extsrc.engine.runner.SourceRunner.run`)."""
+    def run(self, tasks: Tuple[Task, ...]) -> Union[List[Union[Produced, TaskFailed]], SetupFailed]:
+        """Runs ``tasks`` in order (see :meth:`extsrc.engine.runner.SourceRunner.run`); their
+        answers, in the same order."""
         if self.setup_failed is not None:
             return self.setup_failed
-        return self.runners[task.source_id].run(task)
+        return [self.runners[task.source_id].run(task) for task in tasks]
 
     def ping(self) -> None:
         """Answers once the actor runs; after ``ray.kill``, the error says it is dead."""

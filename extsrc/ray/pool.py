@@ -43,6 +43,7 @@ and breaks the pool: nothing waits for answers that cannot come.
 from __future__ import annotations
 
 import functools
+import itertools
 import select
 import threading
 import time
@@ -70,6 +71,15 @@ ACTOR_START_TIMEOUT_S = 300.0
 # that their CPUs are free for whatever comes next.
 ACTOR_STOP_WAIT_S = 10.0
 PROCESS_EXIT_POLL_S = 0.01  # how often close() looks whether a killed actor's process is gone
+# A call carries up to this many tasks, and an actor has up to CALLS_IN_FLIGHT calls: one that
+# runs, and one queued behind it that hides the round trip. Ray costs about the same per call
+# (a few CPU milliseconds between the caller, the actor and the node's raylet) whether it
+# carries one small task or two, so two per call halve that cost for small samples.
+TASKS_PER_CALL = 2
+CALLS_IN_FLIGHT = 2
+# Tasks whose samples add up to more than this go in calls of their own: copying them costs
+# more than the call, and holding several in the object store at once costs memory.
+CALL_GROUP_MAX_BYTES = 4 << 20
 # What the pool's actors ask for unless ray_options says otherwise: a CPU each (Ray's default
 # for actors is none while running, which would pile any number onto one node), spread over
 # the nodes.
@@ -117,10 +127,11 @@ class ActorHandle:
     def __init__(self, index: int, actor: Any):
         self.index = index
         self.actor = actor
-        self.outstanding: Dict[int, Task] = {}  # ticket -> task sent, in the order sent
+        self.outstanding: Dict[int, Task] = {}  # ticket -> task assigned, in the order assigned
         self.outbox: Deque[Tuple[Task, None]] = deque()  # assigned, not yet sent
         self.busy_since = time.monotonic()
-        self.calls: Dict[Optional[int], Any] = {}  # ticket (None: ready()) -> its ObjectRef
+        self.calls: Dict[int, Any] = {}  # call id -> its ObjectRef, until its answer is handled
+        self.task_calls = 0  # calls of run() among them
         self.ready: Optional[ActorReady] = None
         self.samples = 0
 
@@ -159,7 +170,14 @@ class RayPool(WorkerPool):
     says which node each runs on. ``close()`` kills the actors and returns
     once Ray reports them dead. Raises ``ImportError`` when Ray is missing,
     ``ValueError`` for ``ray_options`` Ray refuses.
+
+    Each actor holds up to :attr:`max_outstanding` tasks, sent in calls of
+    up to :data:`TASKS_PER_CALL` (small tasks) with :data:`CALLS_IN_FLIGHT`
+    calls at a time, so a source's default ``prefetch`` is four batches per
+    worker (twice the process backend's).
     """
+
+    max_outstanding = TASKS_PER_CALL * CALLS_IN_FLIGHT
 
     def __init__(self, num_workers: int = 1, start_method: str = UNSET, pickler: Any = None,
                  backend: str = "ray", ray_options: Optional[Dict[str, Any]] = None):
@@ -173,7 +191,8 @@ class RayPool(WorkerPool):
         except (TypeError, ValueError) as exc:
             raise ValueError(f"ray_options={self.options.ray_options!r}: Ray refused them: {exc}") from None
         self._writers: Dict[int, ResultWriter] = {}  # source id -> its writer
-        self._arrivals: Deque[Tuple[ActorHandle, Optional[int], Optional[Task], Any]] = deque()
+        self._arrivals: Deque[Tuple[ActorHandle, int, Tuple[Task, ...], Any]] = deque()
+        self._calls = itertools.count()
         self._started_at = 0.0
 
     @property
@@ -223,7 +242,7 @@ class RayPool(WorkerPool):
                 for index in range(self.options.num_workers):
                     worker = ActorHandle(index, self._actor_class.remote(index, shared, pickler))
                     self._workers.append(worker)
-                    self._watch(worker, None, None, worker.actor.ready.remote())
+                    self._watch(worker, (), worker.actor.ready.remote())
             except BaseException:
                 self._kill(self._workers)
                 self._workers = []
@@ -238,7 +257,10 @@ class RayPool(WorkerPool):
         self._kill(workers)
 
     def forget_after_fork(self) -> None:
-        # In a forked child: the actors and the memory are the parent's.
+        # In a forked child: the actors and the memory are the parent's. Their Ray objects are
+        # kept, never released here: releasing one runs Ray's code, which needs the threads of
+        # Ray that only the parent has.
+        _kept_in_child.append((self._workers, self._arrivals))
         self._workers = []
         self._writers = {}
         self._arrivals = deque()
@@ -264,44 +286,77 @@ class RayPool(WorkerPool):
 
     # -- calls and their answers ----------------------------------------------------------------
 
-    def _watch(self, worker: ActorHandle, ticket: Optional[int], task: Optional[Task], ref: Any) -> None:
-        """Lock held: queues the answer of ``ref`` for the I/O thread once Ray has it."""
-        worker.calls[ticket] = ref
-        ref.future().add_done_callback(functools.partial(self._arrived, worker, ticket, task))
+    def _watch(self, worker: ActorHandle, tasks: Tuple[Task, ...], ref: Any) -> None:
+        """Lock held: queues the answer of ``ref`` (a call for ``tasks``, none: ``ready()``)
+        for the I/O thread once Ray has it."""
+        call = next(self._calls)
+        worker.calls[call] = ref
+        if tasks:
+            worker.task_calls += 1
+        ref.future().add_done_callback(functools.partial(self._arrived, worker, call, tasks))
 
-    def _arrived(self, worker: ActorHandle, ticket: Optional[int], task: Optional[Task],
-                 future: Any) -> None:
+    def _arrived(self, worker: ActorHandle, call: int, tasks: Tuple[Task, ...], future: Any) -> None:
         # In a thread of Ray's (or the I/O thread): only queue and wake, nothing that can block.
-        self._arrivals.append((worker, ticket, task, future))
+        self._arrivals.append((worker, call, tasks, future))
         waker = self._waker
         if waker is not None:
             waker.wake()
 
     def _send(self) -> bool:
-        """Lock held: sends every assigned task to its actor. False if Ray is gone."""
+        """Lock held: sends the assigned tasks to their actors, grouped into calls (see
+        :data:`TASKS_PER_CALL`). False if Ray is gone."""
         for worker in self._workers:
-            while worker.outbox:
-                task, _ = worker.outbox.popleft()
+            while worker.outbox and worker.task_calls < CALLS_IN_FLIGHT:
+                tasks = self._next_call(worker)
+                if not tasks:
+                    break
                 try:
-                    ref = worker.actor.run.remote(task)
+                    ref = worker.actor.run.remote(tasks)
                 except Exception as exc:
                     self._connection_lost(exc)
                     return False
-                self._watch(worker, task.ticket, task, ref)
+                self._watch(worker, tasks, ref)
         return True
 
-    def _land(self, worker: ActorHandle, task: Optional[Task], future: Any) -> Any:
-        """I/O thread, no lock: an answer, with a ``Produced`` written into its slot (a
-        ``TaskDone``, or ``TaskFailed`` if the memory could not be had; ``None`` if the slot
+    @staticmethod
+    def _next_call(worker: ActorHandle) -> Tuple[Task, ...]:
+        """Lock held: the tasks of ``worker``'s next call, taken from its outbox; none yet
+        while the call could carry more and the actor is busy with another.
+
+        A call carries up to :data:`TASKS_PER_CALL` small tasks. One with room
+        for more waits in the outbox until more come (the consumer took
+        batches) or the actor's calls have all ended: an actor that produces
+        faster than its batches are taken gets full calls, one that idles
+        gets every task at once.
+        """
+        outbox = worker.outbox
+        count, size = 0, 0
+        for task, _ in outbox:
+            size += _task_bytes(task)
+            if count == TASKS_PER_CALL or (count and size > CALL_GROUP_MAX_BYTES):
+                break
+            count += 1
+        if count < TASKS_PER_CALL and size <= CALL_GROUP_MAX_BYTES and worker.task_calls:
+            return ()
+        return tuple(outbox.popleft()[0] for _ in range(count))
+
+    def _land(self, worker: ActorHandle, tasks: Tuple[Task, ...], future: Any) -> Any:
+        """I/O thread, no lock: a call's answer, with every ``Produced`` written into its slot
+        (a ``TaskDone``, or ``TaskFailed`` if the memory could not be had; ``None`` if the slot
         is gone), or ``_Lost`` with Ray's error."""
         try:
             answer = future.result()
         except BaseException as exc:  # Ray's error, raised for the call
             return _Lost(exc)
-        if isinstance(answer, Produced) and task is not None:
-            writer = self._writers.get(task.source_id)
-            answer = None if writer is None else writer.write(worker.index, task, answer)
-        return answer
+        if not tasks or not isinstance(answer, list):
+            return answer  # ready()'s answer, or SetupFailed
+        landed = []
+        for task, result in zip(tasks, answer):
+            if isinstance(result, Produced):
+                writer = self._writers.get(task.source_id)
+                result = None if writer is None else writer.write(worker.index, task, result)
+            landed.append((task, result))
+        return landed
 
     # -- the I/O thread -------------------------------------------------------------------------
 
@@ -366,15 +421,15 @@ class RayPool(WorkerPool):
             for writer in self._writers.values():
                 writer.apply_drops()
         # The copies into the slots, without the lock (see the module docstring).
-        answers = [(worker, ticket, self._land(worker, task, future))
-                   for worker, ticket, task, future in arrivals]
+        answers = [(worker, call, self._land(worker, tasks, future))
+                   for worker, call, tasks, future in arrivals]
         del arrivals
         with self.lock:
             if self._state is not PoolState.RUNNING:
                 return False
             changed = False
-            for worker, ticket, answer in answers:
-                delivered = self._deliver(worker, ticket, answer)
+            for worker, call, answer in answers:
+                delivered = self._deliver(worker, call, answer)
                 if delivered is None:
                     return False
                 changed = delivered or changed
@@ -384,9 +439,9 @@ class RayPool(WorkerPool):
                 self.notify()
         return True
 
-    def _deliver(self, worker: ActorHandle, ticket: Optional[int], answer: Any) -> Optional[bool]:
-        """Lock held: hands an answer to its source. Whether a consumer may now go on; ``None``
-        when the answer broke the pool."""
+    def _deliver(self, worker: ActorHandle, call: int, answer: Any) -> Optional[bool]:
+        """Lock held: hands a call's answers to their sources. Whether a consumer may now go
+        on; ``None`` when the answer broke the pool."""
         if isinstance(answer, _Lost):
             self._actor_lost(worker, answer.error)
             return None
@@ -396,19 +451,23 @@ class RayPool(WorkerPool):
                 f"Worker traceback:\n{answer.traceback}"
             ))
             return None
-        worker.calls.pop(ticket, None)
-        if ticket is None:
-            if isinstance(answer, ActorReady):
-                worker.ready = answer
+        worker.calls.pop(call, None)
+        if isinstance(answer, ActorReady):
+            worker.ready = answer
             return False
-        task = worker.outstanding.pop(ticket, None)
+        worker.task_calls -= 1
         worker.busy_since = time.monotonic()
-        if not isinstance(answer, (TaskDone, TaskFailed)) or task is None:
-            return False  # its slot is gone: the source was closed
-        if isinstance(answer, TaskDone):
-            worker.samples += answer.count
-        client = self._clients[task.source_id]()
-        return client is not None and client.on_result(answer)
+        changed = False
+        for task, result in answer:
+            worker.outstanding.pop(task.ticket, None)
+            if not isinstance(result, (TaskDone, TaskFailed)):
+                continue  # its slot is gone: the source was closed
+            if isinstance(result, TaskDone):
+                worker.samples += result.count
+            client = self._clients[task.source_id]()
+            if client is not None and client.on_result(result):
+                changed = True
+        return changed
 
     def _check_alive(self) -> bool:
         """Lock held: whether Ray is still connected and every actor started in time."""
@@ -498,8 +557,17 @@ class RayPool(WorkerPool):
                         time.sleep(PROCESS_EXIT_POLL_S)
         for worker in workers:
             worker.calls.clear()
+            worker.task_calls = 0
             worker.outstanding.clear()
             worker.outbox.clear()
+
+
+_kept_in_child: List[Any] = []  # see RayPool.forget_after_fork
+
+
+def _task_bytes(task: Task) -> int:
+    """The bytes of samples ``task`` writes in place (0 while the layout is not known)."""
+    return (task.stop - task.start) * sum(r.stride for r in task.regions if r is not None)
 
 
 def _running(pid: int) -> bool:
