@@ -120,6 +120,7 @@ class SourceOptions:
     timeout: Optional[float]
     batches_held: int
     order: Any = None  # an extsrc.Order, or None
+    in_place: bool = False  # the callback gets a second argument to write samples into
 
     @property
     def batches_per_epoch(self) -> Optional[int]:
@@ -152,10 +153,11 @@ class SourceOptions:
         timeout: Any = None,
         batches_held: Any = 2,
         order: Any = None,
+        in_place: Any = False,
     ) -> "SourceOptions":
         batch_size = positive_int("batch_size", batch_size)
         num_outputs = optional_positive_int("num_outputs", num_outputs)
-        for name, value in (("batch", batch), ("batch_info", batch_info)):
+        for name, value in (("batch", batch), ("batch_info", batch_info), ("in_place", in_place)):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         if batch_info and not batch:
@@ -169,6 +171,9 @@ class SourceOptions:
                 raise TypeError(f"order must be an extsrc.Order, got {type(order).__name__}")
             if batch:
                 raise ValueError("order= gives each sample its record: it needs sample mode (batch=False)")
+        if in_place and batch:
+            raise ValueError("in_place=True hands a sample-mode callback room for each sample; it "
+                             "needs batch=False")
         if last_batch == "pad" and order is None:
             raise ValueError(
                 "last_batch='pad' fills the last batch with records from the start of the epoch's "
@@ -193,4 +198,5 @@ class SourceOptions:
             timeout=timeout,
             batches_held=positive_int("batches_held", batches_held),
             order=order,
+            in_place=bool(in_place),
         )

@@ -133,7 +133,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("extsrc bench: nothing to run (--no-torch without --dali or --order)", file=sys.stderr)
         return 2
     for table in tables:
-        table.rows = [r for r in table.rows if r.workload in workloads or r.startup]
+        # "large" also selects its variants ("large-fresh", "large-fill")
+        table.rows = [r for r in table.rows if r.workload.split("-")[0] in workloads or r.startup]
 
     plan: List[Tuple[Table, int, Row, str]] = []
     for r in range(repeat):

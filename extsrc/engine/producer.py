@@ -116,7 +116,7 @@ class Producer:
             source_id=self.source_id, name=self.name, kind=self.kind, callback=callback,
             pickled=pickled, batch_size=o.batch_size, num_outputs=o.num_outputs,
             batch_info=o.batch_info, dtypes=tuple(None if d is None else d.str for d in o.dtypes),
-            ndims=o.ndims, order=o.order, last_batch=o.last_batch,
+            ndims=o.ndims, order=o.order, last_batch=o.last_batch, in_place=o.in_place,
         )
 
     def on_result(self, message: Any) -> bool:

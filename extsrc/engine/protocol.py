@@ -133,6 +133,7 @@ class SourceSetup:
     ndims: Tuple[Optional[int], ...]
     order: Any = None  # extsrc.Order: which record each position of an epoch loads
     last_batch: str = "drop"
+    in_place: bool = False  # the callback gets SampleBuffers to write its samples into
 
 
 @dataclass(frozen=True)

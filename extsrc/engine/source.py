@@ -133,6 +133,11 @@ class ParallelSource:
     goes to exactly one of them, whole. ``iter()`` in one thread ends the
     epoch other threads iterate (they get ``StopIteration``).
 
+    ``in_place=True`` (sample mode): the callback is called as
+    ``source(info, buffers)`` and may write its sample straight into the
+    batch's shared memory, ``buffers.array(shape, dtype)`` (see
+    :class:`~extsrc.engine.runner.SampleBuffers`), so that it is written once.
+
     ``dtype``/``ndim`` (one value, or one per output) declare what samples
     must be. Workers start on first use or at ``start()``; ``close()`` (or
     ``with``) stops them and frees the shared memory no batch holds. ``pool``
@@ -161,6 +166,7 @@ class ParallelSource:
         pool: Optional[WorkerPool] = None,
         name: Optional[str] = None,
         order: Any = None,
+        in_place: bool = False,
     ):
         given = {k: v for k, v in (("num_workers", num_workers), ("start_method", start_method),
                                    ("pickler", pickler)) if v is not UNSET}
@@ -181,7 +187,7 @@ class ParallelSource:
         self.options = SourceOptions.create(
             batch_size, num_outputs=num_outputs, batch=batch, batch_info=batch_info,
             prefetch=prefetch, num_workers=pool.num_workers, last_batch=last_batch, dtype=dtype,
-            ndim=ndim, timeout=timeout, batches_held=batches_held, order=order,
+            ndim=ndim, timeout=timeout, batches_held=batches_held, order=order, in_place=in_place,
         )
         if self.options.batches_per_epoch == 0:
             raise EmptyEpochError(
