@@ -129,13 +129,17 @@ def test_without_torch_the_dataloader_column_is_skipped_with_a_note():
 
 
 @pytest.mark.slow
-def test_quick_order_bench_prints_its_cost_and_memory():
-    out = bench("--no-torch", "--order", "--quick", "--workloads", "small")
+def test_quick_features_bench_prints_the_cost_of_statistics_and_order_and_its_memory():
+    out = bench("--no-torch", "--features", "--quick", "--workloads", "small")
     assert out.returncode == 0, out.stderr
-    rows = table_rows(out.stdout, "extsrc.ParallelSource with a shuffled Order of 1e+09 records")
-    assert [row[0] for row in rows] == ["small: 1 KiB uint8, batch 256: shuffled order vs identity order",
-                                        "worker memory (VmRSS): shuffled order vs identity order"]
-    throughput, memory = rows
+    rows = table_rows(out.stdout, "cost of extsrc features")
+    assert [row[0] for row in rows] == [
+        "small: 1 KiB uint8, batch 256: statistics on vs off",
+        "small: 1 KiB uint8, batch 256: shuffled order of 1e+09 records vs identity order",
+        "worker memory (VmRSS): shuffled order of 1e+09 records vs identity order",
+    ]
+    stats, throughput, memory = rows
+    assert re.fullmatch(r"\d+\.\d\dx", stats[3]) and stats[4] == ">= 0.98x samples/s"
     assert re.fullmatch(r"\d+\.\d\dx", throughput[3]) and throughput[4] == ">= 0.95x samples/s"
     assert re.fullmatch(r"[+-]\d+\.\d\d MiB", memory[3]) and memory[4] == "< 1 MiB more"
     assert all(row[5] in ("yes", "no") for row in rows)

@@ -20,6 +20,7 @@ DALI_THREADS = 1  # num_threads of the DALI pipelines (DALI requires a value)
 # Loader names used by the cells.
 EXTSRC, TORCH, DALI, EXTSRC_DALI = "extsrc", "torch", "dali", "extsrc-dali"
 EXTSRC_SHUFFLED, EXTSRC_IDENTITY = "extsrc-shuffled-order", "extsrc-identity-order"
+EXTSRC_NO_STATS = "extsrc-no-stats"  # ParallelSource(..., stats=False)
 ORDER_RECORDS = 10 ** 9  # the order of the order rows: a large data set, never materialised
 
 Opened = Tuple[Take, Callable[[Any], List[int]], Callable[[], None]]
@@ -49,7 +50,8 @@ def _open_extsrc(workload: str, workers: int, start_method: str, loader: str = E
     in_place = workload in IN_PLACE_CALLBACKS
     source = extsrc.ParallelSource(IN_PLACE_CALLBACKS.get(workload, callback),
                                    ALL_WORKLOADS[workload].batch_size, num_workers=workers,
-                                   start_method=start_method, order=order, in_place=in_place)
+                                   start_method=start_method, order=order, in_place=in_place,
+                                   stats=loader != EXTSRC_NO_STATS)
     batches = iter(source)
 
     def take():
@@ -138,7 +140,7 @@ def _open_dali(workload: str, workers: int, start_method: str, dropin: bool, con
 def open_loader(loader: str, workload: str, workers: int, start_method: str,
                 consumed: bool = False) -> Opened:
     """Opens ``loader`` on ``workload``; see the module docstring."""
-    if loader in (EXTSRC, EXTSRC_SHUFFLED, EXTSRC_IDENTITY):
+    if loader in (EXTSRC, EXTSRC_SHUFFLED, EXTSRC_IDENTITY, EXTSRC_NO_STATS):
         return _open_extsrc(workload, workers, start_method, loader)
     if loader == TORCH:
         return _open_torch(workload, workers, start_method)

@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from extsrc.bench.cells import STARTUP_WORKERS, run_cell
 from extsrc.bench.loaders import WORKERS
 from extsrc.bench.tables import (
-    QUIET_OTHER_CPU, Row, Table, _compare, _figure, dali_table, format_table, order_table,
+    QUIET_OTHER_CPU, Row, Table, _compare, _figure, dali_table, features_table, format_table,
     targets_text, torch_table,
 )
 from extsrc.bench.workloads import WORKLOADS
@@ -80,10 +80,10 @@ def _parser() -> argparse.ArgumentParser:
                              "batch with spawn and 4 workers (needs nvidia-dali)")
     parser.add_argument("--no-torch", action="store_true",
                         help="skip the PyTorch comparison")
-    parser.add_argument("--order", action="store_true",
-                        help="also measure order= (extsrc.Order): a shuffled order of 10^9 records "
-                             "against an identity order on the small workload, and the workers' "
-                             "memory with it against none")
+    parser.add_argument("--features", action="store_true",
+                        help="also measure what extsrc's own features cost on the small workload: "
+                             "statistics on vs off, a shuffled order of 10^9 records vs an identity "
+                             "order, and the workers' memory with that order")
     parser.add_argument("--quick", action="store_true",
                         help="short cells (0.5 s timed after 0.25 s warm-up, 1 repeat unless "
                              "--repeat is given): checks that everything runs, figures are rough")
@@ -127,10 +127,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             print("extsrc bench: --dali needs NVIDIA DALI (pip install 'extsrc[dali]')", file=sys.stderr)
             return 2
         tables.append(dali_table())
-    if args.order:
-        tables.append(order_table())
+    if args.features:
+        tables.append(features_table())
     if not tables:
-        print("extsrc bench: nothing to run (--no-torch without --dali or --order)", file=sys.stderr)
+        print("extsrc bench: nothing to run (--no-torch without --dali or --features)", file=sys.stderr)
         return 2
     for table in tables:
         # "large" also selects its variants ("large-fresh", "large-fill")

@@ -274,6 +274,7 @@ def external_source(
     timeout: Optional[float] = None,
     order: Any = None,
     in_place: bool = False,
+    stats_every: Optional[float] = None,
     **kwargs: Any,
 ):
     """DALI's ``fn.external_source``; with ``parallel=True`` the source runs on extsrc workers.
@@ -306,7 +307,9 @@ def external_source(
     (seconds) bounds the wait for one batch and raises
     :class:`~extsrc.SourceTimeoutError`; ``in_place=True`` calls the source as
     ``source(sample_info, buffers)`` so that it can write each sample straight
-    into shared memory (``buffers.array(shape, dtype)``): written once.
+    into shared memory (``buffers.array(shape, dtype)``): written once;
+    ``stats_every`` (seconds) logs the source's statistics (see
+    ``Pipeline.extsrc_stats()``) to the ``extsrc`` logger that often.
 
     Errors of the source (its exceptions, with their type and message, dead
     workers, invalid samples) are raised from the pipeline's ``run()``.
@@ -314,10 +317,10 @@ def external_source(
     of ``num_outputs`` of them.
     """
     if not parallel:
-        if last_batch != "drop" or timeout is not None or order is not None or in_place:
+        if last_batch != "drop" or timeout is not None or order is not None or in_place or stats_every:
             raise ValueError(
-                "`last_batch`, `timeout`, `order` and `in_place` are extsrc options for parallel "
-                "external sources; set parallel=True to use them"
+                "`last_batch`, `timeout`, `order`, `in_place` and `stats_every` are extsrc options "
+                "for parallel external sources; set parallel=True to use them"
             )
         return _dali_fn.external_source(
             source,
@@ -449,6 +452,7 @@ def external_source(
         last_batch=last_batch,
         order=order,
         in_place=in_place,
+        stats_every=stats_every,
         dtype=engine_dtype,
         ndim=engine_ndim,
         timeout=timeout,

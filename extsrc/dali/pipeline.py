@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from nvidia.dali import pipeline as _dali_pipeline
 
@@ -81,6 +81,14 @@ class Pipeline(_dali_pipeline.Pipeline):
     def extsrc_pool(self) -> Optional[WorkerPool]:
         """The :class:`~extsrc.WorkerPool` of the parallel sources (``None`` while there is none)."""
         return self._extsrc_pool
+
+    def extsrc_stats(self, reset: bool = False) -> Dict[str, Any]:
+        """The statistics of each parallel external source, by name (see ``ParallelSource.stats``).
+
+        ``str()`` of each is a short report ending in a diagnosis: is the input
+        the bottleneck, and what to change. ``reset=True`` starts new windows.
+        """
+        return {feeder.source.name: feeder.source.stats(reset) for feeder in self._extsrc_feeders}
 
     # -- what the parallel external sources ask of the pipeline -----------------
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import pickle
+import time
 import traceback
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
@@ -68,6 +69,10 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
+def _no_clock() -> int:
+    return 0
+
+
 class SampleBuffers:
     """What an ``in_place=True`` callback gets as its second argument: room in shared memory.
 
@@ -110,6 +115,7 @@ class SourceRunner:
         self.records = None if setup.order is None else RecordCache(setup.order)
         self.seed = 0 if setup.order is None else setup.order.seed
         self.buffers = SampleBuffers() if setup.in_place else None
+        self.clock = time.perf_counter_ns if setup.timed else _no_clock
 
     def run(self, task: Task) -> Result:
         """Runs one task; returns a :class:`TaskDone` or :class:`TaskFailed`."""
@@ -142,6 +148,11 @@ class SourceRunner:
         waiting_bytes = 0
         chunk_start = task.start
         position = task.start
+        # The callback is timed per group of samples written together (clock reads per group,
+        # not per sample: the statistics cost nothing measurable).
+        clock = self.clock
+        timed: List[Tuple[int, int]] = []
+        began = group_began = clock()
         try:
             for position, record in zip(range(task.start, task.stop), records):
                 info = make(SampleInfo, (base + position, position, task.iteration, task.epoch_idx,
@@ -154,9 +165,11 @@ class SourceRunner:
                 waiting.append(value)
                 waiting_bytes += _nbytes(value)
                 if waiting_bytes >= STREAM_BYTES:
+                    timed.append((len(waiting), clock() - group_began))
                     self._flush(write, waiting, chunk_start)
                     chunk_start += len(waiting)
                     waiting, waiting_bytes = [], 0
+                    group_began = clock()
         except StopIteration:
             stopped = True
         except SampleError as exc:
@@ -165,6 +178,8 @@ class SourceRunner:
             return self._failed(task, position, None, exc, from_callback=False)
         except BaseException as exc:
             return self._failed(task, position, self._info(task, position), exc)
+        if waiting:
+            timed.append((len(waiting), clock() - group_began))
         try:
             self._flush(write, waiting, chunk_start)
             spilled, overflow = write.finish()
@@ -172,7 +187,8 @@ class SourceRunner:
             return self._failed(task, getattr(exc, "position", chunk_start), None, exc,
                                 from_callback=False)
         count = chunk_start - task.start + len(waiting)
-        return TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow)
+        return TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow,
+                        clock() - began, tuple(timed))
 
     def _flush(self, write: Any, waiting: List[Any], chunk_start: int) -> None:
         if waiting:
@@ -229,6 +245,7 @@ class SourceRunner:
     def _run_batch(self, task: Task) -> Result:
         setup = self.setup
         info = BatchInfo(task.iteration, task.epoch_idx)
+        began = self.clock()
         try:
             if setup.kind == BATCH_CALLABLE:
                 batch = self.callback(info if setup.batch_info else task.iteration)
@@ -246,6 +263,7 @@ class SourceRunner:
         def describe(pos: int) -> str:
             return f"sample {pos} of batch {info}"  # batch mode: no SampleInfo
 
+        took = self.clock() - began
         try:
             columns = self._columns_of_batch(batch, info)
             count = len(columns[0])
@@ -254,7 +272,8 @@ class SourceRunner:
                                                   describe)
         except Exception as exc:
             return self._failed(task, getattr(exc, "position", 0), info, exc, from_callback=False)
-        return TaskDone(task.source_id, task.ticket, self.worker, count, False, spilled, overflow)
+        return TaskDone(task.source_id, task.ticket, self.worker, count, False, spilled, overflow,
+                        self.clock() - began, ((count, took),))
 
     def _iterator_for(self, epoch_idx: int):
         if self.iterator_epoch != epoch_idx:
