@@ -436,7 +436,8 @@ class ParallelSource:
             raise
         outcome = self._finish(outcome)
         if stats is not None:
-            stats.took(decision.size, _nbytes(outcome), time.perf_counter_ns() - asked, ready)
+            stats.took(decision.size, _nbytes(outcome), time.perf_counter_ns() - asked, ready,
+                       take.next_yield == epoch.run.first_iteration)
             if self.options.stats_every is not None:
                 self._maybe_report()
         return outcome

@@ -53,6 +53,7 @@ class SourceStats:
     samples: int
     bytes: int
     wait_seconds: float
+    start_wait_seconds: float  # of wait_seconds: waiting for the first batch of an epoch
     worker_busy: Tuple[float, ...]
     callback_median_s: Optional[float]
     callback_p95_s: Optional[float]
@@ -70,6 +71,13 @@ class SourceStats:
         return self.wait_seconds / self.seconds if self.seconds > 0 else 0.0
 
     @property
+    def steady_wait_fraction(self) -> float:
+        """The fraction of the time the consumer waited, leaving out the first batch of each
+        epoch (start-up, and the refill after an epoch's end): what the diagnosis goes by."""
+        steady = self.seconds - self.start_wait_seconds
+        return (self.wait_seconds - self.start_wait_seconds) / steady if steady > 0 else 0.0
+
+    @property
     def samples_per_s(self) -> float:
         return self.samples / self.seconds if self.seconds > 0 else 0.0
 
@@ -80,11 +88,11 @@ class SourceStats:
     @property
     def input_bound(self) -> bool:
         """Whether the consumer waits for the input (else the consumer is the bottleneck)."""
-        return self.wait_fraction >= INPUT_BOUND_WAIT
+        return self.steady_wait_fraction >= INPUT_BOUND_WAIT
 
     def diagnosis(self) -> str:
         """Which side is the bottleneck, and what to change, in plain words, from the figures."""
-        wait, busy = self.wait_fraction, self.mean_worker_busy
+        wait, busy = self.steady_wait_fraction, self.mean_worker_busy
         if self.batches == 0:
             return "No batch was taken yet: nothing to tell."
         if self.input_bound:
@@ -92,8 +100,9 @@ class SourceStats:
             if busy >= WORKERS_SATURATED:
                 per_worker = 1 / self.callback_median_s if self.callback_median_s else None
                 rate = f" (about {per_worker:,.0f} samples/s per worker)" if per_worker else ""
+                workers = "The worker is" if self.num_workers == 1 else f"The {self.num_workers} workers are"
                 return head + (
-                    f"The {self.num_workers} workers are busy {busy:.0%} of the time{rate}: add "
+                    f"{workers} busy {busy:.0%} of the time{rate}: add "
                     f"workers (num_workers={self.num_workers + max(1, self.num_workers // 2)}) "
                     "if the machine has idle cores, or make the callback cheaper."
                 )
@@ -128,8 +137,10 @@ class SourceStats:
         lines = [
             f"extsrc source {self.name}: {self.batches} batches, {self.samples} samples, "
             f"{format_bytes(self.bytes)} in {self.seconds:.1f} s ({self.samples_per_s:,.0f} samples/s)",
-            f"  consumer waited {self.wait_seconds:.2f} s ({self.wait_fraction:.0%} of the time); "
-            f"batches ready when taken: {self.ready_ahead:.1f} on average, {self.ready_now} now",
+            f"  consumer waited {self.wait_seconds:.2f} s ({self.wait_fraction:.0%} of the time; "
+            f"{self.steady_wait_fraction:.0%} leaving out {self.start_wait_seconds:.2f} s for the "
+            f"first batches of epochs); batches ready when taken: {self.ready_ahead:.1f} on "
+            f"average, {self.ready_now} now",
             f"  workers busy: {busy}",
             f"  callback per sample: median {ms(self.callback_median_s)}, p95 "
             f"{ms(self.callback_p95_s)}, max {ms(self.callback_max_s)}",
@@ -153,6 +164,7 @@ class StatsCollector:
         self.samples = 0
         self.bytes = 0
         self.wait_ns = 0
+        self.start_wait_ns = 0
         self.ready_sum = 0
         self.busy_ns: List[int] = [0] * self.num_workers
         self.per_sample = np.zeros(TIMINGS_KEPT)  # seconds per sample of each group, a ring
@@ -171,12 +183,15 @@ class StatsCollector:
             if per_sample > self.longest:
                 self.longest = per_sample
 
-    def took(self, samples: int, nbytes: int, wait_ns: int, ready: int) -> None:
-        """The consumer took a batch after waiting ``wait_ns``; ``ready`` were finished then."""
+    def took(self, samples: int, nbytes: int, wait_ns: int, ready: int, first: bool) -> None:
+        """The consumer took a batch after waiting ``wait_ns``; ``ready`` others were finished
+        then; ``first``: the first batch of an epoch."""
         self.batches += 1
         self.samples += samples
         self.bytes += nbytes
         self.wait_ns += wait_ns
+        if first:
+            self.start_wait_ns += wait_ns
         self.ready_sum += ready
 
     def snapshot(self, name: str, ready_now: int, shared_memory: int, prefetch: int,
@@ -187,6 +202,7 @@ class StatsCollector:
         return SourceStats(
             name=name, seconds=seconds, batches=self.batches, samples=self.samples,
             bytes=self.bytes, wait_seconds=self.wait_ns * 1e-9,
+            start_wait_seconds=self.start_wait_ns * 1e-9,
             worker_busy=tuple(min(1.0, ns * 1e-9 / seconds) for ns in self.busy_ns),
             callback_median_s=median, callback_p95_s=p95,
             callback_max_s=self.longest if self.timed else None,
