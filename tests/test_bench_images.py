@@ -121,6 +121,15 @@ def test_bad_image_options_are_refused_before_anything_runs(args, message, tmp_p
     assert os.listdir(tmp_path) == [], "nothing is generated for a refused run"
 
 
+def test_an_image_folder_that_cannot_be_written_is_reported(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    out = bench("--images", *TINY, "--images-dir", str(blocker / "cache"), timeout=120)
+    assert out.returncode == 2
+    assert f"cannot make the image set under {blocker / 'cache'}" in out.stderr
+    assert "--images-dir" in out.stderr
+
+
 def test_help_names_the_image_options_and_targets():
     out = bench("--help", timeout=60)
     assert out.returncode == 0

@@ -76,6 +76,25 @@ class ImageBench:
     json_path: Optional[str]
 
 
+@dataclass(frozen=True)
+class Figures:
+    """One loader's figures: medians of its usable runs, and the reference's ratio to it."""
+
+    loader: str
+    name: str
+    images_per_s: Optional[float]  # None: not run, or every run failed
+    slowest: Optional[float]  # images/s of the slowest and fastest usable run
+    fastest: Optional[float]
+    cores: Optional[float]  # CPU cores used by the loader (its process and workers)
+    per_core: Optional[float]  # images per core-second
+    ratio: Optional[float]  # the reference's images/s over this loader's
+    target: Optional[float]
+    met: Optional[bool]
+    disturbed: bool  # every usable run shared the CPUs with other processes
+    note: Optional[str]
+    runs: Tuple[Dict[str, Any], ...]
+
+
 @dataclass
 class Results:
     """The runs of every loader (one dict per cell), in the order they ran."""
@@ -190,12 +209,14 @@ def torchvision_usable() -> Tuple[bool, str]:
     return False, f"importing torchvision fails: {lines[-1] if lines else out.returncode}"
 
 
-def _plan_columns() -> Tuple[List[Column], List[str], str]:
+def _plan_columns(no_torch: bool) -> Tuple[List[Column], List[str], str]:
     """The columns (with a note on those that cannot run here), the notes to print, the transforms."""
     notes = []
     transforms = "torchvision"
     torch_note = None
-    if not _installed("torch"):
+    if no_torch:
+        torch_note = "--no-torch: the DataLoader column is skipped"
+    elif not _installed("torch"):
         torch_note = "PyTorch is not installed: the DataLoader column is skipped (pip install 'extsrc[bench]')"
     else:
         usable, why = torchvision_usable()
@@ -227,8 +248,8 @@ def _median(runs: List[Dict[str, Any]], key: str) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
-def summary(columns_: List[Column], results: Results) -> List[Dict[str, Any]]:
-    """Per column: median images/s and cores, ratio of the reference to it, and the verdict."""
+def summary(columns_: List[Column], results: Results) -> List[Figures]:
+    """The figures of every column, in order."""
     reference_runs, _ = _usable(results.runs.get(REFERENCE, []))
     reference = _median(reference_runs, "images_per_s")
     rows = []
@@ -237,43 +258,40 @@ def summary(columns_: List[Column], results: Results) -> List[Dict[str, Any]]:
         rate = _median(runs, "images_per_s")
         ratio = reference / rate if reference and rate and column.loader != REFERENCE else None
         met = None if ratio is None or column.target is None else ratio >= column.target
-        rows.append({"loader": column.loader, "name": column.name, "images_per_s": rate,
-                     "images_per_s_range": ([min(r["images_per_s"] for r in runs),
-                                             max(r["images_per_s"] for r in runs)] if runs else None),
-                     "cores": _median(runs, "loader_cpu"),
-                     "per_core": _median([r for r in runs if r.get("loader_cpu")], "images_per_core_s"),
-                     "ratio": ratio, "target": column.target,
-                     "met": met, "disturbed": disturbed, "note": column.note,
-                     "runs": results.runs.get(column.loader, [])})
+        rates = [run["images_per_s"] for run in runs]
+        rows.append(Figures(
+            column.loader, column.name, rate, min(rates, default=None), max(rates, default=None),
+            _median(runs, "loader_cpu"), _median(runs, "images_per_core_s"), ratio, column.target, met,
+            disturbed, column.note, tuple(results.runs.get(column.loader, []))))
     return rows
 
 
-def engine_vs_dataloader(rows: List[Dict[str, Any]]) -> Optional[float]:
+def engine_vs_dataloader(rows: List[Figures]) -> Optional[float]:
     """extsrc.ParallelSource's images/s over the DataLoader's (both decode with PIL)."""
-    rates = {row["loader"]: row["images_per_s"] for row in rows}
+    rates = {row.loader: row.images_per_s for row in rows}
     if rates.get(EXTSRC) and rates.get(TORCH):
         return rates[EXTSRC] / rates[TORCH]
     return None
 
 
-def format_table(rows: List[Dict[str, Any]]) -> str:
+def format_table(rows: List[Figures]) -> str:
     """The Markdown table: one row per loader, ratios against the drop-in."""
     lines = ["| loader | images/s | cores used | images per core-second | extsrc drop-in / this | target | met |",
              "|---|---|---|---|---|---|---|"]
     for row in rows:
-        if row["images_per_s"] is None:
-            rate = "error" if row["runs"] else "n/a"
+        if row.images_per_s is None:
+            rate = "error" if row.runs else "n/a"
         else:
-            rate = f"{row['images_per_s']:,.0f}{' *' if row['disturbed'] else ''}"
-        cores = "" if row["cores"] is None else f"{row['cores']:.2f}"
-        per_core = "" if row["per_core"] is None else f"{row['per_core']:,.0f}"
-        if row["loader"] == REFERENCE:
-            ratio = "1.00x (reference)"
+            rate = f"{row.images_per_s:,.0f}{' *' if row.disturbed else ''}"
+        cores = "" if row.cores is None else f"{row.cores:.2f}"
+        per_core = "" if row.per_core is None else f"{row.per_core:,.0f}"
+        if row.loader == REFERENCE:
+            ratio = "n/a" if row.images_per_s is None else "1.00x (reference)"
         else:
-            ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}x"
-        target = "" if row["target"] is None else f">= {row['target']:g}x"
-        met = "" if row["target"] is None else {True: "yes", False: "no", None: "n/a"}[row["met"]]
-        lines.append("| " + " | ".join((row["name"], rate, cores, per_core, ratio, target, met)) + " |")
+            ratio = "n/a" if row.ratio is None else f"{row.ratio:.2f}x"
+        target = "" if row.target is None else f">= {row.target:g}x"
+        met = "" if row.target is None else {True: "yes", False: "no", None: "n/a"}[row.met]
+        lines.append("| " + " | ".join((row.name, rate, cores, per_core, ratio, target, met)) + " |")
     return "\n".join(lines)
 
 
@@ -317,9 +335,14 @@ def run(args: argparse.Namespace, seconds: float, warmup_s: float, repeat: int) 
         if not visible:
             print(f"extsrc bench: --image-device mixed decodes on a GPU, but {why}", file=sys.stderr)
             return 2
-    cols, notes, transforms = _plan_columns()
+    cols, notes, transforms = _plan_columns(args.no_torch)
     generators = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    images = imageset.ensure(bench.spec, bench.root, processes=generators)
+    try:
+        images = imageset.ensure(bench.spec, bench.root, processes=generators)
+    except OSError as exc:
+        print(f"extsrc bench: cannot make the image set under {bench.root or imageset.default_root()}: {exc} "
+              "(choose another folder with --images-dir)", file=sys.stderr)
+        return 2
     imageset.read_all(images)
     runnable = [c for c in cols if c.note is None]
     plan = []
@@ -360,7 +383,7 @@ def run(args: argparse.Namespace, seconds: float, warmup_s: float, repeat: int) 
     ratio = engine_vs_dataloader(rows)
     if ratio is not None:
         print(f"\nextsrc.ParallelSource vs PyTorch DataLoader, both decoding with PIL: {ratio:.2f}x images/s")
-    if any(row["disturbed"] for row in rows):
+    if any(row.disturbed for row in rows):
         print(f"\n* every run of this figure shared the CPUs with other processes (more than "
               f"{QUIET_OTHER_CPU:g} cores on average): it is low; rerun on a quieter machine or with "
               "a larger --repeat.")
@@ -378,7 +401,7 @@ def run(args: argparse.Namespace, seconds: float, warmup_s: float, repeat: int) 
     return 1 if failures else 0
 
 
-def _write_json(bench: ImageBench, images: imageset.ImageSet, heading: str, rows: List[Dict[str, Any]],
+def _write_json(bench: ImageBench, images: imageset.ImageSet, heading: str, rows: List[Figures],
                 ratio: Optional[float], versions: Dict[str, Optional[str]],
                 loadavg: Tuple[Any, Any], wall_s: float) -> None:
     report = {
@@ -389,7 +412,7 @@ def _write_json(bench: ImageBench, images: imageset.ImageSet, heading: str, rows
                         "loadavg_start": loadavg[0], "loadavg_end": loadavg[1], "wall_s": wall_s},
         "title": heading,
         "reference": REFERENCE,
-        "loaders": rows,
+        "loaders": [asdict(row) for row in rows],
         "engine_vs_dataloader": ratio,
     }
     with open(bench.json_path, "w") as f:

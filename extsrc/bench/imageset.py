@@ -10,8 +10,8 @@ and sensor noise. Encoded as baseline JPEG (Pillow, 4:2:0) at quality 90, a
 500x375 image is 70-100 KB, as ImageNet photographs of that size are.
 
 Image ``i`` depends only on ``(seed, i)`` and the size: the set is the same
-whichever processes make it and in whatever order (and, for a given Pillow
-build, byte for byte). Labels are a fixed scramble of the index over
+whichever processes make it and in whatever order (and, for given NumPy and
+Pillow builds, byte for byte). Labels are a fixed scramble of the index over
 :data:`CLASSES` classes.
 
 On disk (a folder per specification, under the cache root)::
