@@ -111,7 +111,11 @@ def _resident_bytes(pid: int) -> int:
 def cell_main(argv: Sequence[str]) -> int:
     """Entry point of a cell subprocess: runs one cell, prints its figures as one JSON line."""
     spec = json.loads(argv[0])
-    if spec.get("kind") == "memory":
+    if spec.get("kind") == "images":
+        from extsrc.bench.image_loaders import image_cell
+
+        result = image_cell({k: v for k, v in spec.items() if k != "kind"})
+    elif spec.get("kind") == "memory":
         result = _memory_cell(spec["loader"], spec["workload"], spec["seconds"], spec["warmup_s"])
     else:
         result = _throughput_cell(spec["loader"], spec["workload"], spec["seconds"], spec["warmup_s"],

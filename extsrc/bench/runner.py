@@ -11,6 +11,9 @@ Comparisons (each cell of a table is one loader on one workload):
   ``pipeline_def`` with ``py_num_workers=2``, ``py_start_method="fork"``,
   ``device_id=None``), plus the time from ``build()`` to the first batch with
   spawn and 4 workers.
+* **images** (``--images``, instead of the above): JPEGs from disk through
+  decoding and augmentation, five loaders in images/s; see
+  :mod:`extsrc.bench.images`.
 
 The workloads are in :mod:`extsrc.bench.workloads`. Every cell runs in a fresh
 subprocess (so one loader's workers never share a process with another's),
@@ -32,6 +35,7 @@ import textwrap
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from extsrc.bench import images
 from extsrc.bench.cells import STARTUP_WORKERS, run_cell
 from extsrc.bench.loaders import WORKERS
 from extsrc.bench.tables import (
@@ -70,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
             "(whether or not the targets were met), 1 when a cell failed.",
             79,
         ),
-        epilog=targets_text(),
+        epilog=targets_text() + "\n" + images.targets_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--dali", action="store_true",
@@ -99,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=180.0,
                         help="seconds after which a cell is killed and reported as failed (default 180)")
     parser.add_argument("--json", metavar="PATH", help="also write every figure, run by run, to PATH")
+    images.add_arguments(parser)
     return parser
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -114,6 +119,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    else "--repeat must be >= 1, --seconds > 0 and --warmup >= 0")
         print(f"extsrc bench: {problem}", file=sys.stderr)
         return 2
+    if args.images:
+        return images.run(args, seconds, warmup_s, repeat)
 
     tables: List[Table] = []
     if not args.no_torch:
