@@ -16,7 +16,7 @@ import collections.abc
 import os
 import random
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 import torch
@@ -46,8 +46,13 @@ _NOT_MAPPED = {
 }
 
 
+_NUMERIC_KINDS = frozenset("biufc")
+
+
 def _to_array(value: Any, record: int, field: str) -> np.ndarray:
     """One field of a sample as a NumPy array, as default_collate would make it a tensor."""
+    if type(value) is np.ndarray and value.dtype.kind in _NUMERIC_KINDS:
+        return value  # the common case, first
     if isinstance(value, np.ndarray):
         array = value
     elif isinstance(value, torch.Tensor):
@@ -77,7 +82,7 @@ def _to_array(value: Any, record: int, field: str) -> np.ndarray:
             "carries arrays, tensors and numbers (a DataLoader would pass strings and other "
             "objects through as lists): return numbers, or keep such fields out of the sample"
         )
-    if array.dtype.kind not in "biufc":
+    if array.dtype.kind not in _NUMERIC_KINDS:
         raise TypeError(
             f"dataset[{record}]{field} has dtype {array.dtype}; from_dataset carries numeric and "
             "bool arrays only"
@@ -145,34 +150,43 @@ class SampleLayout:
         return list(outputs)
 
 
+class _ProcessSeeded:
+    """Whether this process's global generators were seeded for a dataset (forked children
+    start unseeded: they must not repeat their parent's or each other's draws)."""
+
+    done = False
+
+    @classmethod
+    def forget(cls) -> None:
+        cls.done = False
+
+
+os.register_at_fork(after_in_child=_ProcessSeeded.forget)
+
+
 class DatasetSamples:
     """The callback run in the workers: ``dataset[info.record]``, flattened to arrays.
 
     On its first call in each worker process it seeds the global generators
-    of ``random``, NumPy and PyTorch from ``base_seed`` and
-    the process id, so that workers draw different numbers, as in a
-    DataLoader's workers.
+    of ``random``, NumPy and PyTorch from ``base_seed`` and the process id, so
+    that workers draw different numbers, as in a DataLoader's workers.
     """
 
     def __init__(self, dataset: Any, layout: SampleLayout, base_seed: int):
         self.dataset = dataset
         self.layout = layout
         self.base_seed = base_seed
-        self._seeded_in = -1  # pid of the process whose generators were seeded
-
-    def __getstate__(self) -> Dict[str, Any]:
-        return {**self.__dict__, "_seeded_in": -1}
 
     def _seed_process(self) -> None:
-        pid = os.getpid()
-        python_seed, numpy_seed, torch_seed = np.random.SeedSequence([self.base_seed, pid]).generate_state(3)
-        random.seed(int(python_seed))
-        np.random.seed(int(numpy_seed))
-        torch.manual_seed(int(torch_seed))
-        self._seeded_in = pid
+        seeds = np.random.SeedSequence([self.base_seed, os.getpid()]).generate_state(3)
+        python_seed, numpy_seed, torch_seed = (int(s) for s in seeds)
+        random.seed(python_seed)
+        np.random.seed(numpy_seed)
+        torch.manual_seed(torch_seed)
+        _ProcessSeeded.done = True
 
     def __call__(self, info: Any) -> Any:
-        if self._seeded_in != os.getpid():
+        if not _ProcessSeeded.done:
             self._seed_process()
         return self.layout.flatten(self.dataset[info.record], info.record)
 
