@@ -248,6 +248,9 @@ def from_dataset(
     on a side stream; see :class:`~extsrc.torch.TorchLoader`) and ``pickler``
     (for spawn: see :class:`~extsrc.ParallelSource`).
 
+    The workers start here (a DataLoader starts them at the first loop): with
+    ``fork``, make the loader before CUDA is initialised (before
+    ``model.cuda()``), or use ``multiprocessing_context="spawn"``.
     ``len(loader)`` is the number of batches per epoch. Close the loader
     (``close()`` or ``with``) to stop its workers. Raises ``TypeError`` for
     DataLoader arguments that do not map here, saying what to use instead.
@@ -305,4 +308,9 @@ def from_dataset(
         order=order,
         name=f"from_dataset({type(dataset).__name__})",
     )
+    try:
+        source.start()  # now, so that a loader made before CUDA is initialised can fork
+    except BaseException:
+        source.close()
+        raise
     return TorchLoader._owning(source, device=device, pin_memory=pin_memory, rebuild=layout.rebuild)

@@ -187,8 +187,8 @@ class TorchLoader:
         """Starts the source's next epoch (ending an unfinished one) and returns its iterator."""
         if self._closed:
             raise ValueError("this TorchLoader is closed")
-        start = self._source.get_state()
         batches = iter(self._source)
+        start = self._source.get_state()  # the new epoch, before its first batch
         epoch: _Epoch = (_DeviceEpoch if self._device is not None else _HostEpoch)(self, batches, start)
         self._position = epoch.position
         return epoch

@@ -3,7 +3,6 @@ iterator, with ``reader_name=`` (the source's ``reader_meta``), with ``size=``, 
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import numpy as np

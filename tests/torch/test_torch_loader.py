@@ -110,12 +110,17 @@ def test_tensors_kept_stay_right_while_the_loop_goes_on():
         assert (view == torch.tensor([(4 * i + 1) % 251, (4 * i + 2) % 251], dtype=torch.uint8)[:, None]).all()
 
 
-def test_a_new_loop_starts_the_next_epoch_after_a_break():
+def test_a_new_loop_starts_the_next_epoch_after_a_break_and_the_state_follows():
     with ParallelSource(stamped, 4, num_outputs=2, order=Order(12)) as source:
         loader = TorchLoader(source)
         for _ in loader:
             break
-        epochs = [b[0][:, 1].tolist() for b in loader]
+        assert loader.state_dict()["epoch_idx"] == 0 and loader.state_dict()["iteration"] == 1
+        epoch = iter(loader)
+        assert loader.state_dict()["epoch_idx"] == 1 and loader.state_dict()["iteration"] == 0
+        first = next(epoch)
+        assert loader.state_dict()["epoch_idx"] == 1 and loader.state_dict()["iteration"] == 1
+        epochs = [first[0][:, 1].tolist()] + [b[0][:, 1].tolist() for b in epoch]
     assert epochs == [[1] * 4] * 3
 
 
