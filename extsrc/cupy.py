@@ -34,7 +34,12 @@ _in_flight = InFlight()  # host arrays of copies queued by to_device, until each
 _page_locks: "weakref.WeakSet[PageLock]" = weakref.WeakSet()
 
 
+_checked: List[Any] = []  # CuPy, once it was found with a usable GPU
+
+
 def _cupy() -> Any:
+    if _checked:
+        return _checked[0]
     try:
         import cupy
     except ImportError as exc:
@@ -50,6 +55,7 @@ def _cupy() -> Any:
         why = gpu_visible()[1] or "CUDA reports no device"
     if count < 1:
         raise RuntimeError(f"extsrc.cupy needs a CUDA GPU, and none is usable here ({why})")
+    _checked.append(cupy)
     return cupy
 
 
@@ -100,7 +106,8 @@ def _host_arrays(batch: Any) -> Any:
 
 
 def to_device(batch: Any, stream: Any = None) -> Any:
-    """CuPy arrays with the contents of ``batch``, copied on ``stream`` (default: the current stream).
+    """CuPy arrays with the contents of ``batch``, copied on ``stream`` (a ``cupy.cuda.Stream``;
+    default: the current stream).
 
     ``batch``: what a source yields (a :class:`~extsrc.Batch`, or a tuple of
     them), or NumPy arrays. The result has its shape: one CuPy array per dense
