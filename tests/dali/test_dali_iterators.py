@@ -121,19 +121,20 @@ def test_a_partial_source_without_reader_name_or_size_gives_its_shorter_last_bat
     assert [len(b) for b in got[0]] == [4, 4, 2]
 
 
-def test_a_partial_source_with_reader_name_is_refused_saying_what_to_use():
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
+def test_a_partial_source_with_reader_name_is_refused_saying_what_to_use(policy):
     with _pipe("partial") as pipe:
         with pytest.raises(ValueError, match=r"last_batch='pad'.*LastBatchPolicy.PARTIAL"):
-            _iterator(pipe, "reader", LastBatchPolicy.PARTIAL)
+            _iterator(pipe, "reader", policy)
 
 
-def test_a_partial_source_with_size_fails_in_dali_and_pad_with_partial_gives_the_same_batches():
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
+def test_a_partial_source_with_size_fails_in_dali_and_pad_with_partial_gives_the_same_batches(policy):
     order = Order(RECORDS)
     with _pipe("partial", order) as pipe:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            iterator = DALIGenericIterator(pipe, ["x"], size=RECORDS,
-                                           last_batch_policy=LastBatchPolicy.PARTIAL)
+            iterator = DALIGenericIterator(pipe, ["x"], size=RECORDS, last_batch_policy=policy)
         with pytest.raises(AssertionError, match="Variable batch size is not supported"):
             list(iterator)
     # What the README recommends instead: the same batches as the partial source alone.
