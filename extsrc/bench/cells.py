@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Sequence
 
 from extsrc.bench.loaders import DALI, DALI_THREADS, EXTSRC_DALI, WORKERS, expected_indices, open_loader
 from extsrc.bench.measure import measure
-from extsrc.bench.workloads import WORKLOADS
+from extsrc.bench.workloads import ALL_WORKLOADS, WORKLOADS
 
 RESULT_MARK = "EXTSRC-BENCH-RESULT "
 STARTUP_WORKERS = 4
@@ -33,7 +33,7 @@ if __name__ == "__main__":
 
 def _throughput_cell(loader: str, workload: str, seconds: float, warmup_s: float,
                      consumed: bool = False) -> Dict[str, Any]:
-    w = WORKLOADS[workload]
+    w = ALL_WORKLOADS[workload]
     take, indices, close = open_loader(loader, workload, WORKERS, "fork", consumed)
     try:
         batches, elapsed, cpu, total, last = measure(take, seconds, warmup_s)
@@ -45,6 +45,8 @@ def _throughput_cell(loader: str, workload: str, seconds: float, warmup_s: float
     finally:
         close()
     samples_per_s = batches * w.batch_size / elapsed
+    if "faults" in cpu:
+        cpu["faults_per_sample"] = cpu.pop("faults") / (batches * w.batch_size)
     result = {
         "batches": batches,
         "elapsed_s": elapsed,
@@ -62,9 +64,9 @@ from {module} import fn, pipeline_def
 from extsrc.bench.cells import RESULT_MARK
 from extsrc.bench.loaders import _indices_dali
 from extsrc.bench.measure import CpuMeter
-from extsrc.bench.workloads import CALLBACKS, WORKLOADS
+from extsrc.bench.workloads import ALL_WORKLOADS, CALLBACKS
 
-@pipeline_def(batch_size=WORKLOADS[{workload!r}].batch_size, num_threads={threads}, device_id=None,
+@pipeline_def(batch_size=ALL_WORKLOADS[{workload!r}].batch_size, num_threads={threads}, device_id=None,
               py_num_workers={workers}, py_start_method="spawn")
 def pipeline():
     return fn.external_source(source=CALLBACKS[{workload!r}], batch=False, parallel=True)
@@ -78,7 +80,7 @@ if __name__ == "__main__":
     (output,) = pipe.run()
     first = time.perf_counter()
     cpu = meter.stop()
-    if _indices_dali(output) != list(range(WORKLOADS[{workload!r}].batch_size)):
+    if _indices_dali(output) != list(range(ALL_WORKLOADS[{workload!r}].batch_size)):
         raise RuntimeError("the first batch does not hold samples 0, 1, ...")
     print(RESULT_MARK + json.dumps({{"startup_s": first - built, "create_to_first_s": first - defined, **cpu}}),
           flush=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional, Tuple
 
 from extsrc.bench.measure import Take
-from extsrc.bench.workloads import WORKLOADS
+from extsrc.bench.workloads import ALL_WORKLOADS, WORKLOADS
 
 WORKERS = 2
 DALI_THREADS = 1  # num_threads of the DALI pipelines (DALI requires a value)
@@ -20,6 +20,7 @@ DALI_THREADS = 1  # num_threads of the DALI pipelines (DALI requires a value)
 # Loader names used by the cells.
 EXTSRC, TORCH, DALI, EXTSRC_DALI = "extsrc", "torch", "dali", "extsrc-dali"
 EXTSRC_SHUFFLED, EXTSRC_IDENTITY = "extsrc-shuffled-order", "extsrc-identity-order"
+EXTSRC_NO_STATS = "extsrc-no-stats"  # ParallelSource(..., stats=False)
 EXTSRC_FROM_DATASET = "extsrc-from-dataset"  # extsrc.torch.from_dataset on the DataLoader cell's dataset
 ORDER_RECORDS = 10 ** 9  # the order of the order rows: a large data set, never materialised
 
@@ -43,12 +44,15 @@ def expected_indices(loader: str, batch: int, batch_size: int) -> List[int]:
 
 def _open_extsrc(workload: str, workers: int, start_method: str, loader: str = EXTSRC) -> Opened:
     import extsrc
-    from extsrc.bench.workloads import CALLBACKS, RECORD_CALLBACKS, sample_index
+    from extsrc.bench.workloads import CALLBACKS, IN_PLACE_CALLBACKS, RECORD_CALLBACKS, sample_index
 
     order = bench_order(loader)
     callback = CALLBACKS[workload] if order is None else RECORD_CALLBACKS[workload]
-    source = extsrc.ParallelSource(callback, WORKLOADS[workload].batch_size, num_workers=workers,
-                                   start_method=start_method, order=order)
+    in_place = workload in IN_PLACE_CALLBACKS
+    source = extsrc.ParallelSource(IN_PLACE_CALLBACKS.get(workload, callback),
+                                   ALL_WORKLOADS[workload].batch_size, num_workers=workers,
+                                   start_method=start_method, order=order, in_place=in_place,
+                                   stats=loader != EXTSRC_NO_STATS)
     batches = iter(source)
 
     def take():
@@ -66,7 +70,7 @@ def _bench_dataset(workload: str):
 
     class BenchDataset(Dataset):
         def __init__(self, name: str):
-            self.workload = WORKLOADS[name]
+            self.workload = ALL_WORKLOADS[name]
 
         def __len__(self) -> int:
             return 1 << 40  # never exhausted within a cell
@@ -81,7 +85,7 @@ def _open_torch(workload: str, workers: int, start_method: str):
 
     from extsrc.bench.workloads import sample_index
 
-    loader = DataLoader(_bench_dataset(workload), batch_size=WORKLOADS[workload].batch_size,
+    loader = DataLoader(_bench_dataset(workload), batch_size=ALL_WORKLOADS[workload].batch_size,
                         num_workers=workers, persistent_workers=True,
                         multiprocessing_context=start_method)
     state = {"batches": iter(loader)}
@@ -101,7 +105,7 @@ def _open_from_dataset(workload: str, workers: int, start_method: str):
     from extsrc.bench.workloads import sample_index
     from extsrc.torch import from_dataset
 
-    loader = from_dataset(_bench_dataset(workload), batch_size=WORKLOADS[workload].batch_size,
+    loader = from_dataset(_bench_dataset(workload), batch_size=ALL_WORKLOADS[workload].batch_size,
                           num_workers=workers, persistent_workers=True,
                           multiprocessing_context=start_method)
     batches = iter(loader)
@@ -119,14 +123,17 @@ def _dali_pipeline(workload: str, workers: int, start_method: str, dropin: bool,
         from extsrc import fn, pipeline_def
     else:
         from nvidia.dali import fn, pipeline_def
-    from extsrc.bench.workloads import CALLBACKS
+    from extsrc.bench.workloads import CALLBACKS, IN_PLACE_CALLBACKS
 
-    callback = CALLBACKS[workload]
+    # The drop-in writes in place where the workload says so (an extsrc option); DALI cannot.
+    in_place = dropin and workload in IN_PLACE_CALLBACKS
+    callback = IN_PLACE_CALLBACKS[workload] if in_place else CALLBACKS[workload]
+    extra = {"in_place": True} if in_place else {}
 
-    @pipeline_def(batch_size=WORKLOADS[workload].batch_size, num_threads=DALI_THREADS, device_id=None,
+    @pipeline_def(batch_size=ALL_WORKLOADS[workload].batch_size, num_threads=DALI_THREADS, device_id=None,
                   py_num_workers=workers, py_start_method=start_method)
     def pipeline():
-        samples = fn.external_source(source=callback, batch=False, parallel=True)
+        samples = fn.external_source(source=callback, batch=False, parallel=True, **extra)
         return samples[0:8] if consumed else samples
 
     return pipeline
@@ -156,7 +163,7 @@ def _open_dali(workload: str, workers: int, start_method: str, dropin: bool, con
 def open_loader(loader: str, workload: str, workers: int, start_method: str,
                 consumed: bool = False) -> Opened:
     """Opens ``loader`` on ``workload``; see the module docstring."""
-    if loader in (EXTSRC, EXTSRC_SHUFFLED, EXTSRC_IDENTITY):
+    if loader in (EXTSRC, EXTSRC_SHUFFLED, EXTSRC_IDENTITY, EXTSRC_NO_STATS):
         return _open_extsrc(workload, workers, start_method, loader)
     if loader == TORCH:
         return _open_torch(workload, workers, start_method)

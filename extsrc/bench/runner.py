@@ -37,8 +37,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from extsrc.bench.cells import STARTUP_WORKERS, run_cell
 from extsrc.bench.loaders import WORKERS
 from extsrc.bench.tables import (
-    QUIET_OTHER_CPU, Row, Table, _compare, _figure, dali_table, format_table, from_dataset_table,
-    order_table, targets_text, torch_table,
+    QUIET_OTHER_CPU, Row, Table, _compare, _figure, dali_table, features_table, format_table,
+    from_dataset_table, targets_text, torch_table,
 )
 from extsrc.bench.workloads import WORKLOADS
 
@@ -85,10 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--torch-api", action="store_true",
                         help="also compare extsrc.torch.from_dataset with DataLoader on the same "
                              "Dataset and arguments (needs PyTorch)")
-    parser.add_argument("--order", action="store_true",
-                        help="also measure order= (extsrc.Order): a shuffled order of 10^9 records "
-                             "against an identity order on the small workload, and the workers' "
-                             "memory with it against none")
+    parser.add_argument("--features", action="store_true",
+                        help="also measure what extsrc's own features cost on the small workload: "
+                             "statistics on vs off, a shuffled order of 10^9 records vs an identity "
+                             "order, and the workers' memory with that order")
     parser.add_argument("--quick", action="store_true",
                         help="short cells (0.5 s timed after 0.25 s warm-up, 1 repeat unless "
                              "--repeat is given): checks that everything runs, figures are rough")
@@ -137,14 +137,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             print("extsrc bench: --torch-api needs PyTorch (pip install 'extsrc[torch]')", file=sys.stderr)
             return 2
         tables.append(from_dataset_table())
-    if args.order:
-        tables.append(order_table())
+    if args.features:
+        tables.append(features_table())
     if not tables:
-        print("extsrc bench: nothing to run (--no-torch without --torch-api, --dali or --order)",
+        print("extsrc bench: nothing to run (--no-torch without --torch-api, --dali or --features)",
               file=sys.stderr)
         return 2
     for table in tables:
-        table.rows = [r for r in table.rows if r.workload in workloads or r.startup]
+        # "large" also selects its variants ("large-fresh", "large-fill")
+        table.rows = [r for r in table.rows if r.workload.split("-")[0] in workloads or r.startup]
 
     plan: List[Tuple[Table, int, Row, str]] = []
     for r in range(repeat):

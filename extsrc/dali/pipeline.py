@@ -121,6 +121,14 @@ class Pipeline(_dali_pipeline.Pipeline):
             return self.reader_meta(name)["epoch_size_padded"]
         return {k: v["epoch_size_padded"] for k, v in self.reader_meta().items()}
 
+    def extsrc_stats(self, reset: bool = False) -> Dict[str, Any]:
+        """The statistics of each parallel external source, by name (see ``ParallelSource.stats``).
+
+        ``str()`` of each is a short report ending in a diagnosis: is the input
+        the bottleneck, and what to change. ``reset=True`` starts new windows.
+        """
+        return {feeder.source.name: feeder.source.stats(reset) for feeder in self._extsrc_feeders}
+
     # -- what the parallel external sources ask of the pipeline -----------------
 
     def _extsrc_depth(self) -> int:
