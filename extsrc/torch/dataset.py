@@ -188,7 +188,11 @@ class DatasetSamples:
     def __call__(self, info: Any) -> Any:
         if not _ProcessSeeded.done:
             self._seed_process()
-        return self.layout.flatten(self.dataset[info.record], info.record)
+        record = info.record
+        sample = self.dataset[record]
+        if type(sample) is np.ndarray and self.layout.kind == SINGLE:
+            return sample  # the common case, first; the engine checks its dtype
+        return self.layout.flatten(sample, record)
 
 
 def _start_method(context: Any) -> str:
