@@ -143,3 +143,13 @@ def test_quick_features_bench_prints_the_cost_of_statistics_and_order_and_its_me
     assert re.fullmatch(r"\d+\.\d\dx", throughput[3]) and throughput[4] == ">= 0.95x samples/s"
     assert re.fullmatch(r"[+-]\d+\.\d\d MiB", memory[3]) and memory[4] == "< 1 MiB more"
     assert all(row[5] in ("yes", "no") for row in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not installed("torch"), reason="needs PyTorch")
+def test_quick_from_dataset_bench_prints_every_workload_against_the_dataloader():
+    out = bench("--quick", "--no-torch", "--torch-api")
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = table_rows(out.stdout, "extsrc.torch.from_dataset vs PyTorch DataLoader, same Dataset")
+    assert_full_table(rows, WORKLOAD_ROWS)
+    assert [row[4].split(" (is")[0] for row in rows] == [">= 2x samples/s", ">= 3x MB/s", ">= 0.95 of ideal"]

@@ -21,6 +21,7 @@ DALI_THREADS = 1  # num_threads of the DALI pipelines (DALI requires a value)
 EXTSRC, TORCH, DALI, EXTSRC_DALI = "extsrc", "torch", "dali", "extsrc-dali"
 EXTSRC_SHUFFLED, EXTSRC_IDENTITY = "extsrc-shuffled-order", "extsrc-identity-order"
 EXTSRC_NO_STATS = "extsrc-no-stats"  # ParallelSource(..., stats=False)
+EXTSRC_FROM_DATASET = "extsrc-from-dataset"  # extsrc.torch.from_dataset on the DataLoader cell's dataset
 ORDER_RECORDS = 10 ** 9  # the order of the order rows: a large data set, never materialised
 
 Opened = Tuple[Take, Callable[[Any], List[int]], Callable[[], None]]
@@ -62,14 +63,12 @@ def _open_extsrc(workload: str, workers: int, start_method: str, loader: str = E
     take.source = source  # type: ignore[attr-defined]  # for cells that look at the workers
     return take, lambda batch: [sample_index(sample) for sample in batch], source.close
 
-def _open_torch(workload: str, workers: int, start_method: str):
-    from torch.utils.data import DataLoader, Dataset
-
-    from extsrc.bench.workloads import sample_index
+def _bench_dataset(workload: str):
+    """What a user writes: a map-style dataset returning one NumPy sample (made here, as it
+    needs torch)."""
+    from torch.utils.data import Dataset
 
     class BenchDataset(Dataset):
-        """What a user writes: a map-style dataset returning one NumPy sample."""
-
         def __init__(self, name: str):
             self.workload = ALL_WORKLOADS[name]
 
@@ -79,7 +78,14 @@ def _open_torch(workload: str, workers: int, start_method: str):
         def __getitem__(self, idx: int):
             return self.workload.make(idx)
 
-    loader = DataLoader(BenchDataset(workload), batch_size=ALL_WORKLOADS[workload].batch_size,
+    return BenchDataset(workload)
+
+def _open_torch(workload: str, workers: int, start_method: str):
+    from torch.utils.data import DataLoader
+
+    from extsrc.bench.workloads import sample_index
+
+    loader = DataLoader(_bench_dataset(workload), batch_size=ALL_WORKLOADS[workload].batch_size,
                         num_workers=workers, persistent_workers=True,
                         multiprocessing_context=start_method)
     state = {"batches": iter(loader)}
@@ -93,6 +99,23 @@ def _open_torch(workload: str, workers: int, start_method: str):
         state.clear()  # the iterator's finaliser shuts the persistent workers down
 
     return take, lambda batch: [sample_index(sample) for sample in batch.numpy()], close
+
+def _open_from_dataset(workload: str, workers: int, start_method: str):
+    """The DataLoader cell's dataset and arguments, through extsrc.torch.from_dataset."""
+    from extsrc.bench.workloads import sample_index
+    from extsrc.torch import from_dataset
+
+    loader = from_dataset(_bench_dataset(workload), batch_size=ALL_WORKLOADS[workload].batch_size,
+                          num_workers=workers, persistent_workers=True,
+                          multiprocessing_context=start_method)
+    batches = iter(loader)
+
+    def take():
+        batch = next(batches)
+        batch[0, 0]  # the consumer touches one byte
+        return batch
+
+    return take, lambda batch: [sample_index(sample) for sample in batch.numpy()], loader.close
 
 def _dali_pipeline(workload: str, workers: int, start_method: str, dropin: bool, consumed: bool = False):
     """The same pipeline code for both: only the import differs."""
@@ -144,6 +167,8 @@ def open_loader(loader: str, workload: str, workers: int, start_method: str,
         return _open_extsrc(workload, workers, start_method, loader)
     if loader == TORCH:
         return _open_torch(workload, workers, start_method)
+    if loader == EXTSRC_FROM_DATASET:
+        return _open_from_dataset(workload, workers, start_method)
     if loader in (DALI, EXTSRC_DALI):
         return _open_dali(workload, workers, start_method, dropin=loader == EXTSRC_DALI, consumed=consumed)
     raise ValueError(f"unknown loader {loader!r}")

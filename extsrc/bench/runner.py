@@ -5,6 +5,8 @@ Comparisons (each cell of a table is one loader on one workload):
 * **vs PyTorch** (default): ``extsrc.ParallelSource`` against
   ``torch.utils.data.DataLoader`` (a map-style ``Dataset``, default collate,
   ``persistent_workers=True``, default prefetch), 2 workers, fork.
+* **from_dataset vs DataLoader** (``--torch-api``): ``extsrc.torch.from_dataset``
+  on the DataLoader cell's ``Dataset`` and arguments, against that DataLoader.
 * **vs DALI** (``--dali``): DALI's own parallel external source against
   extsrc's drop-in, running the same pipeline code
   (``fn.external_source(source=cb, batch=False, parallel=True)`` in a
@@ -40,7 +42,7 @@ from extsrc.bench.cells import STARTUP_WORKERS, run_cell
 from extsrc.bench.loaders import WORKERS
 from extsrc.bench.tables import (
     QUIET_OTHER_CPU, Row, Table, _compare, _figure, dali_table, features_table, format_table,
-    targets_text, torch_table,
+    from_dataset_table, targets_text, torch_table,
 )
 from extsrc.bench.workloads import WORKLOADS
 
@@ -84,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
                              "batch with spawn and 4 workers (needs nvidia-dali)")
     parser.add_argument("--no-torch", action="store_true",
                         help="skip the PyTorch comparison")
+    parser.add_argument("--torch-api", action="store_true",
+                        help="also compare extsrc.torch.from_dataset with DataLoader on the same "
+                             "Dataset and arguments (needs PyTorch)")
     parser.add_argument("--features", action="store_true",
                         help="also measure what extsrc's own features cost on the small workload: "
                              "statistics on vs off, a shuffled order of 10^9 records vs an identity "
@@ -134,10 +139,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             print("extsrc bench: --dali needs NVIDIA DALI (pip install 'extsrc[dali]')", file=sys.stderr)
             return 2
         tables.append(dali_table())
+    if args.torch_api:
+        if not _installed("torch"):
+            print("extsrc bench: --torch-api needs PyTorch (pip install 'extsrc[torch]')", file=sys.stderr)
+            return 2
+        tables.append(from_dataset_table())
     if args.features:
         tables.append(features_table())
     if not tables:
-        print("extsrc bench: nothing to run (--no-torch without --dali or --features)", file=sys.stderr)
+        print("extsrc bench: nothing to run (--no-torch without --torch-api, --dali or --features)",
+              file=sys.stderr)
         return 2
     for table in tables:
         # "large" also selects its variants ("large-fresh", "large-fill")

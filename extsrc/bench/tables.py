@@ -13,9 +13,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from extsrc.bench.cells import MB, STARTUP_WORKERS
 from extsrc.bench.loaders import (
-    DALI, DALI_THREADS, EXTSRC, EXTSRC_DALI, EXTSRC_IDENTITY, EXTSRC_NO_STATS, EXTSRC_SHUFFLED,
-    ORDER_RECORDS, TORCH,
-    WORKERS,
+    DALI, DALI_THREADS, EXTSRC, EXTSRC_DALI, EXTSRC_FROM_DATASET, EXTSRC_IDENTITY, EXTSRC_NO_STATS,
+    EXTSRC_SHUFFLED, ORDER_RECORDS, TORCH, WORKERS,
 )
 from extsrc.bench.workloads import ALL_WORKLOADS, WORKLOADS
 
@@ -90,6 +89,18 @@ def torch_table() -> Table:
     table.rows = [Row(_label(w), w, EXTSRC, TORCH, targets[w]) for w in WORKLOADS]
     table.rows.append(Row(f"{_FILL}, batch 16", "large-fill", EXTSRC, TORCH, Target("mb_per_s", 3.0),
                           faults=True))
+    return table
+
+def from_dataset_table() -> Table:
+    """extsrc.torch.from_dataset vs torch.utils.data.DataLoader, on the same Dataset."""
+    table = Table("from_dataset", f"extsrc.torch.from_dataset vs PyTorch DataLoader, same Dataset "
+                  f"({WORKERS} workers, fork)", "from_dataset", "DataLoader")
+    targets = {
+        "small": Target("samples_per_s", 2.0),
+        "large": Target("mb_per_s", 3.0),
+        "cpu": Target("ideal_fraction", 0.95),
+    }
+    table.rows = [Row(_label(w), w, EXTSRC_FROM_DATASET, TORCH, targets[w]) for w in WORKLOADS]
     return table
 
 def dali_table() -> Table:
@@ -217,7 +228,7 @@ def format_table(table: Table, results: Dict[Tuple[str, int, str], List[Dict[str
 
 def targets_text() -> str:
     lines = ["targets (printed next to the ratios):"]
-    for table in (torch_table(), dali_table(), features_table()):
+    for table in (torch_table(), from_dataset_table(), dali_table(), features_table()):
         lines.append(f"  {table.title}:")
         lines += [f"    {row.label}: {row.target.describe()}" for row in table.rows]
     return "\n".join(lines)

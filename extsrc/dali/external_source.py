@@ -165,8 +165,10 @@ class _Feeder:
     a zero-copy feed stays mapped for as long as the engine keeps it unchanged.
     """
 
-    def __init__(self, source: ParallelSource, callable_source: bool, cycle: str, keep: int, original: Any):
+    def __init__(self, source: ParallelSource, callable_source: bool, cycle: str, keep: int, original: Any,
+                 name: Optional[str] = None):
         self.source = source
+        self.name = name  # the user's name=, for reader_meta(name) (DALI's iterators' reader_name=)
         self.cycle = cycle
         self.original = original
         self.callable_source = callable_source
@@ -298,6 +300,10 @@ def external_source(
     accepted and not needed (the engine sizes its memory from the first
     batch).
 
+    ``name`` may be given with ``num_outputs`` (DALI allows one or the
+    other): it names the source for :meth:`extsrc.dali.Pipeline.reader_meta`,
+    so that DALI's framework iterators take ``reader_name=name``.
+
     Extras: ``order`` (an :class:`extsrc.Order`) gives each sample its record
     (``SampleInfo.record``, ``SampleInfo.rng``: shuffled, sharded) and ends
     each epoch after the shard's records, so that the callback needs no
@@ -351,8 +357,6 @@ def external_source(
             f"{caller} with parallel=True needs a `source`; feeding data with feed_input() is "
             "only possible without parallel=True"
         )
-    if name is not None and num_outputs is not None:
-        raise ValueError(f"{caller}: give either name= or num_outputs=, not both")
     if repeat_last:
         raise ValueError(
             f"{caller}: repeat_last=True is for sources fed with feed_input(), not for a source= callback"
@@ -460,12 +464,14 @@ def external_source(
         pool=pipe._extsrc_pool_for_new_source(),
         name=name if name is not None else _describe(source),
     )
-    feeder = _Feeder(parallel_source, callable_source, mode, held, source)
+    feeder = _Feeder(parallel_source, callable_source, mode, held, source, name)
     pipe._extsrc_feeders.append(feeder)
     return _dali_fn.external_source(
         feeder,
         num_outputs,
-        name=name,
+        # DALI names only one-output sources (the name is for feed_input()); the extsrc source
+        # keeps its name for reader_meta() either way.
+        name=name if num_outputs is None else None,
         device=device,
         layout=layout,
         dtype=dtype,
