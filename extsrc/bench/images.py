@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from extsrc.bench import imageset
 from extsrc.bench.augment import SIZE
 from extsrc.bench.cells import run_cell
+from extsrc.bench.packages import installed, version
 from extsrc.bench.image_loaders import (
     DALI_LOADERS, DALI_READER, DALI_SOURCE, DEVICES, EXTSRC, EXTSRC_DALI, TORCH,
 )
@@ -153,7 +154,7 @@ def settings(args: argparse.Namespace, seconds: float, warmup_s: float, repeat: 
     for name, value in (("--image-workers", args.image_workers), ("--image-batch", args.image_batch)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    if args.plot and not _installed("matplotlib"):
+    if args.plot and not installed("matplotlib"):
         raise ValueError("--plot needs matplotlib (pip install matplotlib, or 'extsrc[bench]')")
     return ImageBench(spec, args.images_dir, args.image_workers, args.image_batch, args.image_device,
                       seconds, warmup_s, repeat, args.timeout, args.plot, args.json)
@@ -172,22 +173,6 @@ def columns(transforms: str) -> List[Column]:
     ]
 
 
-def _installed(module: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _version(distribution: str) -> Optional[str]:
-    from importlib import metadata
-
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def torchvision_usable() -> Tuple[bool, str]:
@@ -196,7 +181,7 @@ def torchvision_usable() -> Tuple[bool, str]:
     An installed torchvision built for another torch fails at import
     (``operator torchvision::nms does not exist``), so finding it is not enough.
     """
-    if not _installed("torchvision"):
+    if not installed("torchvision"):
         return False, "torchvision is not installed"
     try:
         out = subprocess.run([sys.executable, "-c", "import torchvision.transforms"], capture_output=True,
@@ -216,7 +201,7 @@ def _plan_columns(no_torch: bool) -> Tuple[List[Column], List[str], str]:
     torch_note = None
     if no_torch:
         torch_note = "--no-torch: the DataLoader column is skipped"
-    elif not _installed("torch"):
+    elif not installed("torch"):
         torch_note = "PyTorch is not installed: the DataLoader column is skipped (pip install 'extsrc[bench]')"
     else:
         usable, why = torchvision_usable()
@@ -226,7 +211,7 @@ def _plan_columns(no_torch: bool) -> Tuple[List[Column], List[str], str]:
                          "(extsrc.bench.augment); install the torchvision built for this torch to compare "
                          "with torchvision itself.")
     dali_note = None
-    if not _installed("nvidia.dali"):
+    if not installed("nvidia.dali"):
         dali_note = "NVIDIA DALI is not installed: the DALI columns are skipped (pip install 'extsrc[dali]')"
     result = []
     for column in columns(transforms):
@@ -365,7 +350,7 @@ def run(args: argparse.Namespace, seconds: float, warmup_s: float, repeat: int) 
     load_end = os.getloadavg()
 
     rows = summary(cols, results)
-    versions = {name: _version(dist) for name, dist in (
+    versions = {name: version(dist) for name, dist in (
         ("extsrc", "extsrc"), ("numpy", "numpy"), ("pillow", "pillow"), ("torch", "torch"),
         ("torchvision", "torchvision"), ("dali", "nvidia-dali-cuda120"))}
     heading = title(bench, images)

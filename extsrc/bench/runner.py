@@ -28,7 +28,6 @@ DALI are imported only inside the cells.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -39,26 +38,13 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from extsrc.bench import images
 from extsrc.bench.cells import STARTUP_WORKERS, run_cell
+from extsrc.bench.packages import installed, version
 from extsrc.bench.loaders import WORKERS
 from extsrc.bench.tables import (
     QUIET_OTHER_CPU, Row, Table, _compare, _figure, dali_table, features_table, format_table,
     from_dataset_table, targets_text, torch_table,
 )
 from extsrc.bench.workloads import WORKLOADS
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-def _version(distribution: str) -> Optional[str]:
-    from importlib import metadata
-
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -130,17 +116,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     tables: List[Table] = []
     if not args.no_torch:
         table = torch_table()
-        if not _installed("torch"):
+        if not installed("torch"):
             table.note = ("PyTorch is not installed: the DataLoader column is skipped "
                           "(pip install 'extsrc[bench]' to compare)")
         tables.append(table)
     if args.dali:
-        if not _installed("nvidia.dali"):
+        if not installed("nvidia.dali"):
             print("extsrc bench: --dali needs NVIDIA DALI (pip install 'extsrc[dali]')", file=sys.stderr)
             return 2
         tables.append(dali_table())
     if args.torch_api:
-        if not _installed("torch"):
+        if not installed("torch"):
             print("extsrc bench: --torch-api needs PyTorch (pip install 'extsrc[torch]')", file=sys.stderr)
             return 2
         tables.append(from_dataset_table())
@@ -186,7 +172,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"  [{n}/{len(plan)}] {row.label} | {name}: {shown}", file=sys.stderr, flush=True)
     load_end = os.getloadavg()
 
-    versions = {name: _version(dist) for name, dist in
+    versions = {name: version(dist) for name, dist in
                 (("extsrc", "extsrc"), ("numpy", "numpy"), ("torch", "torch"),
                  ("dali", "nvidia-dali-cuda120"))}
     print()
