@@ -58,6 +58,7 @@ def test_quick_images_bench_runs_every_loader_and_prints_ratios(tmp_path):
     out = bench("--images", "--quick", *TINY, "--images-dir", str(tmp_path / "cache"),
                 "--json", str(report), *plot)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "DALI decodes only the crop's window (fn.decoders.image_random_crop + fn.resize)" in out.stdout
     rows = image_rows(out.stdout)
     skipped = set()
     if not installed("torch"):
@@ -97,10 +98,13 @@ def test_quick_images_bench_runs_every_loader_and_prints_ratios(tmp_path):
 @pytest.mark.slow
 @needs_dali
 def test_without_torch_the_images_dataloader_column_is_skipped_with_a_note(tmp_path):
+    # also the DALI pipelines' other form: whole images decoded, then cropped
     code = ("import sys; sys.modules['torch'] = None; from extsrc.bench.runner import main; "
-            f"sys.exit(main(['--images', '--quick', *{TINY!r}, '--images-dir', {str(tmp_path)!r}]))")
+            f"sys.exit(main(['--images', '--quick', *{TINY!r}, '--images-dir', {str(tmp_path)!r}, "
+            "'--image-decode', 'full']))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "DALI decodes whole images (fn.decoders.image + fn.random_resized_crop)" in out.stdout
     assert "PyTorch is not installed: the DataLoader column is skipped" in out.stdout
     rows = image_rows(out.stdout)
     name, rate, cores, per_core, ratio, target, met = rows[3]
@@ -133,7 +137,7 @@ def test_an_image_folder_that_cannot_be_written_is_reported(tmp_path):
 def test_help_names_the_image_options_and_targets():
     out = bench("--help", timeout=60)
     assert out.returncode == 0
-    for option in ("--images", "--image-count", "--image-workers", "--images-dir", "--plot"):
+    for option in ("--images", "--image-count", "--image-workers", "--image-decode", "--images-dir", "--plot"):
         assert option in out.stdout
     assert "DALI fn.readers.file + DALI decoder: >= 0.9x" in out.stdout
 

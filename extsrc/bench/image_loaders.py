@@ -10,7 +10,8 @@ random resized crop to 224, horizontal flip with probability 1/2, normalise
   ``from extsrc import fn, pipeline_def`` or ``from nvidia.dali import fn,
   pipeline_def``: a parallel external source reads the file bytes in
   ``py_num_workers`` processes, DALI decodes and augments in ``num_threads``
-  threads;
+  threads (decoding only the random crop's window, ``decode="crop"``, or the
+  whole image, ``decode="full"``);
 * ``dali-file-reader``: the same operators behind DALI's C++
   ``fn.readers.file``;
 * ``torch``: ``torch.utils.data.DataLoader`` over a map-style dataset that
@@ -41,6 +42,10 @@ LOADERS = (EXTSRC_DALI, DALI_SOURCE, DALI_READER, TORCH, EXTSRC)
 DALI_LOADERS = (EXTSRC_DALI, DALI_SOURCE, DALI_READER)
 TRANSFORMS = ("torchvision", "numpy")  # what the torch loader augments with
 DEVICES = ("cpu", "mixed")  # where DALI decodes ("mixed": on the GPU, with device_id 0)
+# How the DALI pipelines crop: "crop" decodes only the random window (fn.decoders.image_random_crop,
+# then fn.resize: DALI's documented form for training), "full" decodes the whole image first
+# (fn.decoders.image, then fn.random_resized_crop). The window's distribution is the same.
+DECODES = ("crop", "full")
 AUGMENT_SEED = 7  # the PIL/NumPy loaders' draws are keyed by (seed, position)
 
 Opened = Tuple[Callable[[], Any], Callable[[Any], List[int]], Callable[[], None]]
@@ -58,6 +63,7 @@ class ImageCellSpec:
     warmup_s: float
     transforms: str = "torchvision"
     device: str = "cpu"
+    decode: str = "crop"
 
     def __post_init__(self):
         if self.loader not in LOADERS:
@@ -66,6 +72,8 @@ class ImageCellSpec:
             raise ValueError(f"transforms must be one of {TRANSFORMS}, got {self.transforms!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.decode not in DECODES:
+            raise ValueError(f"decode must be one of {DECODES}, got {self.decode!r}")
 
 
 class JpegBytes:
@@ -117,10 +125,16 @@ def _dali_pipeline(spec: ImageCellSpec, images: ImageSet):
         else:
             jpegs, labels = fn.external_source(source=JpegBytes(images), num_outputs=2, batch=False,
                                                parallel=True, dtype=[types.UINT8, types.INT32])
-        decoded = fn.decoders.image(jpegs, device="mixed" if mixed else "cpu", output_type=types.RGB)
-        cropped = fn.random_resized_crop(decoded, size=(augment.SIZE, augment.SIZE),
-                                         random_area=list(augment.SCALE),
-                                         random_aspect_ratio=list(augment.RATIO))
+        decoder = "mixed" if mixed else "cpu"
+        area, ratio = list(augment.SCALE), list(augment.RATIO)
+        if spec.decode == "crop":
+            window = fn.decoders.image_random_crop(jpegs, device=decoder, output_type=types.RGB,
+                                                   random_area=area, random_aspect_ratio=ratio)
+            cropped = fn.resize(window, size=(augment.SIZE, augment.SIZE))
+        else:
+            decoded = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB)
+            cropped = fn.random_resized_crop(decoded, size=(augment.SIZE, augment.SIZE),
+                                             random_area=area, random_aspect_ratio=ratio)
         normalised = fn.crop_mirror_normalize(
             cropped, mirror=fn.random.coin_flip(probability=0.5), dtype=types.FLOAT, output_layout="CHW",
             mean=[255 * m for m in augment.MEAN], std=[255 * s for s in augment.STD])

@@ -40,7 +40,7 @@ from extsrc.bench.augment import SIZE
 from extsrc.bench.cells import run_cell
 from extsrc.bench.packages import installed, version
 from extsrc.bench.image_loaders import (
-    DALI_LOADERS, DALI_READER, DALI_SOURCE, DEVICES, EXTSRC, EXTSRC_DALI, TORCH,
+    DALI_LOADERS, DALI_READER, DALI_SOURCE, DECODES, DEVICES, EXTSRC, EXTSRC_DALI, TORCH,
 )
 from extsrc.bench.tables import QUIET_OTHER_CPU
 
@@ -69,6 +69,7 @@ class ImageBench:
     workers: int
     batch_size: int
     device: str
+    decode: str
     seconds: float
     warmup_s: float
     repeat: int
@@ -124,6 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--image-device", choices=DEVICES, default="cpu",
                        help="where DALI decodes: cpu (default) or mixed (on GPU 0; the PIL loaders "
                             "stay on the CPU)")
+    group.add_argument("--image-decode", choices=DECODES, default="crop",
+                       help="how the DALI pipelines crop: crop (default: decode only the random "
+                            "window, fn.decoders.image_random_crop + fn.resize, DALI's form for "
+                            "training) or full (fn.decoders.image, then fn.random_resized_crop)")
     group.add_argument("--images-dir", metavar="PATH",
                        help=f"cache folder of the image sets (default {imageset.default_root()})")
     group.add_argument("--plot", metavar="PATH",
@@ -157,7 +162,7 @@ def settings(args: argparse.Namespace, seconds: float, warmup_s: float, repeat: 
     if args.plot and not installed("matplotlib"):
         raise ValueError("--plot needs matplotlib (pip install matplotlib, or 'extsrc[bench]')")
     return ImageBench(spec, args.images_dir, args.image_workers, args.image_batch, args.image_device,
-                      seconds, warmup_s, repeat, args.timeout, args.plot, args.json)
+                      args.image_decode, seconds, warmup_s, repeat, args.timeout, args.plot, args.json)
 
 
 def columns(transforms: str) -> List[Column]:
@@ -288,13 +293,15 @@ def title(bench: ImageBench, images: imageset.ImageSet) -> str:
             f"{len(images):,} JPEGs {spec.width}x{spec.height} q{spec.quality} "
             f"({images.total_bytes / len(images) / 1e3:.0f} KB average), batch {bench.batch_size}, "
             f"{bench.workers} workers per loader (DataLoader, extsrc: num_workers={bench.workers}; DALI: "
-            f"num_threads={bench.workers}, py_num_workers={bench.workers})")
+            f"num_threads={bench.workers}, py_num_workers={bench.workers}); DALI "
+            + ("decodes only the crop's window (fn.decoders.image_random_crop + fn.resize)"
+               if bench.decode == "crop" else "decodes whole images (fn.decoders.image + fn.random_resized_crop)"))
 
 
 def _cell_spec(bench: ImageBench, column: Column, folder: str, transforms: str) -> Dict[str, Any]:
     return {"kind": "images", "loader": column.loader, "folder": folder, "batch_size": bench.batch_size,
             "workers": bench.workers, "seconds": bench.seconds, "warmup_s": bench.warmup_s,
-            "transforms": transforms, "device": bench.device}
+            "transforms": transforms, "device": bench.device, "decode": bench.decode}
 
 
 def _shown(result: Dict[str, Any]) -> str:
@@ -391,7 +398,7 @@ def _write_json(bench: ImageBench, images: imageset.ImageSet, heading: str, rows
                 loadavg: Tuple[Any, Any], wall_s: float) -> None:
     report = {
         "settings": {"images": asdict(bench.spec), "folder": images.folder, "workers": bench.workers,
-                     "batch_size": bench.batch_size, "device": bench.device, "seconds": bench.seconds,
+                     "batch_size": bench.batch_size, "device": bench.device, "decode": bench.decode, "seconds": bench.seconds,
                      "warmup_s": bench.warmup_s, "repeat": bench.repeat},
         "environment": {"python": platform.python_version(), "cpus": os.cpu_count(), "versions": versions,
                         "loadavg_start": loadavg[0], "loadavg_end": loadavg[1], "wall_s": wall_s},
