@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Sequence
 
 from extsrc.bench.loaders import DALI, DALI_THREADS, EXTSRC_DALI, WORKERS, expected_indices, open_loader
 from extsrc.bench.measure import measure
-from extsrc.bench.workloads import ALL_WORKLOADS, WORKLOADS
+from extsrc.bench.workloads import ALL_WORKLOADS
 
 RESULT_MARK = "EXTSRC-BENCH-RESULT "
 STARTUP_WORKERS = 4
@@ -115,6 +115,10 @@ def cell_main(argv: Sequence[str]) -> int:
         from extsrc.bench.image_loaders import image_cell
 
         result = image_cell({k: v for k, v in spec.items() if k != "kind"})
+    elif spec.get("kind") == "h2d":
+        from extsrc.bench.transfer import transfer_cell
+
+        result = transfer_cell({k: v for k, v in spec.items() if k != "kind"})
     elif spec.get("kind") == "memory":
         result = _memory_cell(spec["loader"], spec["workload"], spec["seconds"], spec["warmup_s"])
     else:

@@ -16,6 +16,9 @@ Comparisons (each cell of a table is one loader on one workload):
 * **images** (``--images``, instead of the above): JPEGs from disk through
   decoding and augmentation, five loaders in images/s; see
   :mod:`extsrc.bench.images`.
+* **to the GPU** (``--h2d``, instead of the above): batches copied to a GPU in
+  GB/s, ``TorchLoader`` page-locked against ``DataLoader(pin_memory=True)``
+  and pageable memory; see :mod:`extsrc.bench.transfer`.
 
 The workloads are in :mod:`extsrc.bench.workloads`. Every cell runs in a fresh
 subprocess (so one loader's workers never share a process with another's),
@@ -36,7 +39,7 @@ import textwrap
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from extsrc.bench import images
+from extsrc.bench import images, transfer
 from extsrc.bench.cells import STARTUP_WORKERS, run_cell
 from extsrc.bench.packages import installed, version
 from extsrc.bench.loaders import WORKERS
@@ -95,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="seconds after which a cell is killed and reported as failed (default 180)")
     parser.add_argument("--json", metavar="PATH", help="also write every figure, run by run, to PATH")
     images.add_arguments(parser)
+    transfer.add_arguments(parser)
     return parser
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -112,6 +116,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if args.images:
         return images.run(args, seconds, warmup_s, repeat)
+    if args.h2d:
+        return transfer.run(args, seconds, warmup_s, repeat)
 
     tables: List[Table] = []
     if not args.no_torch:
