@@ -116,3 +116,19 @@ def test_large_samples_are_written_one_by_one_so_the_worker_reuses_its_memory():
             assert int(next(it)[7][0]) == (10 * 8 + 8 * i + 7) % 251
         per_sample = (minor_faults(worker) - before) / 80
     assert per_sample < 256, f"{per_sample:.0f} page faults per 4 MiB sample (1024 pages)"
+
+
+def test_a_task_of_small_samples_then_large_ones_delivers_every_sample():
+    # The first sample of each batch is tiny, so the task is gathered without counting bytes;
+    # the large ones after it must still arrive whole and in place.
+    def growing(info):
+        size = 8 if info.idx_in_batch == 0 else (1 << 20) + info.idx_in_batch
+        return np.full(size, info.idx_in_epoch % 251, np.uint8)
+
+    with ParallelSource(growing, 6, num_workers=2) as src:
+        it = iter(src)
+        for b in range(4):
+            batch = next(it)
+            assert [s.size for s in batch] == [8] + [(1 << 20) + k for k in range(1, 6)]
+            for k, sample in enumerate(batch):
+                assert (sample == (6 * b + k) % 251).all(), (b, k)
