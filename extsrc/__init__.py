@@ -7,6 +7,9 @@ Core (imports NumPy only): :class:`ParallelSource`, :class:`WorkerPool`,
 DALI drop-in (imported on first use, needs ``extsrc[dali]``): ``extsrc.fn`` and
 ``extsrc.pipeline_def``, so that ``from extsrc import fn, pipeline_def``
 replaces ``from nvidia.dali import fn, pipeline_def``.
+
+PyTorch and CuPy (imported on first use): ``extsrc.torch`` (``TorchLoader``,
+``from_dataset``) and ``extsrc.cupy`` (``to_device``).
 """
 
 from extsrc.batch import Batch
@@ -53,6 +56,7 @@ __all__ = [
 ]
 
 _DALI_NAMES = ("fn", "pipeline_def")
+_OPTIONAL_MODULES = ("torch", "cupy")  # extsrc.torch, extsrc.cupy: imported on first use
 
 
 def __getattr__(name):
@@ -60,4 +64,8 @@ def __getattr__(name):
         from extsrc import dali
 
         return getattr(dali, name)
+    if name in _OPTIONAL_MODULES:
+        import importlib
+
+        return importlib.import_module(f"extsrc.{name}")
     raise AttributeError(f"module 'extsrc' has no attribute {name!r}")

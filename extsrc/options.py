@@ -213,6 +213,9 @@ class SourceOptions:
     timeout: Optional[float]
     batches_held: int
     order: Any = None  # an extsrc.Order, or None
+    in_place: bool = False  # the callback gets a second argument to write samples into
+    stats: bool = True  # collect the figures of ParallelSource.stats()
+    stats_every: Optional[float] = None  # log them every this many seconds
 
     @property
     def batches_per_epoch(self) -> Optional[int]:
@@ -246,10 +249,14 @@ class SourceOptions:
         timeout: Any = None,
         batches_held: Any = 2,
         order: Any = None,
+        in_place: Any = False,
+        stats: Any = True,
+        stats_every: Any = None,
     ) -> "SourceOptions":
         batch_size = positive_int("batch_size", batch_size)
         num_outputs = optional_positive_int("num_outputs", num_outputs)
-        for name, value in (("batch", batch), ("batch_info", batch_info)):
+        for name, value in (("batch", batch), ("batch_info", batch_info), ("in_place", in_place),
+                            ("stats", stats)):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         if batch_info and not batch:
@@ -263,6 +270,15 @@ class SourceOptions:
                 raise TypeError(f"order must be an extsrc.Order, got {type(order).__name__}")
             if batch:
                 raise ValueError("order= gives each sample its record: it needs sample mode (batch=False)")
+        if stats_every is not None and (
+            isinstance(stats_every, bool) or not isinstance(stats_every, numbers.Real) or not stats_every > 0
+        ):
+            raise ValueError(f"stats_every must be None or a positive number of seconds, got {stats_every!r}")
+        if stats_every is not None and not stats:
+            raise ValueError("stats_every logs the statistics, which stats=False turns off")
+        if in_place and batch:
+            raise ValueError("in_place=True hands a sample-mode callback room for each sample; it "
+                             "needs batch=False")
         if last_batch == "pad" and order is None:
             raise ValueError(
                 "last_batch='pad' fills the last batch with records from the start of the epoch's "
@@ -288,4 +304,7 @@ class SourceOptions:
             timeout=timeout,
             batches_held=positive_int("batches_held", batches_held),
             order=order,
+            in_place=bool(in_place),
+            stats=bool(stats),
+            stats_every=stats_every,
         )

@@ -1,14 +1,49 @@
-"""Shared fixtures: every test must leave no worker process and no /dev/shm entry."""
+"""Shared fixtures: every test must leave no worker process and no /dev/shm entry.
+
+Tests marked ``cuda`` (``tests/gpu/``, ``tests/dali/test_cuda.py``) are skipped
+without an NVIDIA GPU, asked once per run.
+"""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from procs import live_children
+
+# Asked of the CUDA driver in a child process (no library needed): initialising CUDA in the
+# pytest process would forbid the fork tests.
+_GPU_PROBE = (
+    "import ctypes; d = ctypes.CDLL('libcuda.so.1'); n = ctypes.c_int(0); "
+    "print(n.value if d.cuInit(0) == 0 and d.cuDeviceGetCount(ctypes.byref(n)) == 0 else 0)"
+)
+_GPU_PROBE_TIMEOUT_S = 120  # a first cuInit can take long on a large machine
+
+
+def _has_gpu() -> bool:
+    if not glob.glob("/dev/nvidia[0-9]*"):
+        return False
+    try:
+        result = subprocess.run([sys.executable, "-c", _GPU_PROBE], capture_output=True, text=True,
+                                timeout=_GPU_PROBE_TIMEOUT_S)
+        return int(result.stdout.strip() or 0) > 0
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda_items = [item for item in items if "cuda" in item.keywords]
+    if not cuda_items or _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in cuda_items:
+        item.add_marker(skip)
 
 
 def _shm_entries() -> set:

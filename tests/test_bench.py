@@ -19,6 +19,9 @@ WORKLOAD_ROWS = ("small: 1 KiB uint8, batch 256", "large: 4 MiB uint8, batch 16"
                  "cpu: 2 ms busy loop, batch 32")
 STARTUP_ROW = "build() to first batch, spawn, 4 workers"
 CONSUMED_ROW = "large: 4 MiB uint8, batch 16, output sliced to 8 bytes (no output copy)"
+FILL_ROW = "large-fill: 4 MiB written by the callback (in place: extsrc's in_place=True), batch 16"
+FRESH_ROW = "large-fresh: a new 4 MiB array per sample, batch 16"
+FAULTS = re.compile(r"[\d,]+ faults/sample")
 
 
 def installed(module):
@@ -87,9 +90,10 @@ def test_quick_bench_against_dataloader_prints_every_workload_with_ratios(tmp_pa
     rows = table_rows(out.stdout, title)
     if not installed("torch"):
         assert "PyTorch is not installed" in out.stdout
-        assert [row[0] for row in rows] == list(WORKLOAD_ROWS)
+        assert [row[0] for row in rows] == list(WORKLOAD_ROWS) + [FILL_ROW]
         return
-    assert_full_table(rows, WORKLOAD_ROWS)
+    assert_full_table(rows, WORKLOAD_ROWS + (FILL_ROW,))
+    assert FAULTS.search(rows[-1][1]) and FAULTS.search(rows[-1][2])  # faults beside each loader
     figures = json.loads(report.read_text())
     (table,) = figures["tables"]
     for row in table["rows"]:
@@ -104,7 +108,10 @@ def test_quick_bench_against_dali_prints_every_workload_and_startup_with_ratios(
     out = bench("--quick", "--dali", "--no-torch")
     assert out.returncode == 0, out.stdout + out.stderr
     rows = table_rows(out.stdout, "extsrc drop-in vs DALI parallel external source")
-    assert_full_table(rows, WORKLOAD_ROWS + (CONSUMED_ROW, STARTUP_ROW))
+    assert_full_table(rows, WORKLOAD_ROWS + (CONSUMED_ROW, f"{FRESH_ROW}, output sliced",
+                                            f"{FILL_ROW}, output sliced", STARTUP_ROW))
+    fresh = rows[4]
+    assert FAULTS.search(fresh[1]) and FAULTS.search(fresh[2]) and fresh[4].endswith("faults <= peer's")
 
 
 @pytest.mark.slow
@@ -122,13 +129,27 @@ def test_without_torch_the_dataloader_column_is_skipped_with_a_note():
 
 
 @pytest.mark.slow
-def test_quick_order_bench_prints_its_cost_and_memory():
-    out = bench("--no-torch", "--order", "--quick", "--workloads", "small")
+def test_quick_features_bench_prints_the_cost_of_statistics_and_order_and_its_memory():
+    out = bench("--no-torch", "--features", "--quick", "--workloads", "small")
     assert out.returncode == 0, out.stderr
-    rows = table_rows(out.stdout, "extsrc.ParallelSource with a shuffled Order of 1e+09 records")
-    assert [row[0] for row in rows] == ["small: 1 KiB uint8, batch 256: shuffled order vs identity order",
-                                        "worker memory (VmRSS): shuffled order vs identity order"]
-    throughput, memory = rows
+    rows = table_rows(out.stdout, "cost of extsrc features")
+    assert [row[0] for row in rows] == [
+        "small: 1 KiB uint8, batch 256: statistics on vs off",
+        "small: 1 KiB uint8, batch 256: shuffled order of 1e+09 records vs identity order",
+        "worker memory (VmRSS): shuffled order of 1e+09 records vs identity order",
+    ]
+    stats, throughput, memory = rows
+    assert re.fullmatch(r"\d+\.\d\dx", stats[3]) and stats[4] == ">= 0.98x samples/s"
     assert re.fullmatch(r"\d+\.\d\dx", throughput[3]) and throughput[4] == ">= 0.95x samples/s"
     assert re.fullmatch(r"[+-]\d+\.\d\d MiB", memory[3]) and memory[4] == "< 1 MiB more"
     assert all(row[5] in ("yes", "no") for row in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not installed("torch"), reason="needs PyTorch")
+def test_quick_from_dataset_bench_prints_every_workload_against_the_dataloader():
+    out = bench("--quick", "--no-torch", "--torch-api")
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = table_rows(out.stdout, "extsrc.torch.from_dataset vs PyTorch DataLoader, same Dataset")
+    assert_full_table(rows, WORKLOAD_ROWS)
+    assert [row[4].split(" (is")[0] for row in rows] == [">= 2x samples/s", ">= 3x MB/s", ">= 0.95 of ideal"]

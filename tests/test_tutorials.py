@@ -34,6 +34,7 @@ EXTSRC_ONLY = {
     "11_shuffle_with_order.py": "uses extsrc.Order, which DALI does not have",
     "12_shards_with_order.py": "uses extsrc.Order, which DALI does not have",
     "13_data_parallel_torchrun.py": "uses extsrc.Order, which DALI does not have",
+    "14_find_the_bottleneck.py": "uses pipe.extsrc_stats(), which DALI does not have",
 }
 NEEDS_TORCH = {"13_data_parallel_torchrun.py"}
 
@@ -190,3 +191,8 @@ def test_order_shards_are_disjoint_but_for_the_padding_and_equal(extsrc_outputs)
     shard_records = [set(s[:22]) for s in per_shard]  # 22 records each, then the padded batch
     assert set().union(*shard_records) == set(range(64))
     assert sum(len(s) for s in shard_records) == 66  # two records of the epoch's start twice
+
+
+def test_the_statistics_tell_input_bound_from_consumer_bound(extsrc_outputs):
+    saved = extsrc_outputs("14_find_the_bottleneck.py")
+    assert saved["input_bound"].tolist() == [True, True, False]

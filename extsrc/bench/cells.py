@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Sequence
 
 from extsrc.bench.loaders import DALI, DALI_THREADS, EXTSRC_DALI, WORKERS, expected_indices, open_loader
 from extsrc.bench.measure import measure
-from extsrc.bench.workloads import WORKLOADS
+from extsrc.bench.workloads import ALL_WORKLOADS
 
 RESULT_MARK = "EXTSRC-BENCH-RESULT "
 STARTUP_WORKERS = 4
@@ -33,7 +33,7 @@ if __name__ == "__main__":
 
 def _throughput_cell(loader: str, workload: str, seconds: float, warmup_s: float,
                      consumed: bool = False) -> Dict[str, Any]:
-    w = WORKLOADS[workload]
+    w = ALL_WORKLOADS[workload]
     take, indices, close = open_loader(loader, workload, WORKERS, "fork", consumed)
     try:
         batches, elapsed, cpu, total, last = measure(take, seconds, warmup_s)
@@ -46,6 +46,8 @@ def _throughput_cell(loader: str, workload: str, seconds: float, warmup_s: float
     finally:
         close()
     samples_per_s = batches * w.batch_size / elapsed
+    if "faults" in cpu:
+        cpu["faults_per_sample"] = cpu.pop("faults") / (batches * w.batch_size)
     result = {
         "batches": batches,
         "elapsed_s": elapsed,
@@ -64,9 +66,9 @@ from {module} import fn, pipeline_def
 from extsrc.bench.cells import RESULT_MARK
 from extsrc.bench.loaders import _indices_dali
 from extsrc.bench.measure import CpuMeter
-from extsrc.bench.workloads import CALLBACKS, WORKLOADS
+from extsrc.bench.workloads import ALL_WORKLOADS, CALLBACKS
 
-@pipeline_def(batch_size=WORKLOADS[{workload!r}].batch_size, num_threads={threads}, device_id=None,
+@pipeline_def(batch_size=ALL_WORKLOADS[{workload!r}].batch_size, num_threads={threads}, device_id=None,
               py_num_workers={workers}, py_start_method="spawn")
 def pipeline():
     return fn.external_source(source=CALLBACKS[{workload!r}], batch=False, parallel=True)
@@ -80,7 +82,7 @@ if __name__ == "__main__":
     (output,) = pipe.run()
     first = time.perf_counter()
     cpu = meter.stop()
-    if _indices_dali(output) != list(range(WORKLOADS[{workload!r}].batch_size)):
+    if _indices_dali(output) != list(range(ALL_WORKLOADS[{workload!r}].batch_size)):
         raise RuntimeError("the first batch does not hold samples 0, 1, ...")
     print(RESULT_MARK + json.dumps({{"startup_s": first - built, "create_to_first_s": first - defined, **cpu}}),
           flush=True)
@@ -111,7 +113,15 @@ def _resident_bytes(pid: int) -> int:
 def cell_main(argv: Sequence[str]) -> int:
     """Entry point of a cell subprocess: runs one cell, prints its figures as one JSON line."""
     spec = json.loads(argv[0])
-    if spec.get("kind") == "memory":
+    if spec.get("kind") == "images":
+        from extsrc.bench.image_loaders import image_cell
+
+        result = image_cell({k: v for k, v in spec.items() if k != "kind"})
+    elif spec.get("kind") == "h2d":
+        from extsrc.bench.transfer import transfer_cell
+
+        result = transfer_cell({k: v for k, v in spec.items() if k != "kind"})
+    elif spec.get("kind") == "memory":
         result = _memory_cell(spec["loader"], spec["workload"], spec["seconds"], spec["warmup_s"])
     else:
         result = _throughput_cell(spec["loader"], spec["workload"], spec["seconds"], spec["warmup_s"],

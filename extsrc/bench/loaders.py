@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional, Tuple
 
 from extsrc.bench.measure import Take
-from extsrc.bench.workloads import WORKLOADS
+from extsrc.bench.workloads import ALL_WORKLOADS, WORKLOADS
 
 WORKERS = 2
 DALI_THREADS = 1  # num_threads of the DALI pipelines (DALI requires a value)
@@ -20,6 +20,8 @@ DALI_THREADS = 1  # num_threads of the DALI pipelines (DALI requires a value)
 # Loader names used by the cells.
 EXTSRC, TORCH, DALI, EXTSRC_DALI = "extsrc", "torch", "dali", "extsrc-dali"
 EXTSRC_SHUFFLED, EXTSRC_IDENTITY = "extsrc-shuffled-order", "extsrc-identity-order"
+EXTSRC_NO_STATS = "extsrc-no-stats"  # ParallelSource(..., stats=False)
+EXTSRC_FROM_DATASET = "extsrc-from-dataset"  # extsrc.torch.from_dataset on the DataLoader cell's dataset
 ORDER_RECORDS = 10 ** 9  # the order of the order rows: a large data set, never materialised
 
 Opened = Tuple[Take, Callable[[Any], List[int]], Callable[[], None]]
@@ -42,12 +44,15 @@ def expected_indices(loader: str, batch: int, batch_size: int) -> List[int]:
 
 def _open_extsrc(workload: str, workers: int, start_method: str, loader: str = EXTSRC) -> Opened:
     import extsrc
-    from extsrc.bench.workloads import CALLBACKS, RECORD_CALLBACKS, sample_index
+    from extsrc.bench.workloads import CALLBACKS, IN_PLACE_CALLBACKS, RECORD_CALLBACKS, sample_index
 
     order = bench_order(loader)
     callback = CALLBACKS[workload] if order is None else RECORD_CALLBACKS[workload]
-    source = extsrc.ParallelSource(callback, WORKLOADS[workload].batch_size, num_workers=workers,
-                                   start_method=start_method, order=order)
+    in_place = workload in IN_PLACE_CALLBACKS
+    source = extsrc.ParallelSource(IN_PLACE_CALLBACKS.get(workload, callback),
+                                   ALL_WORKLOADS[workload].batch_size, num_workers=workers,
+                                   start_method=start_method, order=order, in_place=in_place,
+                                   stats=loader != EXTSRC_NO_STATS)
     batches = iter(source)
 
     def take():
@@ -58,16 +63,14 @@ def _open_extsrc(workload: str, workers: int, start_method: str, loader: str = E
     take.source = source  # type: ignore[attr-defined]  # for cells that look at the workers
     return take, lambda batch: [sample_index(sample) for sample in batch], source.close
 
-def _open_torch(workload: str, workers: int, start_method: str):
-    from torch.utils.data import DataLoader, Dataset
-
-    from extsrc.bench.workloads import sample_index
+def _bench_dataset(workload: str):
+    """What a user writes: a map-style dataset returning one NumPy sample (made here, as it
+    needs torch)."""
+    from torch.utils.data import Dataset
 
     class BenchDataset(Dataset):
-        """What a user writes: a map-style dataset returning one NumPy sample."""
-
         def __init__(self, name: str):
-            self.workload = WORKLOADS[name]
+            self.workload = ALL_WORKLOADS[name]
 
         def __len__(self) -> int:
             return 1 << 40  # never exhausted within a cell
@@ -75,7 +78,14 @@ def _open_torch(workload: str, workers: int, start_method: str):
         def __getitem__(self, idx: int):
             return self.workload.make(idx)
 
-    loader = DataLoader(BenchDataset(workload), batch_size=WORKLOADS[workload].batch_size,
+    return BenchDataset(workload)
+
+def _open_torch(workload: str, workers: int, start_method: str):
+    from torch.utils.data import DataLoader
+
+    from extsrc.bench.workloads import sample_index
+
+    loader = DataLoader(_bench_dataset(workload), batch_size=ALL_WORKLOADS[workload].batch_size,
                         num_workers=workers, persistent_workers=True,
                         multiprocessing_context=start_method)
     state = {"batches": iter(loader)}
@@ -90,20 +100,40 @@ def _open_torch(workload: str, workers: int, start_method: str):
 
     return take, lambda batch: [sample_index(sample) for sample in batch.numpy()], close
 
+def _open_from_dataset(workload: str, workers: int, start_method: str):
+    """The DataLoader cell's dataset and arguments, through extsrc.torch.from_dataset."""
+    from extsrc.bench.workloads import sample_index
+    from extsrc.torch import from_dataset
+
+    loader = from_dataset(_bench_dataset(workload), batch_size=ALL_WORKLOADS[workload].batch_size,
+                          num_workers=workers, persistent_workers=True,
+                          multiprocessing_context=start_method)
+    batches = iter(loader)
+
+    def take():
+        batch = next(batches)
+        batch[0, 0]  # the consumer touches one byte
+        return batch
+
+    return take, lambda batch: [sample_index(sample) for sample in batch.numpy()], loader.close
+
 def _dali_pipeline(workload: str, workers: int, start_method: str, dropin: bool, consumed: bool = False):
     """The same pipeline code for both: only the import differs."""
     if dropin:
         from extsrc import fn, pipeline_def
     else:
         from nvidia.dali import fn, pipeline_def
-    from extsrc.bench.workloads import CALLBACKS
+    from extsrc.bench.workloads import CALLBACKS, IN_PLACE_CALLBACKS
 
-    callback = CALLBACKS[workload]
+    # The drop-in writes in place where the workload says so (an extsrc option); DALI cannot.
+    in_place = dropin and workload in IN_PLACE_CALLBACKS
+    callback = IN_PLACE_CALLBACKS[workload] if in_place else CALLBACKS[workload]
+    extra = {"in_place": True} if in_place else {}
 
-    @pipeline_def(batch_size=WORKLOADS[workload].batch_size, num_threads=DALI_THREADS, device_id=None,
+    @pipeline_def(batch_size=ALL_WORKLOADS[workload].batch_size, num_threads=DALI_THREADS, device_id=None,
                   py_num_workers=workers, py_start_method=start_method)
     def pipeline():
-        samples = fn.external_source(source=callback, batch=False, parallel=True)
+        samples = fn.external_source(source=callback, batch=False, parallel=True, **extra)
         return samples[0:8] if consumed else samples
 
     return pipeline
@@ -133,10 +163,12 @@ def _open_dali(workload: str, workers: int, start_method: str, dropin: bool, con
 def open_loader(loader: str, workload: str, workers: int, start_method: str,
                 consumed: bool = False) -> Opened:
     """Opens ``loader`` on ``workload``; see the module docstring."""
-    if loader in (EXTSRC, EXTSRC_SHUFFLED, EXTSRC_IDENTITY):
+    if loader in (EXTSRC, EXTSRC_SHUFFLED, EXTSRC_IDENTITY, EXTSRC_NO_STATS):
         return _open_extsrc(workload, workers, start_method, loader)
     if loader == TORCH:
         return _open_torch(workload, workers, start_method)
+    if loader == EXTSRC_FROM_DATASET:
+        return _open_from_dataset(workload, workers, start_method)
     if loader.startswith("extsrc-ray"):
         from extsrc.bench.ray_bench import open_ray_loader
 

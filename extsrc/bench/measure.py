@@ -20,6 +20,15 @@ def _busy_ticks() -> Optional[int]:
 
 def _tree_ticks(root: int) -> Optional[int]:
     """CPU ticks used so far by ``root`` and its descendants still alive (None off Linux)."""
+    return _tree_sum(root, (11, 12))  # utime, stime
+
+
+def _tree_faults(root: int) -> Optional[int]:
+    """Minor page faults so far of ``root`` and its descendants still alive (None off Linux)."""
+    return _tree_sum(root, (7,))  # minflt
+
+
+def _tree_sum(root: int, fields_wanted) -> Optional[int]:
     total, stack, seen = 0, [root], set()
     while stack:
         pid = stack.pop()
@@ -29,7 +38,7 @@ def _tree_ticks(root: int) -> Optional[int]:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime
+            total += sum(int(fields[i]) for i in fields_wanted)
             for tid in os.listdir(f"/proc/{pid}/task"):
                 with open(f"/proc/{pid}/task/{tid}/children") as f:
                     stack += [int(child) for child in f.read().split()]
@@ -39,19 +48,25 @@ def _tree_ticks(root: int) -> Optional[int]:
     return total
 
 class CpuMeter:
-    """Cores used by this cell (its process and workers) and by everything else."""
+    """Cores used by this cell (its process and workers) and by everything else, and the
+    minor page faults of the cell's processes."""
 
     def __init__(self):
-        self.start = (_busy_ticks(), _tree_ticks(os.getpid()), time.perf_counter())
+        pid = os.getpid()
+        self.start = (_busy_ticks(), _tree_ticks(pid), _tree_faults(pid), time.perf_counter())
 
     def stop(self) -> Dict[str, float]:
-        busy, own, now = _busy_ticks(), _tree_ticks(os.getpid()), time.perf_counter()
-        busy0, own0, then = self.start
+        pid = os.getpid()
+        busy, own, faults, now = _busy_ticks(), _tree_ticks(pid), _tree_faults(pid), time.perf_counter()
+        busy0, own0, faults0, then = self.start
         if None in (busy, own, busy0, own0):
             return {}
         ticks = os.sysconf("SC_CLK_TCK") * (now - then)
-        return {"loader_cpu": (own - own0) / ticks,
-                "other_cpu": max(0.0, ((busy - busy0) - (own - own0)) / ticks)}
+        figures = {"loader_cpu": (own - own0) / ticks,
+                   "other_cpu": max(0.0, ((busy - busy0) - (own - own0)) / ticks)}
+        if faults is not None and faults0 is not None:
+            figures["faults"] = faults - faults0  # minor page faults of the cell and its workers
+        return figures
 
 def measure(take: Take, seconds: float, warmup_s: float, warmup_batches: int = 8):
     """Skips a warm-up, then takes batches for ``seconds``.

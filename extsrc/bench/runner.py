@@ -5,12 +5,20 @@ Comparisons (each cell of a table is one loader on one workload):
 * **vs PyTorch** (default): ``extsrc.ParallelSource`` against
   ``torch.utils.data.DataLoader`` (a map-style ``Dataset``, default collate,
   ``persistent_workers=True``, default prefetch), 2 workers, fork.
+* **from_dataset vs DataLoader** (``--torch-api``): ``extsrc.torch.from_dataset``
+  on the DataLoader cell's ``Dataset`` and arguments, against that DataLoader.
 * **vs DALI** (``--dali``): DALI's own parallel external source against
   extsrc's drop-in, running the same pipeline code
   (``fn.external_source(source=cb, batch=False, parallel=True)`` in a
   ``pipeline_def`` with ``py_num_workers=2``, ``py_start_method="fork"``,
   ``device_id=None``), plus the time from ``build()`` to the first batch with
   spawn and 4 workers.
+* **images** (``--images``, instead of the above): JPEGs from disk through
+  decoding and augmentation, five loaders in images/s; see
+  :mod:`extsrc.bench.images`.
+* **to the GPU** (``--h2d``, instead of the above): batches copied to a GPU in
+  GB/s, ``TorchLoader`` page-locked against ``DataLoader(pin_memory=True)``
+  and pageable memory; see :mod:`extsrc.bench.transfer`.
 
 The workloads are in :mod:`extsrc.bench.workloads`. Every cell runs in a fresh
 subprocess (so one loader's workers never share a process with another's),
@@ -23,7 +31,6 @@ DALI are imported only inside the cells.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -32,27 +39,15 @@ import textwrap
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from extsrc.bench import images, transfer
 from extsrc.bench.cells import STARTUP_WORKERS, run_cell
+from extsrc.bench.packages import installed, version
 from extsrc.bench.loaders import WORKERS
 from extsrc.bench.tables import (
-    QUIET_OTHER_CPU, Row, Table, _compare, _figure, dali_table, format_table, order_table,
-    targets_text, torch_table,
+    QUIET_OTHER_CPU, Row, Table, _compare, _figure, dali_table, features_table, format_table,
+    from_dataset_table, targets_text, torch_table,
 )
 from extsrc.bench.workloads import WORKLOADS
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-def _version(distribution: str) -> Optional[str]:
-    from importlib import metadata
-
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -70,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
             "(whether or not the targets were met), 1 when a cell failed.",
             79,
         ),
-        epilog=targets_text(),
+        epilog=targets_text() + "\n" + images.targets_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--dali", action="store_true",
@@ -85,10 +80,13 @@ def _parser() -> argparse.ArgumentParser:
                              "actors) with worker processes on the three workloads, and run the "
                              "cpu workload on a local two-node cluster (1 CPU, 1 actor per node), "
                              "instead of the PyTorch comparison (needs extsrc[ray])")
-    parser.add_argument("--order", action="store_true",
-                        help="also measure order= (extsrc.Order): a shuffled order of 10^9 records "
-                             "against an identity order on the small workload, and the workers' "
-                             "memory with it against none")
+    parser.add_argument("--torch-api", action="store_true",
+                        help="also compare extsrc.torch.from_dataset with DataLoader on the same "
+                             "Dataset and arguments (needs PyTorch)")
+    parser.add_argument("--features", action="store_true",
+                        help="also measure what extsrc's own features cost on the small workload: "
+                             "statistics on vs off, a shuffled order of 10^9 records vs an identity "
+                             "order, and the workers' memory with that order")
     parser.add_argument("--quick", action="store_true",
                         help="short cells (0.5 s timed after 0.25 s warm-up, 1 repeat unless "
                              "--repeat is given): checks that everything runs, figures are rough")
@@ -104,6 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=180.0,
                         help="seconds after which a cell is killed and reported as failed (default 180)")
     parser.add_argument("--json", metavar="PATH", help="also write every figure, run by run, to PATH")
+    images.add_arguments(parser)
+    transfer.add_arguments(parser)
     return parser
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -119,10 +119,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                    else "--repeat must be >= 1, --seconds > 0 and --warmup >= 0")
         print(f"extsrc bench: {problem}", file=sys.stderr)
         return 2
+    if args.images:
+        return images.run(args, seconds, warmup_s, repeat)
+    if args.h2d:
+        return transfer.run(args, seconds, warmup_s, repeat)
 
     tables: List[Table] = []
     if args.backend == "ray":
-        if not _installed("ray"):
+        if not installed("ray"):
             print("extsrc bench: --backend ray needs Ray (pip install 'extsrc[ray]')", file=sys.stderr)
             return 2
         from extsrc.bench.ray_bench import ray_tables
@@ -130,22 +134,29 @@ def main(argv: Optional[List[str]] = None) -> int:
         tables += ray_tables()
     elif not args.no_torch:
         table = torch_table()
-        if not _installed("torch"):
+        if not installed("torch"):
             table.note = ("PyTorch is not installed: the DataLoader column is skipped "
                           "(pip install 'extsrc[bench]' to compare)")
         tables.append(table)
     if args.dali:
-        if not _installed("nvidia.dali"):
+        if not installed("nvidia.dali"):
             print("extsrc bench: --dali needs NVIDIA DALI (pip install 'extsrc[dali]')", file=sys.stderr)
             return 2
         tables.append(dali_table())
-    if args.order:
-        tables.append(order_table())
+    if args.torch_api:
+        if not installed("torch"):
+            print("extsrc bench: --torch-api needs PyTorch (pip install 'extsrc[torch]')", file=sys.stderr)
+            return 2
+        tables.append(from_dataset_table())
+    if args.features:
+        tables.append(features_table())
     if not tables:
-        print("extsrc bench: nothing to run (--no-torch without --dali or --order)", file=sys.stderr)
+        print("extsrc bench: nothing to run (--no-torch without --torch-api, --dali or --features)",
+              file=sys.stderr)
         return 2
     for table in tables:
-        table.rows = [r for r in table.rows if r.workload in workloads or r.startup]
+        # "large" also selects its variants ("large-fresh", "large-fill")
+        table.rows = [r for r in table.rows if r.workload.split("-")[0] in workloads or r.startup]
 
     plan: List[Tuple[Table, int, Row, str]] = []
     for r in range(repeat):
@@ -179,11 +190,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"  [{n}/{len(plan)}] {row.label} | {name}: {shown}", file=sys.stderr, flush=True)
     load_end = os.getloadavg()
 
-    versions = {name: _version(dist) for name, dist in
+    versions = {name: version(dist) for name, dist in
                 (("extsrc", "extsrc"), ("numpy", "numpy"), ("torch", "torch"),
                  ("dali", "nvidia-dali-cuda120"))}
     if args.backend == "ray":
-        versions["ray"] = _version("ray")
+        versions["ray"] = version("ray")
     print()
     print(f"Python {platform.python_version()}, {os.cpu_count()} CPUs, "
           + ", ".join(f"{k} {v}" for k, v in versions.items() if v)

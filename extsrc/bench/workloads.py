@@ -31,13 +31,15 @@ class Workload:
     ``time.perf_counter``, not sleep), 0 for none.
     """
 
-    def __init__(self, name: str, sample_bytes: int, batch_size: int, spin_s: float = 0.0):
+    def __init__(self, name: str, sample_bytes: int, batch_size: int, spin_s: float = 0.0,
+                 fresh: bool = False):
         if sample_bytes < 8:
             raise ValueError("a sample holds its 8-byte index, so it needs at least 8 bytes")
         self.name = name
         self.sample_bytes = sample_bytes
         self.batch_size = batch_size
         self.spin_s = spin_s
+        self.fresh = fresh  # each sample is a new array, filled, as real callbacks make them
         self._ring: Optional[Tuple[int, np.ndarray, np.ndarray]] = None  # (pid, bytes, int64 view)
 
     def __getstate__(self) -> Dict[str, object]:
@@ -64,10 +66,18 @@ class Workload:
             end = time.perf_counter() + self.spin_s
             while time.perf_counter() < end:
                 pass
+        if self.fresh:
+            return self.fill(np.empty(self.sample_bytes, np.uint8), idx)
         data, index = self._buffers()
         k = idx % self.batch_size if slot is None else slot
         index[k, 0] = idx
         return data[k]
+
+    def fill(self, out: np.ndarray, idx: int) -> np.ndarray:
+        """Writes sample ``idx`` into ``out`` (all its bytes, then the index) and returns it."""
+        out.fill(idx & 0xFF)
+        out[:8].view(np.int64)[0] = idx
+        return out
 
 
 def sample_index(sample: np.ndarray) -> int:
@@ -78,8 +88,15 @@ def sample_index(sample: np.ndarray) -> int:
 SMALL = Workload("small", 1 * KIB, 256)
 LARGE = Workload("large", 4 * MIB, 16)
 CPU = Workload("cpu", 64, 32, spin_s=0.002)
+# Large samples as real callbacks make them: a new 4 MiB array per sample, every byte written.
+# With `in_place` loaders (extsrc's `in_place=True`) the callback fills the sample's place in
+# shared memory instead ("large-fill"); every other loader allocates and fills.
+LARGE_FRESH = Workload("large-fresh", 4 * MIB, 16, fresh=True)
+LARGE_FILL = Workload("large-fill", 4 * MIB, 16, fresh=True)
 
 WORKLOADS: Dict[str, Workload] = {w.name: w for w in (SMALL, LARGE, CPU)}
+EXTRA_WORKLOADS: Dict[str, Workload] = {w.name: w for w in (LARGE_FRESH, LARGE_FILL)}
+ALL_WORKLOADS: Dict[str, Workload] = {**WORKLOADS, **EXTRA_WORKLOADS}
 
 
 def small(sample_info) -> np.ndarray:
@@ -97,10 +114,22 @@ def cpu(sample_info) -> np.ndarray:
     return CPU.make(sample_info.idx_in_epoch)
 
 
+def large_fresh(sample_info) -> np.ndarray:
+    """A new 4 MiB uint8 sample, every byte written."""
+    return LARGE_FRESH.make(sample_info.idx_in_epoch)
+
+
+def large_fill(sample_info, buffers) -> np.ndarray:
+    """The same 4 MiB sample, written into its place in shared memory (``in_place=True``)."""
+    return LARGE_FILL.fill(buffers.array(LARGE_FILL.sample_bytes, np.uint8), sample_info.idx_in_epoch)
+
+
 def small_record(sample_info) -> np.ndarray:
     """1 KiB uint8 sample of ``sample_info.record`` (for sources with an order)."""
     return SMALL.make(sample_info.record, sample_info.idx_in_batch)
 
 
-CALLBACKS = {"small": small, "large": large, "cpu": cpu}
+CALLBACKS = {"small": small, "large": large, "cpu": cpu, "large-fresh": large_fresh,
+             "large-fill": large_fresh}
+IN_PLACE_CALLBACKS = {"large-fill": large_fill}  # for loaders that let the callback write in place
 RECORD_CALLBACKS = {"small": small_record}

@@ -69,8 +69,9 @@ def _is_generator_function(obj: Any) -> bool:
     )
 
 
-def _positional_arg_count(source: Any) -> int:
-    """How many positional arguments a callable source takes (0 or 1, as DALI requires)."""
+def _positional_arg_count(source: Any, most: int = 1) -> int:
+    """How many positional arguments a callable source takes (DALI allows at most one;
+    ``in_place=True`` sources take a second, the sample buffers)."""
     target = source
     if not (inspect.isfunction(source) or inspect.ismethod(source)) and hasattr(source, "__call__"):
         target = source.__call__
@@ -79,18 +80,16 @@ def _positional_arg_count(source: Any) -> int:
     except (TypeError, ValueError):
         return 1  # a builtin we cannot inspect: trust it
     count = 0
+    allowed = "one positional parameter" if most == 1 else f"{most} positional parameters"
     for parameter in signature.parameters.values():
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD, parameter.KEYWORD_ONLY):
             raise TypeError(
-                f"source {source!r}: expected a callable with at most one positional "
-                f"parameter, got the {parameter.kind.description} parameter {parameter.name!r}"
+                f"source {source!r}: expected a callable with at most {allowed}, got the "
+                f"{parameter.kind.description} parameter {parameter.name!r}"
             )
         count += 1
-    if count > 1:
-        raise TypeError(
-            f"source {source!r}: expected a callable with at most one positional parameter, "
-            f"got {count}"
-        )
+    if count > most:
+        raise TypeError(f"source {source!r}: expected a callable with at most {allowed}, got {count}")
     return count
 
 
@@ -166,8 +165,10 @@ class _Feeder:
     a zero-copy feed stays mapped for as long as the engine keeps it unchanged.
     """
 
-    def __init__(self, source: ParallelSource, callable_source: bool, cycle: str, keep: int, original: Any):
+    def __init__(self, source: ParallelSource, callable_source: bool, cycle: str, keep: int, original: Any,
+                 name: Optional[str] = None):
         self.source = source
+        self.name = name  # the user's name=, for reader_meta(name) (DALI's iterators' reader_name=)
         self.cycle = cycle
         self.original = original
         self.callable_source = callable_source
@@ -274,6 +275,8 @@ def external_source(
     last_batch: str = "drop",
     timeout: Optional[float] = None,
     order: Any = None,
+    in_place: bool = False,
+    stats_every: Optional[float] = None,
     **kwargs: Any,
 ):
     """DALI's ``fn.external_source``; with ``parallel=True`` the source runs on extsrc workers.
@@ -297,6 +300,10 @@ def external_source(
     accepted and not needed (the engine sizes its memory from the first
     batch).
 
+    ``name`` may be given with ``num_outputs`` (DALI allows one or the
+    other): it names the source for :meth:`extsrc.dali.Pipeline.reader_meta`,
+    so that DALI's framework iterators take ``reader_name=name``.
+
     Extras: ``order`` (an :class:`extsrc.Order`) gives each sample its record
     (``SampleInfo.record``, ``SampleInfo.rng``: shuffled, sharded) and ends
     each epoch after the shard's records, so that the callback needs no
@@ -304,7 +311,11 @@ def external_source(
     DALI (``"drop"``, the default, drops it as DALI does; ``"pad"``, with an
     order, fills it from the start of the epoch's order); ``timeout``
     (seconds) bounds the wait for one batch and raises
-    :class:`~extsrc.SourceTimeoutError`.
+    :class:`~extsrc.SourceTimeoutError`; ``in_place=True`` calls the source as
+    ``source(sample_info, buffers)`` so that it can write each sample straight
+    into shared memory (``buffers.array(shape, dtype)``): written once;
+    ``stats_every`` (seconds) logs the source's statistics (see
+    ``Pipeline.extsrc_stats()``) to the ``extsrc`` logger that often.
 
     Errors of the source (its exceptions, with their type and message, dead
     workers, invalid samples) are raised from the pipeline's ``run()``.
@@ -312,10 +323,10 @@ def external_source(
     of ``num_outputs`` of them.
     """
     if not parallel:
-        if last_batch != "drop" or timeout is not None or order is not None:
+        if last_batch != "drop" or timeout is not None or order is not None or in_place or stats_every:
             raise ValueError(
-                "`last_batch`, `timeout` and `order` are extsrc options for parallel external "
-                "sources; set parallel=True to use them"
+                "`last_batch`, `timeout`, `order`, `in_place` and `stats_every` are extsrc options "
+                "for parallel external sources; set parallel=True to use them"
             )
         return _dali_fn.external_source(
             source,
@@ -346,8 +357,6 @@ def external_source(
             f"{caller} with parallel=True needs a `source`; feeding data with feed_input() is "
             "only possible without parallel=True"
         )
-    if name is not None and num_outputs is not None:
-        raise ValueError(f"{caller}: give either name= or num_outputs=, not both")
     if repeat_last:
         raise ValueError(
             f"{caller}: repeat_last=True is for sources fed with feed_input(), not for a source= callback"
@@ -376,7 +385,7 @@ def external_source(
                 f"{caller}: cycle={cycle!r} applies to iterables and generator functions, and "
                 "the source is a callable (it ends an epoch by raising StopIteration)"
             )
-        if _positional_arg_count(source) == 0:
+        if _positional_arg_count(source, 2 if in_place else 1) == 0:
             what = "a SampleInfo" if not batch else "the iteration number (or a BatchInfo with batch_info=True)"
             raise TypeError(
                 f"{caller}: a parallel source is called with one argument, {what}; "
@@ -448,6 +457,8 @@ def external_source(
                            pipe._extsrc_depth())),
         last_batch=last_batch,
         order=order,
+        in_place=in_place,
+        stats_every=stats_every,
         dtype=engine_dtype,
         ndim=engine_ndim,
         timeout=timeout,
@@ -455,12 +466,14 @@ def external_source(
         pool=pool,
         name=name if name is not None else _describe(source),
     )
-    feeder = _Feeder(parallel_source, callable_source, mode, held, source)
+    feeder = _Feeder(parallel_source, callable_source, mode, held, source, name)
     pipe._extsrc_feeders.append(feeder)
     return _dali_fn.external_source(
         feeder,
         num_outputs,
-        name=name,
+        # DALI names only one-output sources (the name is for feed_input()); the extsrc source
+        # keeps its name for reader_meta() either way.
+        name=name if num_outputs is None else None,
         device=device,
         layout=layout,
         dtype=dtype,

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from nvidia.dali import pipeline as _dali_pipeline
 
+from extsrc.dali.reader_meta import source_reader_meta
 from extsrc.engine.cuda_state import gpu_visible, no_gpu_message
 from extsrc.errors import PoolClosedError
 from extsrc.engine.pool import WorkerPool
@@ -111,6 +112,52 @@ class Pipeline(_dali_pipeline.Pipeline):
     def extsrc_pool(self) -> Optional[WorkerPool]:
         """The :class:`~extsrc.WorkerPool` of the parallel sources (``None`` while there is none)."""
         return self._extsrc_pool
+
+    # -- parallel sources seen as readers by DALI's framework iterators ---------
+
+    def _extsrc_named_sources(self) -> Dict[str, Any]:
+        """The parallel sources given ``name=``, by name (the graph is defined first if needed)."""
+        if not self._py_graph_built:
+            self._build_graph()
+        return {f.name: f.source for f in self._extsrc_feeders if f.name is not None}
+
+    def reader_meta(self, name: Optional[str] = None) -> Dict[str, Any]:
+        """DALI's reader metadata, also for parallel external sources with ``name=`` and ``order=``.
+
+        ``reader_meta(name)`` of such a source describes its epoch as a
+        reader's (``epoch_size``, ``epoch_size_padded``, ``number_of_shards``,
+        ``shard_id``, ``pad_last_batch``, ``stick_to_shard``), so that
+        ``DALIGenericIterator(pipe, ..., reader_name=name)`` knows the epoch's
+        length and applies its ``last_batch_policy`` as with a DALI reader (see
+        :mod:`extsrc.dali.reader_meta`). Raises ``ValueError`` for a source
+        without an order or with ``last_batch="partial"``, saying what to use
+        instead. Any other name is DALI's. Without a name: DALI's readers and
+        the named parallel sources that have an order and full batches.
+        """
+        sources = self._extsrc_named_sources()
+        if name is not None:
+            if name in sources:
+                return source_reader_meta(name, sources[name])
+            return super().reader_meta(name)
+        meta = super().reader_meta()
+        for source_name, source in sources.items():
+            if source.options.order is not None and source.last_batch != "partial":
+                meta[source_name] = source_reader_meta(source_name, source)
+        return meta
+
+    def epoch_size(self, name: Optional[str] = None) -> Any:
+        """DALI's ``epoch_size``, also for named parallel sources with an order (see :meth:`reader_meta`)."""
+        if name is not None:
+            return self.reader_meta(name)["epoch_size_padded"]
+        return {k: v["epoch_size_padded"] for k, v in self.reader_meta().items()}
+
+    def extsrc_stats(self, reset: bool = False) -> Dict[str, Any]:
+        """The statistics of each parallel external source, by name (see ``ParallelSource.stats``).
+
+        ``str()`` of each is a short report ending in a diagnosis: is the input
+        the bottleneck, and what to change. ``reset=True`` starts new windows.
+        """
+        return {feeder.source.name: feeder.source.stats(reset) for feeder in self._extsrc_feeders}
 
     # -- what the parallel external sources ask of the pipeline -----------------
 

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 from extsrc.engine.assembly import PendingBatch
 from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.runner import BATCH_GENERATOR, BATCH_ITERABLE, SAMPLE
+from extsrc.engine.stats import StatsCollector
 from extsrc.errors import SharedMemoryError
 from extsrc.options import SourceOptions
 from extsrc.shm import limits
@@ -68,6 +69,7 @@ class Producer:
         self._runs = itertools.count(1)
         self._closed = False
         self._range_cache: Optional[List[Tuple[int, int]]] = None
+        self.stats = StatsCollector(pool.num_workers) if options.stats else None
 
     # -- consumer thread, lock held ----------------------------------------------------------
 
@@ -90,6 +92,10 @@ class Producer:
         if self.run is run and self.error is not None and self.error[0] == iteration:
             return self.error[1]
         return None
+
+    def ready_count(self) -> int:
+        """Batches of the current run whose every task reported back (consumer, lock held)."""
+        return sum(1 for pending in self.pending.values() if pending.complete)
 
     def commit(self, pending: PendingBatch) -> None:
         """The consumer took ``pending`` (its slot is LEASED)."""
@@ -116,7 +122,8 @@ class Producer:
             source_id=self.source_id, name=self.name, kind=self.kind, callback=callback,
             pickled=pickled, batch_size=o.batch_size, num_outputs=o.num_outputs,
             batch_info=o.batch_info, dtypes=tuple(None if d is None else d.str for d in o.dtypes),
-            ndims=o.ndims, order=o.order, last_batch=o.last_batch,
+            ndims=o.ndims, order=o.order, last_batch=o.last_batch, in_place=o.in_place,
+            timed=o.stats,
         )
 
     def on_result(self, message: Any) -> bool:
@@ -127,6 +134,8 @@ class Producer:
         if pending.complete:
             self.slots.filled(pending.slot)
         if isinstance(message, TaskDone):
+            if self.stats is not None:
+                self.stats.task_done(message.worker, message.busy_ns, message.timed)
             if message.count:
                 self._learn(pending, message)
             if message.stopped and self.run is not None and pending is self.pending.get(pending.iteration):

@@ -82,6 +82,8 @@ class TaskDone(NamedTuple):
     stopped: bool
     spilled: Tuple[Tuple[Spilled, ...], ...]
     overflow_bytes: int
+    busy_ns: int = 0  # the task's time in the worker
+    timed: Tuple[Tuple[int, int], ...] = ()  # (samples, ns the callback took for them), per group
 
 
 class TaskFailed(NamedTuple):
@@ -133,6 +135,8 @@ class SourceSetup:
     ndims: Tuple[Optional[int], ...]
     order: Any = None  # extsrc.Order: which record each position of an epoch loads
     last_batch: str = "drop"
+    in_place: bool = False  # the callback gets SampleBuffers to write its samples into
+    timed: bool = True  # report how long the callback takes (extsrc.engine.stats)
 
 
 @dataclass(frozen=True)

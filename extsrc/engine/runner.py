@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import inspect
 import pickle
+import time
 import traceback
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.samples import SampleChecker, at
-from extsrc.errors import SampleError
+from extsrc.errors import SampleError, SharedMemoryError
 from extsrc.order import RecordCache
 from extsrc.shm.writer import TaskWriter
 from extsrc.sample_info import BatchInfo, SampleInfo
@@ -55,6 +56,54 @@ class ExhaustedIteratorError(SampleError):
     """A one-pass iterator (e.g. a generator object) was asked for a second epoch."""
 
 
+# Samples of a task wait in the worker until this many bytes of them do, then are written to
+# shared memory: small samples in one copy per task, large ones each as soon as it is made.
+STREAM_BYTES = 1 << 20
+# A task whose samples, sized like its first one, stay this many times under STREAM_BYTES is
+# gathered without counting bytes per sample (that count cost ~10% on 1 KiB samples). A later
+# sample far larger than the first is then written with the task's others, as before streaming.
+SMALL_TASK_FACTOR = 2
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    if isinstance(value, (tuple, list)):
+        return sum(v.nbytes for v in value if isinstance(v, np.ndarray))
+    return 0
+
+
+def _no_clock() -> int:
+    return 0
+
+
+class SampleBuffers:
+    """What an ``in_place=True`` callback gets as its second argument: room in shared memory.
+
+    ``buffers.array(shape, dtype, output=0)`` is a writable array for the
+    sample being made, in the batch's shared memory: the callback fills it
+    (e.g. ``file.readinto(buffers.array(size, np.uint8))``) and returns it, and
+    the sample is then not copied. It is the sample's place in the batch's
+    dense array when shape and dtype are those of the output's earlier
+    samples, else room of its own. Valid until the callback returns; a
+    callback may still return another array instead (it is then copied).
+    Raises :class:`~extsrc.errors.SampleError` for a dtype or ndim other than
+    the declared ones.
+    """
+
+    __slots__ = ("write", "position")
+
+    def __init__(self) -> None:
+        self.write: Any = None
+        self.position = 0
+
+    def array(self, shape: Any, dtype: Any = np.uint8, output: int = 0) -> np.ndarray:
+        shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(n) for n in shape)
+        if any(n < 0 for n in shape):
+            raise ValueError(f"buffers.array: a shape of sizes >= 0, got {shape}")
+        return self.write.alloc(output, self.position, shape, np.dtype(dtype))
+
+
 class SourceRunner:
     """Runs the tasks of one source inside a worker."""
 
@@ -69,6 +118,8 @@ class SourceRunner:
         self.one_pass_ended = False  # the source is its own iterator, and it ran out
         self.records = None if setup.order is None else RecordCache(setup.order)
         self.seed = 0 if setup.order is None else setup.order.seed
+        self.buffers = SampleBuffers() if setup.in_place else None
+        self.clock = time.perf_counter_ns if setup.timed else _no_clock
 
     def run(self, task: Task) -> Result:
         """Runs one task; returns a :class:`TaskDone` or :class:`TaskFailed`."""
@@ -82,32 +133,79 @@ class SourceRunner:
         callback = self.callback
         base = task.iteration * self.setup.batch_size
         first, last = base + task.start, base + task.stop
-        records, stop_early = self._records(task.epoch_idx, first, last)
+        records, stopped = self._records(task.epoch_idx, first, last)
         seed = self.seed
         make = tuple.__new__
-        produced: List[Any] = []
-        append = produced.append
-        stopped = stop_early
-        position = task.start
-        try:
-            for position, record in zip(range(task.start, task.stop), records):
-                append(callback(make(SampleInfo, (base + position, position, task.iteration,
-                                                  task.epoch_idx, record, seed))))
-        except StopIteration:
-            stopped = True
-        except BaseException as exc:
-            return self._failed(task, position, self._info(task, position), exc)
-        count = len(produced)
 
         def describe(pos: int) -> str:
             return f"sample {self._info(task, pos)}"
 
+        write = self.writer.begin(task.slot_id, task.batch_seq, task.start, task.stop,
+                                  task.region_bytes, task.regions, describe)
+        buffers = self.buffers
+        if buffers is None:
+            produce = callback
+        else:
+            buffers.write = write
+
+            def produce(info: SampleInfo) -> Any:
+                buffers.position = info.idx_in_batch
+                return callback(info, buffers)
+        iteration, epoch_idx = task.iteration, task.epoch_idx
+        # Samples wait here until STREAM_BYTES of them do, then go to shared memory: small
+        # ones in one copy per task, large ones one by one (the callback's memory is then
+        # reused for the next sample instead of being faulted in anew).
+        waiting: List[Any] = []
+        waiting_bytes = 0
+        chunk_start = task.start
+        position = task.start
+        positions = zip(range(task.start, task.stop), records)
+        # The callback is timed per group of samples written together (clock reads per group,
+        # not per sample: the statistics cost nothing measurable).
+        clock = self.clock
+        timed: List[Tuple[int, int]] = []
+        began = group_began = clock()
         try:
-            columns = self._columns_of_samples(produced, task.start, describe)
-            return self._done(task, task.start, columns, count, stopped, describe)
+            for position, record in positions:
+                value = produce(make(SampleInfo, (base + position, position, iteration, epoch_idx,
+                                                  record, seed)))
+                waiting.append(value)
+                waiting_bytes += _nbytes(value)
+                if waiting_bytes >= STREAM_BYTES:
+                    timed.append((len(waiting), clock() - group_began))
+                    self._flush(write, waiting, chunk_start)
+                    chunk_start += len(waiting)
+                    waiting, waiting_bytes = [], 0
+                    group_began = clock()
+                elif (len(waiting) == 1 and chunk_start == task.start
+                      and waiting_bytes * (task.stop - task.start) * SMALL_TASK_FACTOR < STREAM_BYTES):
+                    break  # samples like the first one: the rest go without counting bytes
+            append = waiting.append
+            for position, record in positions:
+                append(produce(make(SampleInfo, (base + position, position, iteration, epoch_idx,
+                                                 record, seed))))
+        except StopIteration:
+            stopped = True
+        except SampleError as exc:
+            return self._failed(task, getattr(exc, "position", position), None, exc, from_callback=False)
+        except SharedMemoryError as exc:
+            return self._failed(task, position, None, exc, from_callback=False)
+        except BaseException as exc:
+            return self._failed(task, position, self._info(task, position), exc)
+        if waiting:
+            timed.append((len(waiting), clock() - group_began))
+        try:
+            self._flush(write, waiting, chunk_start)
+            count = chunk_start - task.start + len(waiting)
+            return self._done(task, write, count, stopped, clock() - began, tuple(timed))
         except Exception as exc:
-            return self._failed(task, getattr(exc, "position", task.start), None, exc,
+            return self._failed(task, getattr(exc, "position", chunk_start), None, exc,
                                 from_callback=False)
+
+    def _flush(self, write: Any, waiting: List[Any], chunk_start: int) -> None:
+        if waiting:
+            write.add(self._columns_of_samples(waiting, chunk_start, write.describe), chunk_start,
+                      len(waiting))
 
     def _records(self, epoch_idx: int, first: int, last: int) -> Tuple[Sequence[int], bool]:
         """The records of positions ``first..last-1``, and whether the epoch ends before ``last``.
@@ -159,6 +257,7 @@ class SourceRunner:
     def _run_batch(self, task: Task) -> Result:
         setup = self.setup
         info = BatchInfo(task.iteration, task.epoch_idx)
+        began = self.clock()
         try:
             if setup.kind == BATCH_CALLABLE:
                 batch = self.callback(info if setup.batch_info else task.iteration)
@@ -176,23 +275,27 @@ class SourceRunner:
         def describe(pos: int) -> str:
             return f"sample {pos} of batch {info}"  # batch mode: no SampleInfo
 
+        took = self.clock() - began
         try:
             columns = self._columns_of_batch(batch, info)
-            return self._done(task, 0, columns, len(columns[0]), False, describe)
+            count = len(columns[0])
+            write = self.writer.begin(task.slot_id, task.batch_seq, 0, task.stop, task.region_bytes,
+                                      task.regions, describe)
+            write.add(columns, 0, count)
+            return self._done(task, write, count, False, self.clock() - began, ((count, took),))
         except Exception as exc:
             return self._failed(task, getattr(exc, "position", 0), info, exc, from_callback=False)
 
-    # -- what the worker does with the outputs ---------------------------------------------------
+    # -- what the worker does with the written samples -----------------------------------------
 
-    def _done(self, task: Task, start: int, columns: List[Sequence[Any]], count: int, stopped: bool,
-              describe: Callable[[int], str]) -> Any:
-        """Checks and writes ``columns[j][k]`` (output ``j``, sample ``start + k``) into the task's
-        slot, and says where they went. Another backend may deliver them otherwise (Ray actors
+    def _done(self, task: Task, write: Any, count: int, stopped: bool, busy_ns: int,
+              timed: Tuple[Tuple[int, int], ...]) -> Any:
+        """The answer to ``task`` once its ``count`` samples went to ``write`` (what
+        ``self.writer.begin`` gave). Another backend may deliver them otherwise (Ray actors
         return them, see :mod:`extsrc.ray.actor`). Raises what the writer raises."""
-        spilled, overflow = self.writer.write(task.slot_id, task.batch_seq, start, task.stop,
-                                              task.region_bytes, task.regions, columns, count,
-                                              describe)
-        return TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow)
+        spilled, overflow = write.finish()
+        return TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow,
+                        busy_ns, timed)
 
     def _iterator_for(self, epoch_idx: int):
         if self.iterator_epoch != epoch_idx:
@@ -257,27 +360,19 @@ class SourceRunner:
 
     def _failed(self, task: Task, position: int, where: Optional[Any], exc: BaseException,
                 from_callback: bool = True) -> TaskFailed:
-        return failure(task, self.worker, position, where, exc, from_callback)
+        tb = exc.__traceback__
+        if from_callback and tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next  # start at the callback, not at the worker's loop
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        try:
+            payload: Optional[bytes] = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.loads(payload)
+        except Exception:
+            payload = None
+        return TaskFailed(
+            task.source_id, task.ticket, self.worker, position, where, payload,
+            type(exc).__qualname__, str(exc), text, from_callback,
+        )
 
     def close(self) -> None:
         self.writer.close()
-
-
-def failure(task: Task, worker: int, position: int, where: Optional[Any], exc: BaseException,
-            from_callback: bool = True) -> TaskFailed:
-    """The :class:`TaskFailed` of ``task`` for ``exc``, raised at sample ``position`` (``where``:
-    its ``SampleInfo``/``BatchInfo``, if tied to one) by the callback or, if not
-    ``from_callback``, by checking or writing its output."""
-    tb = exc.__traceback__
-    if from_callback and tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next  # start at the callback, not at the worker's loop
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
-    try:
-        payload: Optional[bytes] = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
-        pickle.loads(payload)
-    except Exception:
-        payload = None
-    return TaskFailed(
-        task.source_id, task.ticket, worker, position, where, payload,
-        type(exc).__qualname__, str(exc), text, from_callback,
-    )

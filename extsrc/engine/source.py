@@ -20,6 +20,7 @@ consumer's arrays hold the lease -> freed when the last reference is gone
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import time
 from typing import Any, Dict, Iterator, Optional
@@ -31,6 +32,7 @@ from extsrc.engine.assembly import BatchOutput, PendingBatch
 from extsrc.engine.pool import WorkerPool
 from extsrc.engine.producer import Producer, Run
 from extsrc.engine.runner import BATCH_GENERATOR, BATCH_ITERABLE, SAMPLE, classify
+from extsrc.engine.stats import SourceStats
 from extsrc.errors import EmptyEpochError, SampleError, SourceTimeoutError
 from extsrc.options import UNSET, SourceOptions
 from extsrc.shm.slots import SlotState
@@ -133,6 +135,15 @@ class ParallelSource:
     goes to exactly one of them, whole. ``iter()`` in one thread ends the
     epoch other threads iterate (they get ``StopIteration``).
 
+    ``in_place=True`` (sample mode): the callback is called as
+    ``source(info, buffers)`` and may write its sample straight into the
+    batch's shared memory, ``buffers.array(shape, dtype)`` (see
+    :class:`~extsrc.engine.runner.SampleBuffers`), so that it is written once.
+
+    :meth:`stats` tells where the time goes (and what to change);
+    ``stats_every=seconds`` also logs it to the ``extsrc`` logger that often;
+    ``stats=False`` turns the collection off.
+
     ``dtype``/``ndim`` (one value, or one per output) declare what samples
     must be. Workers start on first use or at ``start()``; ``close()`` (or
     ``with``) stops them and frees the shared memory no batch holds. ``pool``
@@ -168,6 +179,9 @@ class ParallelSource:
         pool: Optional[WorkerPool] = None,
         name: Optional[str] = None,
         order: Any = None,
+        in_place: bool = False,
+        stats: bool = True,
+        stats_every: Optional[float] = None,
         backend: str = UNSET,
         ray_options: Optional[Dict[str, Any]] = UNSET,
     ):
@@ -190,8 +204,8 @@ class ParallelSource:
         self.options = SourceOptions.create(
             batch_size, num_outputs=num_outputs, batch=batch, batch_info=batch_info,
             prefetch=prefetch, num_workers=pool.num_workers, tasks_per_worker=pool.max_outstanding,
-            last_batch=last_batch, dtype=dtype,
-            ndim=ndim, timeout=timeout, batches_held=batches_held, order=order,
+            last_batch=last_batch, dtype=dtype, ndim=ndim, timeout=timeout, batches_held=batches_held,
+            order=order, in_place=in_place, stats=stats, stats_every=stats_every,
         )
         if self.options.batches_per_epoch == 0:
             raise EmptyEpochError(
@@ -210,6 +224,7 @@ class ParallelSource:
         self._pid = os.getpid()
         self._producer = Producer(source, kind, self.options, pool, name)
         self.name = self._producer.name
+        self._last_report = time.monotonic()
         self._epoch: Optional[Epoch] = None
         self._next_epoch = 0
         self._resume_iteration = 0
@@ -323,6 +338,8 @@ class ParallelSource:
             previous = self._epoch
             if previous is not None:
                 previous.state = EpochState.ENDED
+            if self._producer.stats is not None and self._producer.stats.batches == 0:
+                self._producer.stats.reset()  # the window starts with the first epoch
             run = self._producer.request(self._next_epoch, self._resume_iteration)
             assert run is not None
             self._epoch = Epoch(self, run)
@@ -394,6 +411,8 @@ class ParallelSource:
         pool = self._pool
         pool.check_owner()
         producer = self._producer
+        stats = producer.stats
+        asked = time.perf_counter_ns() if stats is not None else 0
         deadline = None if self.options.timeout is None else time.monotonic() + self.options.timeout
         while True:
             with pool.lock:
@@ -402,6 +421,7 @@ class ParallelSource:
                     pending = producer.ready(epoch.run, epoch.next_yield)
                     assert pending is not None
                     decision = self._decide(epoch, pending)
+                    ready = producer.ready_count() - 1 if stats is not None else 0
                     take.next_yield, take.state = epoch.next_yield, epoch.state
                     take.lease_seq = pending.slot.lease_seq + 1
                     take.pending = pending
@@ -423,7 +443,44 @@ class ParallelSource:
             with pool.lock:
                 self._end(epoch)
             raise
-        return self._finish(outcome)
+        outcome = self._finish(outcome)
+        if stats is not None:
+            stats.took(decision.size, _nbytes(outcome), time.perf_counter_ns() - asked, ready,
+                       take.next_yield == epoch.run.first_iteration)
+            if self.options.stats_every is not None:
+                self._maybe_report()
+        return outcome
+
+    # -- statistics ------------------------------------------------------------------------------
+
+    def stats(self, reset: bool = False) -> SourceStats:
+        """Where the time went since the first batch (or the last ``stats(reset=True)``).
+
+        A :class:`~extsrc.engine.stats.SourceStats`: batches, samples and bytes
+        delivered, the time the consumer waited, each worker's busy fraction,
+        the callback's time per sample, the batches ready ahead, the shared
+        memory in use; ``str()`` of it is a short report ending in a diagnosis.
+        ``reset=True`` starts a new window after taking this one. Raises
+        ``RuntimeError`` if the source was made with ``stats=False``.
+        """
+        self._pool.check_owner()
+        collector = self._producer.stats
+        if collector is None:
+            raise RuntimeError(f"source {self.name} was made with stats=False: it collects no statistics")
+        with self._pool.lock:
+            snapshot = collector.snapshot(
+                self.name, self._producer.ready_count(), self._producer.slots.reserved_bytes(),
+                self.options.prefetch, self.options.batch_size,
+            )
+            if reset:
+                collector.reset()
+        return snapshot
+
+    def _maybe_report(self) -> None:
+        now = time.monotonic()
+        if now - self._last_report >= self.options.stats_every:
+            self._last_report = now
+            logging.getLogger("extsrc").info("%s", self.stats())
 
     def _undo(self, epoch: Epoch, take: "_Take") -> None:
         """Undoes an interrupted take (see :meth:`Epoch.__next__`): the next call returns the
@@ -520,6 +577,14 @@ class ParallelSource:
         self._pool.fail(error)
         self._pool.check_usable(self._producer.source_id)  # marks it as reported
         return error
+
+
+def _nbytes(outcome: BatchOutput) -> int:
+    outputs = outcome if isinstance(outcome, tuple) else (outcome,)
+    total = 0
+    for samples in outputs:
+        total += samples.as_array().nbytes if samples.is_dense else sum(s.nbytes for s in samples)
+    return total
 
 
 def _uniform(samples: Batch) -> bool:

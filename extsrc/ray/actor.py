@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from extsrc.engine.protocol import SetupFailed, SourceSetup, Task, TaskFailed
-from extsrc.engine.runner import SourceRunner
+from extsrc.engine.runner import SAMPLE, SourceRunner
 from extsrc.ray.protocol import ActorReady, Produced
 
 # Samples up to this size travel stacked, as one array per output: Ray serialises every array
@@ -33,15 +33,63 @@ from extsrc.ray.protocol import ActorReady, Produced
 STACK_MAX_SAMPLE_BYTES = 64 << 10
 
 
+class PackedWrite:
+    """The samples of one task, checked and kept to be returned (what a worker process would
+    write into shared memory). Same methods as :class:`extsrc.shm.writer.TaskWrite` that the
+    runner calls: ``add`` a chunk of samples, ``alloc`` room for an ``in_place`` callback (here a
+    fresh array, returned with the others), ``describe`` a position."""
+
+    def __init__(self, checker: Any, num_outputs: int, describe: Callable[[int], str]):
+        self.checker = checker
+        self.describe = describe
+        self.chunks: List[List[Any]] = [[] for _ in range(num_outputs)]  # per output, packed chunks
+
+    def alloc(self, output: int, position: int, shape: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        self.checker.check(np.empty((0,) * len(shape), dtype), output, position, self.describe(position),
+                           None, "")
+        return np.empty(shape, dtype)
+
+    def add(self, columns: List[Sequence[Any]], position: int, count: int) -> None:
+        if count:
+            for j, column in enumerate(columns):
+                self.chunks[j].append(pack(self.checker, j, column, position, count, self.describe))
+
+    def columns(self) -> Tuple[Any, ...]:
+        """Per output: one packed chunk as it is, several as one list of samples."""
+        joined = []
+        for chunks in self.chunks:
+            if len(chunks) == 1:
+                joined.append(chunks[0])
+            else:
+                joined.append([sample for chunk in chunks for sample in chunk])
+        return tuple(joined)
+
+
+class PackingWriter:
+    """In place of the engine's :class:`~extsrc.shm.writer.TaskWriter`: a
+    :class:`PackedWrite` per task, whatever its slot (the pool writes the slot)."""
+
+    def __init__(self, checker: Any, num_outputs: int):
+        self.checker = checker
+        self.num_outputs = num_outputs
+
+    def begin(self, slot_id: int, batch_seq: int, start: int, stop: int, region_bytes: int,
+              regions: Any, describe: Callable[[int], str]) -> PackedWrite:
+        return PackedWrite(self.checker, self.num_outputs, describe)
+
+
 class ActorRunner(SourceRunner):
     """The engine's runner, answering with the checked samples rather than writing them."""
 
-    def _done(self, task: Task, start: int, columns: List[Sequence[Any]], count: int, stopped: bool,
-              describe: Callable[[int], str]) -> Produced:
-        checker = self.writer.checker
-        packed = tuple(pack(checker, j, column, start, count, describe)
-                       for j, column in enumerate(columns))
-        return Produced(task.source_id, task.ticket, start, count, stopped, packed)
+    def __init__(self, setup: SourceSetup, callback: Any, worker: int):
+        super().__init__(setup, callback, worker)
+        self.writer = PackingWriter(self.writer.checker, setup.num_outputs)
+
+    def _done(self, task: Task, write: Any, count: int, stopped: bool, busy_ns: int,
+              timed: Tuple[Tuple[int, int], ...]) -> Produced:
+        start = task.start if self.setup.kind == SAMPLE else 0
+        return Produced(task.source_id, task.ticket, start, count, stopped, write.columns(), busy_ns,
+                        timed)
 
 
 def pack(checker: Any, output: int, column: Sequence[Any], start: int, count: int,

@@ -30,6 +30,8 @@ class Produced(NamedTuple):
     count: int
     stopped: bool
     columns: Tuple[Any, ...]
+    busy_ns: int = 0  # the actor's time on the task, and the callback's per group of samples
+    timed: Tuple[Tuple[int, int], ...] = ()  # (samples, ns), as in TaskDone (statistics)
 
 
 class ActorReady(NamedTuple):

@@ -51,17 +51,24 @@ class OverflowArea:
             self.batch_seq = batch_seq
             self.cursor = 0
 
-    def put(self, array: np.ndarray) -> int:
-        """Copies ``array`` in; returns its byte offset in the segment."""
+    def alloc(self, dtype: np.dtype, shape: Tuple[int, ...]) -> Tuple[int, np.ndarray]:
+        """Room for one sample: ``(byte offset in the segment, a writable array there)``."""
+        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
         offset = align(self.cursor)
-        end = offset + array.nbytes
+        end = offset + nbytes
         size = 0 if self.mapping is None else self.mapping.size
         if end > size:
             reserved = self.segment.reserve(max(end, 2 * size, MIN_OVERFLOW))
             self.mapping = self.segment.map(reserved)
-        if array.nbytes:
-            self.mapping.array(offset, array.dtype, array.shape)[...] = array
         self.cursor = end
+        assert self.mapping is not None
+        return offset, self.mapping.array(offset, dtype, shape)
+
+    def put(self, array: np.ndarray) -> int:
+        """Copies ``array`` in; returns its byte offset in the segment."""
+        offset, destination = self.alloc(array.dtype, array.shape)
+        if array.nbytes:
+            destination[...] = array
         return offset
 
     @property
@@ -114,64 +121,155 @@ class TaskWriter:
         for slot_id in list(self.slots):
             self.drop_slot(slot_id)
 
+    def begin(self, slot_id: int, batch_seq: int, start: int, stop: int, region_bytes: int,
+              regions: Tuple[Optional[Region], ...], describe: Describe) -> "TaskWrite":
+        """Starts writing the samples ``start..stop-1`` of a batch into slot ``slot_id``."""
+        slot = self.slots[slot_id]
+        slot.overflow.start_batch(batch_seq)
+        return TaskWrite(self, slot, start, stop, region_bytes, regions, describe)
+
     def write(
         self, slot_id: int, batch_seq: int, start: int, stop: int, region_bytes: int,
         regions: Tuple[Optional[Region], ...], columns: List[Sequence[object]], count: int,
         describe: Describe,
     ) -> Tuple[Tuple[Tuple[Spilled, ...], ...], int]:
-        """Writes ``columns[j][k]`` (output ``j``, sample ``start + k``) into the slot.
+        """Writes ``columns[j][k]`` (output ``j``, sample ``start + k``) into the slot, at once.
 
         Returns, per output, the samples spilled to overflow, and the bytes of
         overflow in use. Raises :class:`~extsrc.errors.SampleError` for an
         invalid sample and :class:`~extsrc.errors.SharedMemoryError` when
         memory runs out.
         """
-        slot = self.slots[slot_id]
-        slot.overflow.start_batch(batch_seq)
-        region_map = slot.region_view(region_bytes) if region_bytes else None
+        task = self.begin(slot_id, batch_seq, start, stop, region_bytes, regions, describe)
+        task.add(columns, start, count)
+        return task.finish()
+
+
+class TaskWrite:
+    """The samples of one task going into its slot, a chunk at a time.
+
+    A worker adds samples as the callback makes them (:meth:`add`), so that
+    large ones are written and dropped one by one and the callback's memory
+    is reused rather than faulted in anew; :meth:`alloc` hands the callback
+    the sample's place in shared memory, so that it can write the sample
+    there itself (then nothing is copied). :meth:`finish` says what spilled.
+    """
+
+    def __init__(self, writer: TaskWriter, slot: WorkerSlot, start: int, stop: int,
+                 region_bytes: int, regions: Tuple[Optional[Region], ...], describe: Describe):
+        self.writer = writer
+        self.slot = slot
+        self.start, self.stop = start, stop
+        self.regions = regions
+        self.describe = describe
+        self.region_map = slot.region_view(region_bytes) if region_bytes else None
+        self.spilled: List[List[Spilled]] = [[] for _ in regions]
+        self.first: List[Optional[np.ndarray]] = [None] * len(regions)
+        self.first_where = [""] * len(regions)
+        self._rows: List[Optional[np.ndarray]] = [None] * len(regions)
+        self._given: Dict[Tuple[int, int], Tuple[int, Optional[Spilled]]] = {}  # see alloc
+
+    def _region_rows(self, j: int) -> Optional[np.ndarray]:
+        """Output ``j``'s region for samples ``start..stop-1`` (rows), or None without one."""
+        rows = self._rows[j]
+        region = self.regions[j]
+        if rows is None and region is not None and self.region_map is not None:
+            rows = self.region_map.array(region.offset + self.start * region.stride,
+                                         np.dtype(region.dtype), (self.stop - self.start,) + region.shape)
+            self._rows[j] = rows
+        return rows
+
+    def alloc(self, output: int, position: int, shape: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A writable array in shared memory for sample ``position`` of ``output``.
+
+        Its place in the output's region when ``shape`` and ``dtype`` are the
+        region's (the batch stays one dense array), else in this worker's
+        overflow. A sample returned as this very array is not copied.
+        """
+        checker = self.writer.checker
+        probe = np.empty((0,) * len(shape), dtype)  # checks dtype and ndim as a sample would be
+        checker.check(probe, output, position, self.describe(position), None, "")
+        rows = self._region_rows(output)
+        region = self.regions[output]
+        if rows is not None and region is not None and dtype.str == region.dtype and shape == region.shape:
+            array = rows[position - self.start]
+            self._given[(output, position)] = (array.__array_interface__["data"][0], None)
+            return array
         try:
-            spilled = tuple(
-                self._write_output(j, regions[j], start, stop, column, count, region_map,
-                                   slot.overflow, describe)
-                for j, column in enumerate(columns)
-            )
+            offset, array = self.slot.overflow.alloc(dtype, shape)
         except SharedMemoryError as exc:
-            # Every slot holds a batch, and the first batch also fills the overflow.
-            sample_bytes = sum(np.asarray(column[0]).nbytes for column in columns if count)
-            raise limits.with_advice(exc, slot.region.kind,
-                                     (len(self.slots) + 1) * sample_bytes * self.batch_size) from None
-        return spilled, slot.overflow.used
+            raise self._with_advice(exc, dtype.itemsize * int(np.prod(shape))) from None
+        placed = Spilled(position, dtype.str, shape, offset)
+        self._given[(output, position)] = (array.__array_interface__["data"][0], placed)
+        return array
 
-    def _write_output(self, j, region, start, stop, column, count, region_map, overflow,
-                      describe) -> Tuple[Spilled, ...]:
-        in_place = None
-        fits = max(0, min(count, stop - start))  # samples that have a place in the region
-        if region is not None and fits and region_map is not None:
-            in_place = region_map.array(region.offset + start * region.stride, np.dtype(region.dtype),
-                                        (stop - start,) + region.shape)
-            if fits == count and _write_dense(column, in_place[:count]):
-                return ()
-        return self._write_each(j, start, column, count, in_place, fits, overflow, describe)
+    def add(self, columns: List[Sequence[object]], position: int, count: int) -> None:
+        """Writes ``columns[j][k]`` (output ``j``, sample ``position + k``)."""
+        if not count:
+            return
+        try:
+            for j, column in enumerate(columns):
+                self._add_output(j, column, position, count)
+        except SharedMemoryError as exc:
+            sample_bytes = sum(np.asarray(column[0]).nbytes for column in columns)
+            raise self._with_advice(exc, sample_bytes) from None
 
-    def _write_each(self, j, start, column, count, in_place, fits, overflow, describe):
-        first: Optional[np.ndarray] = None
-        first_where = ""
-        spilled = []
+    def _with_advice(self, exc: SharedMemoryError, sample_bytes: int) -> SharedMemoryError:
+        # Every slot holds a batch, and the first batch also fills the overflow.
+        total = (len(self.writer.slots) + 1) * sample_bytes * self.writer.batch_size
+        return limits.with_advice(exc, self.slot.region.kind, total)
+
+    def _add_output(self, j: int, column: Sequence[object], position: int, count: int) -> None:
+        rows = self._region_rows(j)
+        k0 = position - self.start
+        if rows is not None:
+            destination = rows[k0:k0 + count]
+            if self._given and _is_in_place(column, destination):
+                self._note_first(j, destination[0], position)
+                return
+            if _write_dense(column, destination):
+                self._note_first(j, destination[0], position)
+                return
+        checker = self.writer.checker
         for k in range(count):
-            where = describe(start + k)
-            array = self.checker.check(column[k], j, start + k, where, first, first_where)
-            if first is None:
-                first, first_where = array, where
-            if (
-                in_place is not None
-                and k < fits
-                and array.dtype == in_place.dtype
-                and array.shape == in_place.shape[1:]
-            ):
-                in_place[k] = array
+            sample_position = position + k
+            where = self.describe(sample_position)
+            array = checker.check(column[k], j, sample_position, where, self.first[j], self.first_where[j])
+            self._note_first(j, array, sample_position)
+            given = self._given.get((j, sample_position))
+            if given is not None and array.__array_interface__["data"][0] == given[0]:
+                if given[1] is not None and array.shape == given[1].shape:
+                    self.spilled[j].append(given[1])  # written by the callback in overflow
+                    continue
+                if given[1] is None and rows is not None and array.shape == rows.shape[1:]:
+                    continue  # written by the callback in place
+            if rows is not None and array.dtype == rows.dtype and array.shape == rows.shape[1:]:
+                rows[sample_position - self.start] = array
             else:
-                spilled.append(Spilled(start + k, array.dtype.str, array.shape, overflow.put(array)))
-        return tuple(spilled)
+                offset = self.slot.overflow.put(array)
+                self.spilled[j].append(Spilled(sample_position, array.dtype.str, array.shape, offset))
+
+    def _note_first(self, j: int, sample: np.ndarray, position: int) -> None:
+        if self.first[j] is None:
+            self.first[j], self.first_where[j] = sample, self.describe(position)
+
+    def finish(self) -> Tuple[Tuple[Tuple[Spilled, ...], ...], int]:
+        """Per output, the samples spilled to overflow; and the bytes of overflow in use."""
+        return tuple(tuple(s) for s in self.spilled), self.slot.overflow.used
+
+
+def _is_in_place(column: Sequence[object], destination: np.ndarray) -> bool:
+    """Whether every sample is already the row of ``destination`` it belongs in."""
+    if len(column) != len(destination):
+        return False
+    base = destination.__array_interface__["data"][0]
+    stride = destination.strides[0] if destination.ndim else 0
+    for k, sample in enumerate(column):
+        if (sample.__class__ is not np.ndarray or sample.dtype != destination.dtype
+                or sample.shape != destination.shape[1:]
+                or sample.__array_interface__["data"][0] != base + k * stride):
+            return False
+    return True
 
 
 def _write_dense(column, destination: np.ndarray) -> bool:

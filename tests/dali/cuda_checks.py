@@ -127,6 +127,55 @@ def outputs_kept_on_gpu() -> None:
                 assert (np.array(gpu[k]) == 2 * stamp).all()
 
 
+def jpeg_and_record(info):
+    """Two outputs: the encoded bytes of the bundled JPEG ``info.record``, and the record."""
+    with open(os.path.join(IMAGE_DIR, NAMES[info.record]), "rb") as f:
+        return np.frombuffer(f.read(), dtype=np.uint8), np.array([info.record], np.int32)
+
+
+def iterator_mixed_decoder() -> None:
+    """DALIClassificationIterator(reader_name=) over a spawn extsrc pipeline decoding on the GPU:
+    CUDA tensors with the pixels of a CPU decode, each image once per epoch (PARTIAL)."""
+    from nvidia.dali import types
+    from nvidia.dali.plugin.pytorch import DALIClassificationIterator, LastBatchPolicy
+
+    from extsrc import Order, fn, pipeline_def
+
+    order = Order(len(NAMES), shuffle=True, seed=1)  # 12 images in batches of 5: the last padded
+
+    def define(device):
+        @pipeline_def(batch_size=5, num_threads=2, device_id=0 if device == "mixed" else None,
+                      py_num_workers=2, py_start_method="spawn")
+        def pipe():
+            jpegs, records = fn.external_source(jpeg_and_record, num_outputs=2, parallel=True,
+                                                order=order, last_batch="pad", name="src",
+                                                dtype=[types.UINT8, types.INT32])
+            images = fn.decoders.image(jpegs, device=device, output_type=types.RGB)
+            return fn.resize(images, size=[32, 32]), records
+
+        return pipe()
+
+    reference = {}
+    with define("cpu") as cpu:
+        for (out,) in DALIClassificationIterator(cpu, reader_name="src",
+                                                 last_batch_policy=LastBatchPolicy.PARTIAL):
+            for image, record in zip(out["data"], out["label"][:, 0].tolist()):
+                reference[record] = image.numpy().astype(int)
+    assert sorted(reference) == list(range(len(NAMES)))
+    with define("mixed") as gpu:
+        iterator = DALIClassificationIterator(gpu, reader_name="src", auto_reset=True,
+                                              last_batch_policy=LastBatchPolicy.PARTIAL)
+        for epoch in range(2):
+            seen = []
+            for (out,) in iterator:
+                assert out["data"].is_cuda and out["data"].shape[1:] == (32, 32, 3)
+                for image, record in zip(out["data"].cpu().numpy(), out["label"][:, 0].tolist()):
+                    diff = np.abs(image.astype(int) - reference[record]).mean()
+                    assert diff < 3.0, f"epoch {epoch}, image {record}: mean difference {diff}"
+                    seen.append(record)
+            assert seen == list(order.epoch(epoch)), (epoch, seen)
+
+
 if __name__ == "__main__":
     check = sys.argv[1]
     globals()[check]()

@@ -38,3 +38,8 @@ def test_fork_after_real_cuda_is_refused():
 @pytest.mark.cuda
 def test_outputs_kept_in_a_gpu_pipeline_stay_right():
     _run("outputs_kept_on_gpu")
+
+
+@pytest.mark.cuda
+def test_a_framework_iterator_over_a_mixed_decoder_gets_every_image_right():
+    _run("iterator_mixed_decoder")

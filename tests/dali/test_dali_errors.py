@@ -93,7 +93,6 @@ def test_a_failed_batch_is_asked_for_again_by_the_next_run():
         (dict(source=Counting(4), cycle="raise"), ValueError, "cycle"),
         (dict(source=Counting(4), cycle="sometimes"), ValueError, "cycle"),
         (dict(source=Counting(4), last_batch="keep"), ValueError, "last_batch"),
-        (dict(source=Counting(4), name="x", num_outputs=2), ValueError, "num_outputs"),
         (dict(source=None), ValueError, "needs a `source`"),
     ],
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from nvidia.dali import types
@@ -199,3 +201,37 @@ def test_layout_reaches_dali():
     with pipe() as p:
         images, labels = p.run()
     assert images.layout() == "HWC" and labels.layout() == ""
+
+
+def test_an_in_place_source_writes_its_samples_into_shared_memory_through_the_drop_in():
+    def fill(info, buffers):
+        out = buffers.array((2, 3), np.int32)
+        out[...] = info.idx_in_epoch
+        return out
+
+    @pipeline_def(batch_size=4, py_num_workers=2, **CPU)
+    def pipe():
+        return fn.external_source(fill, parallel=True, in_place=True)
+
+    with pipe() as p:
+        p.build()
+        got = [[int(np.array(out[i])[1, 2]) for i in range(4)] for (out,) in (p.run() for _ in range(3))]
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def test_a_pipeline_reports_the_statistics_of_each_parallel_source():
+    def slow(info):
+        time.sleep(0.005)
+        return np.zeros(8, np.uint8)
+
+    @pipeline_def(batch_size=4, py_num_workers=2, **CPU)
+    def pipe():
+        return fn.external_source(slow, parallel=True, name="images")
+
+    with pipe() as p:
+        p.build()
+        for _ in range(6):
+            p.run()
+        stats = p.extsrc_stats()
+    assert list(stats) == ["images"]
+    assert stats["images"].samples >= 24 and stats["images"].diagnosis().startswith("Input-bound")

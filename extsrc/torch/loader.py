@@ -1,0 +1,361 @@
+"""``TorchLoader``: the batches of a ``ParallelSource`` as torch tensors, on the CPU or a GPU."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from extsrc.dma import CUDA_HOST_REGISTER_PORTABLE, InFlight, PageLock, page_lock
+from extsrc.engine.cuda_state import gpu_visible
+from extsrc.engine.source import ParallelSource
+from extsrc.torch.tensors import batch_tensors, each_tensor, map_tensors
+
+
+def _parse_device(device: Any) -> Optional[torch.device]:
+    """``None`` for the CPU, else a CUDA ``torch.device``; ``ValueError`` for anything else."""
+    if device is None:
+        return None
+    try:
+        parsed = torch.device(device)
+    except (TypeError, RuntimeError, ValueError) as exc:
+        raise ValueError(
+            f"device must be None, 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r} ({exc})"
+        ) from None
+    if parsed.type == "cpu":
+        return None
+    if parsed.type != "cuda":
+        raise ValueError(f"device must be the CPU or a CUDA device, got {device!r} ({parsed.type})")
+    return parsed
+
+
+def _require_cuda(what: str) -> None:
+    if torch.cuda.is_available():
+        return
+    if torch.version.cuda is None:
+        why = f"this PyTorch ({torch.__version__}) is built without CUDA"
+    else:
+        why = gpu_visible()[1] or "no CUDA device is usable here"
+    raise RuntimeError(
+        f"{what} needs CUDA, and torch.cuda.is_available() is False: {why}. Leave device= and "
+        "pin_memory= at their defaults to get CPU tensors, or run where a GPU is visible"
+    )
+
+
+class _Handed:
+    """The last CPU batch a pinned loader handed out, kept until an event covers its copies."""
+
+    __slots__ = ("tensors", "device")
+
+    def __init__(self) -> None:
+        self.tensors: Any = None
+        self.device: Optional[torch.device] = None
+
+    def cover(self, in_flight: InFlight) -> None:
+        """Hands the batch to ``in_flight`` with an event recorded now on the current stream:
+        it completes after every copy of the batch queued on that stream so far."""
+        if self.tensors is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            in_flight.add(event, self.tensors)
+            self.tensors = None
+
+
+def _wait_quietly(in_flight: InFlight, handed: _Handed) -> None:
+    """Finaliser of a loader: its copies complete before their host batches may be reused."""
+    try:
+        handed.cover(in_flight)
+        in_flight.wait_all()
+    except Exception:
+        pass  # at interpreter exit CUDA may be gone, and with it every copy
+
+
+class TorchLoader:
+    """The batches of ``source`` (a :class:`~extsrc.ParallelSource`) as torch tensors.
+
+    Each batch is what the source yields, with every output a tensor: one
+    tensor of shape ``(batch, *sample_shape)`` when the output's samples
+    share shape and dtype (dense), else a list of per-sample tensors; several
+    outputs (``num_outputs``) make a tuple. Each ``for`` loop is one epoch of
+    the source. ``len()`` is the source's (batches per epoch; needs
+    ``order=``). One consumer thread per loader.
+
+    * ``device=None`` (or ``"cpu"``): tensors are ``torch.from_numpy`` views
+      of the batch's shared memory, no copy; like the source's arrays they
+      stay valid and unchanged for as long as they (or views of them) live.
+    * ``pin_memory=True``: the source's shared memory is registered with
+      CUDA as page-locked once (``cudaHostRegister``, every mapping as it is
+      made), so ``tensor.to("cuda", non_blocking=True)`` is a DMA with no
+      copy on the CPU and ``tensor.is_pinned()`` is true. The loader keeps
+      each CPU batch referenced until the work queued on the current CUDA
+      stream when the next batch is taken has completed, which covers a copy
+      queued on that stream before taking the next batch (the usual loop);
+      a copy queued on another stream, or later, must keep the batch itself.
+    * ``device="cuda"`` (``"cuda:N"``, a ``torch.device``): batches arrive as
+      CUDA tensors. Each batch is copied on a side stream while the previous
+      one is in use, and the current stream waits for the copy before using
+      it; the host batch stays referenced (its memory is not reused) until
+      the copy's event has completed. With ``pin_memory=True`` the copies
+      are DMAs from the page-locked shared memory; without, CUDA stages them
+      through its own buffer, on the CPU.
+
+    Asking for CUDA (either option) starts the source's workers first (so
+    that ``fork`` workers start before CUDA is initialised), then raises
+    ``RuntimeError`` if CUDA is not available. A failed page-locking is
+    raised from the next ``next()``.
+
+    ``state_dict()`` / ``load_state_dict()`` save and restore the position
+    (the next batch the loop would get, whatever was prefetched), as the
+    source's ``get_state()`` / ``set_state()`` do. ``close()`` (or ``with``)
+    waits for copies in flight and, for a loader made by
+    :func:`extsrc.torch.from_dataset`, closes its source.
+    """
+
+    def __init__(self, source: ParallelSource, *, device: Any = None, pin_memory: bool = False):
+        self._setup(source, device, pin_memory, rebuild=None, owns_source=False)
+
+    @classmethod
+    def _owning(cls, source: ParallelSource, *, device: Any, pin_memory: bool,
+                rebuild: Optional[Callable[[Any], Any]]) -> "TorchLoader":
+        """A loader that closes ``source`` with itself and shapes each batch with ``rebuild``."""
+        loader = cls.__new__(cls)
+        try:
+            loader._setup(source, device, pin_memory, rebuild, owns_source=True)
+        except BaseException:
+            source.close()
+            raise
+        return loader
+
+    def _setup(self, source: ParallelSource, device: Any, pin_memory: bool,
+               rebuild: Optional[Callable[[Any], Any]], owns_source: bool) -> None:
+        if not isinstance(source, ParallelSource):
+            raise TypeError(f"source must be an extsrc.ParallelSource, got {type(source).__name__}")
+        if not isinstance(pin_memory, bool):
+            raise TypeError(f"pin_memory must be True or False, got {pin_memory!r}")
+        self._source = source
+        self._owns_source = owns_source
+        self._rebuild = rebuild
+        self._device = _parse_device(device)
+        self._pin = pin_memory
+        self._page_lock: Optional[PageLock] = None
+        self._stream: Any = None
+        self._position: Optional[_Position] = None  # of the running epoch (not the epoch: no cycle)
+        self._closed = False
+        self._in_flight = InFlight()
+        self._handed = _Handed()
+        self._finalizer = weakref.finalize(self, _wait_quietly, self._in_flight, self._handed)
+        if self._device is None and not pin_memory:
+            return
+        source.start()  # fork workers must exist before CUDA is initialised
+        _require_cuda("device=" + repr(device) if self._device is not None else "pin_memory=True")
+        index = self._device.index if self._device is not None else None
+        if index is None:
+            index = torch.cuda.current_device()
+        self._cuda = torch.device("cuda", index)
+        self._handed.device = self._cuda
+        if self._device is not None:
+            self._device = self._cuda
+            self._stream = torch.cuda.Stream(self._cuda)
+        if pin_memory:
+            self._page_lock = _page_lock_with_torch(source, index)
+
+    # -- what it is ------------------------------------------------------------------------------
+
+    @property
+    def source(self) -> ParallelSource:
+        """The source whose batches this loader yields."""
+        return self._source
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tensors are: ``cpu`` or a CUDA device."""
+        return self._device if self._device is not None else torch.device("cpu")
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether the source's shared memory is page-locked for CUDA."""
+        return self._pin
+
+    def __len__(self) -> int:
+        """Batches per epoch (the source's ``len()``; needs ``order=``)."""
+        return len(self._source)
+
+    # -- epochs ----------------------------------------------------------------------------------
+
+    def __iter__(self) -> "_Epoch":
+        """Starts the source's next epoch (ending an unfinished one) and returns its iterator."""
+        if self._closed:
+            raise ValueError("this TorchLoader is closed")
+        batches = iter(self._source)
+        start = self._source.get_state()  # the new epoch, before its first batch
+        epoch: _Epoch = (_DeviceEpoch if self._device is not None else _HostEpoch)(self, batches, start)
+        self._position = epoch.position
+        return epoch
+
+    def _tensors(self, batch: Any) -> Any:
+        tensors = batch_tensors(batch)
+        return tensors if self._rebuild is None else self._rebuild(tensors)
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Where the loader stands: the next batch a loop would get (a small JSON-able dict)."""
+        state = self._source.get_state()
+        position = self._position
+        if position is not None and not position.finished:
+            state = {**state, "epoch_idx": position.epoch_idx, "iteration": position.next_iteration}
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Makes the next ``iter()`` resume at ``state_dict`` (from :meth:`state_dict`).
+
+        Raises ``ValueError`` for a state not made by :meth:`state_dict` (or by
+        ``ParallelSource.get_state``), or saved with another order.
+        """
+        self._source.set_state(state_dict)
+        self._position = None
+
+    # -- life cycle ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Waits for the copies in flight; closes the source if the loader made it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._position = None
+        self._finalizer()
+        if self._owns_source:
+            self._source.close()
+
+    def __enter__(self) -> "TorchLoader":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"TorchLoader({self._source.name}, device={str(self.device)!r}, "
+                f"pin_memory={self._pin})")
+
+
+def _page_lock_with_torch(source: ParallelSource, index: int) -> PageLock:
+    cudart = torch.cuda.cudart()
+
+    def register(address: int, size: int) -> None:
+        with torch.cuda.device(index):  # the mapping thread may have another device current
+            torch.cuda.check_error(cudart.cudaHostRegister(address, size, CUDA_HOST_REGISTER_PORTABLE))
+
+    def unregister(address: int) -> None:
+        with torch.cuda.device(index):
+            torch.cuda.check_error(cudart.cudaHostUnregister(address))
+
+    return page_lock(source, "PyTorch", register, unregister)
+
+
+class _Position:
+    """Where a loop over a loader stands: the epoch, and the iteration of the next batch."""
+
+    __slots__ = ("epoch_idx", "next_iteration", "finished")
+
+    def __init__(self, epoch_idx: int, next_iteration: int):
+        self.epoch_idx = epoch_idx
+        self.next_iteration = next_iteration
+        self.finished = False
+
+
+class _Epoch:
+    """One epoch of a loader: what ``iter(loader)`` returns."""
+
+    def __init__(self, loader: TorchLoader, batches: Any, start: Dict[str, Any]):
+        self.loader = loader
+        self.batches = batches
+        self.position = _Position(start["epoch_idx"], start["iteration"])
+
+    def __iter__(self) -> "_Epoch":
+        return self
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def _check(self) -> None:
+        if self.loader._page_lock is not None:
+            self.loader._page_lock.check()
+
+
+class _HostEpoch(_Epoch):
+    """CPU tensors, views of the batches' shared memory."""
+
+    def __next__(self) -> Any:
+        loader = self.loader
+        if self.position.finished:
+            raise StopIteration
+        self._check()
+        if loader._pin:
+            loader._handed.cover(loader._in_flight)  # the previous batch, copied by now or queued
+            loader._in_flight.release_done()
+        try:
+            batch = next(self.batches)
+        except StopIteration:
+            self.position.finished = True
+            raise
+        tensors = loader._tensors(batch)
+        self.position.next_iteration += 1
+        if loader._pin:
+            loader._handed.tensors = tensors
+        return tensors
+
+
+class _DeviceEpoch(_Epoch):
+    """CUDA tensors, each batch copied on the loader's side stream while the previous one is used."""
+
+    def __init__(self, loader: TorchLoader, batches: Any, start: Dict[str, Any]):
+        super().__init__(loader, batches, start)
+        self._ready: Any = None  # (CUDA tensors, event) of the next batch, copying or copied
+        self._exhausted = False
+        self._error: Optional[BaseException] = None  # raised after the batches before it
+
+    def _copy_next(self) -> Any:
+        """Takes the next host batch and queues its copy; raises StopIteration at the end."""
+        loader = self.loader
+        host = loader._tensors(next(self.batches))
+        with torch.cuda.stream(loader._stream):
+            device = map_tensors(lambda t: t.to(loader._device, non_blocking=True), host)
+            event = torch.cuda.Event()
+            event.record(loader._stream)
+        loader._in_flight.add(event, host)  # the host memory is not reused before the copy is done
+        return device, event
+
+    def __next__(self) -> Any:
+        if self.position.finished:
+            raise StopIteration
+        self._check()
+        self.loader._in_flight.release_done()
+        if self._ready is None:
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            if self._exhausted:
+                self.position.finished = True
+                raise StopIteration
+            try:
+                self._ready = self._copy_next()
+            except StopIteration:
+                self.position.finished = True
+                raise
+        current = self._ready
+        try:
+            upcoming = self._copy_next()  # overlaps with the loop's work on `current`
+        except StopIteration:
+            upcoming, self._exhausted = None, True
+        except Exception as exc:
+            upcoming, self._error = None, exc
+        # An interrupt (KeyboardInterrupt) above leaves `current` ready: the next call returns it.
+        self._ready = upcoming
+        device, event = current
+        stream = torch.cuda.current_stream(self.loader._device)
+        stream.wait_event(event)
+        for tensor in each_tensor(device):
+            tensor.record_stream(stream)  # allocated on the side stream, used on this one
+        self.position.next_iteration += 1
+        return device

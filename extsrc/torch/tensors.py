@@ -1,0 +1,58 @@
+"""Torch tensors over a batch's shared memory, without a copy, and walking nested results."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Union
+
+import torch
+
+from extsrc.batch import Batch
+
+Tensors = Union[torch.Tensor, List[torch.Tensor]]
+
+
+def output_tensors(samples: Batch, output: int = 0) -> Tensors:
+    """One output of a batch: one tensor (dense), else a list of per-sample tensors (ragged).
+
+    The tensors are views of the batch's shared memory (``torch.from_numpy``)
+    and keep it alive and unchanged for as long as they, or views of them,
+    live. Raises ``TypeError`` for a dtype PyTorch has no tensor type for.
+    """
+    try:
+        if samples.is_dense:
+            return torch.from_numpy(samples.as_array())
+        return [torch.from_numpy(sample) for sample in samples]
+    except TypeError as exc:
+        dtype = samples[0].dtype if len(samples) else None
+        raise TypeError(
+            f"output {output} of the batch has dtype {dtype}, which PyTorch cannot view as a "
+            f"tensor ({exc}); return another dtype from the callback"
+        ) from None
+
+
+def batch_tensors(batch: Any) -> Any:
+    """A batch of a source (a :class:`~extsrc.Batch`, or a tuple of them) as tensors: a tensor
+    or a list of tensors per output, and a tuple of those for several outputs."""
+    if isinstance(batch, tuple):
+        return tuple(output_tensors(samples, j) for j, samples in enumerate(batch))
+    return output_tensors(batch)
+
+
+def map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """``value`` with ``function`` applied to every tensor in it (tuples, lists, dicts, namedtuples)."""
+    if isinstance(value, torch.Tensor):
+        return function(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(map_tensors(function, v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(function, v) for v in value)
+    if isinstance(value, dict):
+        return {k: map_tensors(function, v) for k, v in value.items()}
+    return value
+
+
+def each_tensor(value: Any) -> List[torch.Tensor]:
+    """Every tensor in ``value`` (see :func:`map_tensors`)."""
+    found: List[torch.Tensor] = []
+    map_tensors(found.append, value)
+    return found

@@ -1,0 +1,69 @@
+"""Importable map-style datasets for the extsrc.torch tests (spawned workers import them)."""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import numpy as np
+import torch
+
+Pair = collections.namedtuple("Pair", ["image", "label"])
+
+
+class Records(torch.utils.data.Dataset):
+    """Sample i in the layout ``kind``: an image-like tensor, a Python int, a float, ..."""
+
+    def __init__(self, n: int, kind: str = "tuple"):
+        self.n = n
+        self.kind = kind
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        image = torch.full((2, 3), i, dtype=torch.uint8)
+        if self.kind == "tuple":
+            return image, i, float(i) / 2
+        if self.kind == "list":
+            return [np.full((4,), i, np.float32), np.int16(i)]
+        if self.kind == "dict":
+            return {"image": image, "label": i, "weight": np.float32(i) / 4, "flag": i % 2 == 0}
+        if self.kind == "namedtuple":
+            return Pair(image, torch.tensor(i))
+        if self.kind == "single":
+            return np.arange(3, dtype=np.int64) + i
+        raise ValueError(self.kind)
+
+
+class Ragged(torch.utils.data.Dataset):
+    """Sample i: a sequence of i % 3 + 1 values, and its label."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int):
+        return torch.arange(i % 3 + 1, dtype=torch.float32) + i, i
+
+
+class Draws(torch.utils.data.Dataset):
+    """Sample i: draws of the global generators (random augmentation) and the worker's pid."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int):
+        import random
+
+        return np.array([np.random.randint(1 << 30), random.randrange(1 << 30),
+                         int(torch.randint(1 << 30, ())), os.getpid()], np.int64)
+
+
+class Changing(torch.utils.data.Dataset):
+    """Sample 5 has three fields where the others have two."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        return (i, i, i) if i == 5 else (i, i)

@@ -1,0 +1,142 @@
+"""extsrc.torch.from_dataset against torch.utils.data.DataLoader on the same datasets."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from extsrc.torch import from_dataset
+
+from datasets import Changing, Draws, Ragged, Records
+
+
+def _same(ours, theirs, where=""):
+    """Equal structure, types, dtypes, shapes and values."""
+    assert type(ours) is type(theirs), f"{where}: {type(ours).__name__} vs {type(theirs).__name__}"
+    if isinstance(theirs, torch.Tensor):
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, where
+        assert torch.equal(ours, theirs), where
+    elif isinstance(theirs, dict):
+        assert list(ours) == list(theirs), where
+        for key in theirs:
+            _same(ours[key], theirs[key], f"{where}[{key!r}]")
+    else:
+        assert len(ours) == len(theirs), where
+        for k, (a, b) in enumerate(zip(ours, theirs)):
+            _same(a, b, f"{where}[{k}]")
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list", "dict", "namedtuple", "single"])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_same_batches_as_a_dataloader_without_shuffling(kind, drop_last):
+    dataset = Records(23, kind)
+    theirs = list(DataLoader(dataset, batch_size=5, drop_last=drop_last))
+    with from_dataset(dataset, batch_size=5, drop_last=drop_last, num_workers=2) as loader:
+        assert len(loader) == len(DataLoader(dataset, batch_size=5, drop_last=drop_last))
+        for epoch in range(2):
+            ours = list(loader)
+            assert len(ours) == len(theirs)
+            for i, (a, b) in enumerate(zip(ours, theirs)):
+                _same(a, b, f"epoch {epoch} batch {i}")
+
+
+def _labels(batches):
+    return [label for _image, labels, _half in batches for label in labels.tolist()]
+
+
+def test_shuffled_epochs_hold_the_same_samples_as_a_dataloaders_in_new_orders():
+    dataset = Records(50)
+    torch.manual_seed(0)
+    theirs = [sorted(_labels(DataLoader(dataset, batch_size=8, shuffle=True))) for _ in range(2)]
+    with from_dataset(dataset, batch_size=8, shuffle=True, seed=3, num_workers=2) as loader:
+        epochs = [_labels(loader) for _ in range(3)]
+    assert [sorted(e) for e in epochs] == theirs + theirs[:1] == [list(range(50))] * 3
+    assert epochs[0] != epochs[1] != epochs[2] and epochs[0] != list(range(50))
+    with from_dataset(dataset, batch_size=8, shuffle=True, seed=3, num_workers=1) as again:
+        assert _labels(again) == epochs[0]  # the seed decides the order, not the workers
+
+
+def test_shards_split_the_records_as_a_distributed_sampler_does():
+    from torch.utils.data.distributed import DistributedSampler
+
+    dataset = Records(21)
+    ours, theirs = [], []
+    for rank in range(2):
+        with from_dataset(dataset, batch_size=4, shard=(rank, 2), num_workers=1) as loader:
+            ours.append(_labels(loader))
+        sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=False)
+        theirs.append(_labels(DataLoader(dataset, batch_size=4, sampler=sampler)))
+    assert ours == theirs  # every other record, the shorter shard padded from the start
+
+
+def test_a_ragged_field_gives_a_list_of_tensors_where_a_dataloader_fails():
+    with pytest.raises(RuntimeError):
+        list(DataLoader(Ragged(), batch_size=4))
+    with from_dataset(Ragged(), batch_size=4, num_workers=2) as loader:
+        batches = list(loader)
+    sequences, labels = batches[0]
+    assert isinstance(sequences, list) and [t.tolist() for t in sequences] == [
+        [0.0], [1.0, 2.0], [2.0, 3.0, 4.0], [3.0]
+    ]
+    assert labels.tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_workers_draw_different_random_numbers(start_method):
+    with from_dataset(Draws(), batch_size=8, num_workers=2, multiprocessing_context=start_method) as loader:
+        rows = torch.cat(list(loader)).tolist()
+    by_worker = collections.defaultdict(list)
+    for *draws, pid in rows:
+        by_worker[pid].append(draws)
+    assert len(by_worker) == 2, "both workers loaded samples"
+    first, second = by_worker.values()
+    for generator in range(3):  # numpy, random, torch: no two workers repeat each other's draws
+        assert not set(d[generator] for d in first) & set(d[generator] for d in second)
+
+
+def test_a_sample_of_another_layout_is_an_error_naming_it():
+    with from_dataset(Changing(), batch_size=2, num_workers=1) as loader:
+        with pytest.raises(TypeError, match=r"dataset\[5\] holds 3 fields, and dataset\[0\] 2"):
+            list(loader)
+
+
+class _Strings(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return np.zeros(2), f"/data/{i}.jpg"
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(3))
+
+
+@pytest.mark.parametrize("dataset, kwargs, error, match", [
+    (Records(4), dict(collate_fn=lambda b: b), TypeError, "collate_fn=: samples are collated in shared memory"),
+    (Records(4), dict(sampler=[0, 1]), TypeError, "sampler=: give shuffle="),
+    (Records(4), dict(worker_init_fn=print), TypeError, "worker_init_fn=: set up per-worker state"),
+    (Records(4), dict(generator=torch.Generator()), TypeError, "generator=: give seed="),
+    (Records(4), dict(colate_fn=None), TypeError, "unexpected keyword argument 'colate_fn'"),
+    (Records(4), dict(num_workers=0), ValueError, "num_workers >= 1"),
+    (Records(4), dict(batch_size=None), ValueError, "batch_size=None"),
+    (Records(4), dict(multiprocessing_context="threads"), ValueError, "multiprocessing_context"),
+    (_Strings(), {}, TypeError, r"dataset\[0\]\[1\] is a str .*/data/0.jpg"),
+    (_Stream(), {}, TypeError, "map-style dataset"),
+])
+def test_what_does_not_map_is_refused_saying_what_to_do(dataset, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        from_dataset(dataset, **{"batch_size": 2, **kwargs})
+
+
+def test_dataloader_arguments_that_map_are_taken():
+    with from_dataset(Records(12), batch_size=4, num_workers=2, prefetch_factor=3, timeout=30,
+                      persistent_workers=False, in_order=False, pin_memory=False,
+                      multiprocessing_context="fork") as loader:
+        assert loader.source.prefetch == 6 and loader.source.timeout == 30
+        assert _labels(loader) == list(range(12))

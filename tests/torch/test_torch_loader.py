@@ -1,0 +1,150 @@
+"""extsrc.torch.TorchLoader on the CPU: tensors over shared memory, len(), state dicts, lifetime."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from extsrc import Order, ParallelSource
+from extsrc.torch import TorchLoader
+
+from sources import StopsAt, two_outputs
+
+
+def stamped(info):
+    """Sample: [record, epoch] (int64) and 1 KiB of the record's low byte."""
+    return (np.array([info.record, info.epoch_idx], np.int64),
+            np.full((1024,), info.record % 251, np.uint8))
+
+
+def _extsrc_ranges():
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "extsrc:" in line:
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                ranges.append((start, end))
+    return ranges
+
+
+def test_batches_are_tensors_viewing_the_shared_memory():
+    with ParallelSource(stamped, 8, num_outputs=2, num_workers=2, order=Order(40)) as source:
+        loader = TorchLoader(source)
+        records = []
+        for i, (ids, payload) in enumerate(loader):
+            assert isinstance(ids, torch.Tensor) and ids.dtype == torch.int64 and ids.shape == (8, 2)
+            assert payload.dtype == torch.uint8 and payload.shape == (8, 1024)
+            assert (payload == (ids[:, :1] % 251).to(torch.uint8)).all()
+            records += ids[:, 0].tolist()
+            mapped = _extsrc_ranges()
+            for tensor in (ids, payload):  # zero copy (after the first batch, which sizes the memory)
+                assert any(start <= tensor.data_ptr() < end for start, end in mapped) or i == 0
+        assert records == list(range(40))
+
+
+def test_ragged_outputs_are_lists_of_tensors_and_several_outputs_a_tuple():
+    with ParallelSource(two_outputs, 4, num_outputs=2, num_workers=2, order=Order(8)) as source:
+        batches = list(TorchLoader(source))
+    assert len(batches) == 2
+    for images, ragged in batches:
+        assert isinstance(images, torch.Tensor) and images.shape == (4, 2, 3)
+        assert isinstance(ragged, list) and [t.tolist() for t in ragged] == [
+            list(range(k + 1)) for k in range(4)
+        ]
+
+
+def test_len_is_the_sources_and_needs_an_order():
+    with ParallelSource(stamped, 8, num_outputs=2, order=Order(30), last_batch="partial") as source:
+        assert len(TorchLoader(source)) == 4 == len(list(TorchLoader(source)))
+    with ParallelSource(StopsAt(10), 4) as source:
+        with pytest.raises(TypeError, match="order="):
+            len(TorchLoader(source))
+
+
+def _records(batches):
+    return [b[0][:, 0].tolist() for b in batches]
+
+
+def test_state_dict_resumes_at_the_next_batch_in_a_new_process_state():
+    order = Order(64, shuffle=True, seed=5)
+    with ParallelSource(stamped, 8, num_outputs=2, num_workers=2, order=order) as source:
+        loader = TorchLoader(source)
+        list(loader)  # epoch 0
+        epoch = iter(loader)
+        first = [next(epoch) for _ in range(3)]
+        state = loader.state_dict()
+        rest = list(epoch)
+        after_epoch = loader.state_dict()
+    saved = json.loads(json.dumps(state))  # what torch.save / a checkpoint file keeps
+    assert saved["epoch_idx"] == 1 and saved["iteration"] == 3
+    assert after_epoch["epoch_idx"] == 2 and after_epoch["iteration"] == 0
+    with ParallelSource(stamped, 8, num_outputs=2, num_workers=2, order=order) as source:
+        resumed = TorchLoader(source)
+        resumed.load_state_dict(saved)
+        again = list(resumed)
+    assert _records(again) == _records(rest)
+    assert _records(first + rest) == [list(order.epoch(1))[i:i + 8] for i in range(0, 64, 8)]
+    assert all((b[0][:, 1] == 1).all() for b in again)
+
+
+def test_state_dict_of_another_order_is_refused():
+    with ParallelSource(stamped, 8, num_outputs=2, order=Order(64, shuffle=True, seed=1)) as source:
+        state = TorchLoader(source).state_dict()
+    with ParallelSource(stamped, 8, num_outputs=2, order=Order(64, shuffle=True, seed=2)) as source:
+        with pytest.raises(ValueError, match="order"):
+            TorchLoader(source).load_state_dict(state)
+
+
+def test_tensors_kept_stay_right_while_the_loop_goes_on():
+    with ParallelSource(stamped, 4, num_outputs=2, num_workers=2, order=Order(400)) as source:
+        epoch = iter(TorchLoader(source))
+        kept = [next(epoch) for _ in range(20)]
+        views = [payload[1:3] for _ids, payload in kept]  # views of tensors, without the batch
+        del kept
+        for _ in range(60):  # the memory of dropped batches is reused meanwhile
+            next(epoch)
+    for i, view in enumerate(views):
+        assert (view == torch.tensor([(4 * i + 1) % 251, (4 * i + 2) % 251], dtype=torch.uint8)[:, None]).all()
+
+
+def test_a_new_loop_starts_the_next_epoch_after_a_break_and_the_state_follows():
+    with ParallelSource(stamped, 4, num_outputs=2, order=Order(12)) as source:
+        loader = TorchLoader(source)
+        for _ in loader:
+            break
+        assert loader.state_dict()["epoch_idx"] == 0 and loader.state_dict()["iteration"] == 1
+        epoch = iter(loader)
+        assert loader.state_dict()["epoch_idx"] == 1 and loader.state_dict()["iteration"] == 0
+        first = next(epoch)
+        assert loader.state_dict()["epoch_idx"] == 1 and loader.state_dict()["iteration"] == 1
+        epochs = [first[0][:, 1].tolist()] + [b[0][:, 1].tolist() for b in epoch]
+    assert epochs == [[1] * 4] * 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is missing")
+@pytest.mark.parametrize("kwargs, what", [(dict(pin_memory=True), "pin_memory=True"),
+                                          (dict(device="cuda"), "device='cuda'")])
+def test_asking_for_cuda_without_it_is_a_clear_error(kwargs, what):
+    with ParallelSource(StopsAt(10), 4, num_workers=1) as source:
+        with pytest.raises(RuntimeError, match=rf"{what} needs CUDA.*is_available\(\) is False"):
+            TorchLoader(source, **kwargs)
+        assert [b[0][0] for b in source] == [0, 4]  # the source still works
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(device="mps"), ValueError, "CPU or a CUDA device"),
+    (dict(device="nonsense"), ValueError, "device must be"),
+    (dict(pin_memory=1), TypeError, "pin_memory must be True or False"),
+])
+def test_invalid_arguments_are_refused(kwargs, error, match):
+    with ParallelSource(StopsAt(10), 4) as source:
+        with pytest.raises(error, match=match):
+            TorchLoader(source, **kwargs)
+
+
+def test_a_loader_needs_a_parallel_source():
+    with pytest.raises(TypeError, match="extsrc.ParallelSource, got list"):
+        TorchLoader([np.zeros(3)])
