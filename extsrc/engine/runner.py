@@ -360,19 +360,27 @@ class SourceRunner:
 
     def _failed(self, task: Task, position: int, where: Optional[Any], exc: BaseException,
                 from_callback: bool = True) -> TaskFailed:
-        tb = exc.__traceback__
-        if from_callback and tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next  # start at the callback, not at the worker's loop
-        text = "".join(traceback.format_exception(type(exc), exc, tb))
-        try:
-            payload: Optional[bytes] = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
-            pickle.loads(payload)
-        except Exception:
-            payload = None
-        return TaskFailed(
-            task.source_id, task.ticket, self.worker, position, where, payload,
-            type(exc).__qualname__, str(exc), text, from_callback,
-        )
+        return failure(task, self.worker, position, where, exc, from_callback)
 
     def close(self) -> None:
         self.writer.close()
+
+
+def failure(task: Task, worker: int, position: int, where: Optional[Any], exc: BaseException,
+            from_callback: bool = True) -> TaskFailed:
+    """The :class:`TaskFailed` of ``task`` for ``exc``, raised at sample ``position`` (``where``:
+    its ``SampleInfo``/``BatchInfo``, if tied to one) by the callback or, if not
+    ``from_callback``, by checking or writing its output."""
+    tb = exc.__traceback__
+    if from_callback and tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next  # start at the callback, not at the worker's loop
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    try:
+        payload: Optional[bytes] = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(payload)
+    except Exception:
+        payload = None
+    return TaskFailed(
+        task.source_id, task.ticket, worker, position, where, payload,
+        type(exc).__qualname__, str(exc), text, from_callback,
+    )

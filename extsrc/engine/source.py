@@ -564,8 +564,11 @@ class ParallelSource:
     def _timed_out(self, epoch: Epoch) -> SourceTimeoutError:
         stuck = []
         pending = self._producer.pending.get(epoch.next_yield)
-        for worker, pid, task, running in self._pool.running_tasks(self._producer.source_id):
-            if pending is None or task.batch_seq == pending.seq:
+        rows = self._pool.running_tasks(self._producer.source_id)
+        # The batch's own tasks, and what the workers holding them are running instead.
+        holding = {worker for worker, _, task, _ in rows if pending is None or task.batch_seq == pending.seq}
+        for worker, pid, task, running in rows:
+            if pending is None or task.batch_seq == pending.seq or (worker in holding and running):
                 state = f"running for {running:.1f} s" if running else "queued behind another task"
                 stuck.append(f"worker {worker} (pid {pid}): {self._producer.describe_task(task)}, {state}")
         error = SourceTimeoutError(

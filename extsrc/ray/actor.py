@@ -83,7 +83,7 @@ class ActorRunner(SourceRunner):
 
     def __init__(self, setup: SourceSetup, callback: Any, worker: int):
         super().__init__(setup, callback, worker)
-        self.writer = PackingWriter(self.writer.checker, setup.num_outputs)
+        self.writer = PackingWriter(self.writer.checker, setup.num_outputs or 1)  # None: one output
 
     def _done(self, task: Task, write: Any, count: int, stopped: bool, busy_ns: int,
               timed: Tuple[Tuple[int, int], ...]) -> Produced:

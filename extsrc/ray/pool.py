@@ -74,8 +74,10 @@ PROCESS_EXIT_POLL_S = 0.01  # how often close() looks whether a killed actor's p
 # A call carries up to this many tasks, and an actor has up to CALLS_IN_FLIGHT calls: one that
 # runs, and one queued behind it that hides the round trip. Ray costs about the same per call
 # (a few CPU milliseconds between the caller, the actor and the node's raylet) whether it
-# carries one small task or two, so two per call halve that cost for small samples.
-TASKS_PER_CALL = 2
+# carries one small task or two: two per call gave 1.5x the samples/s on 1 KiB samples, but a
+# call answers for its tasks only when the last is done, so one slow sample then holds back a
+# finished batch (and the consumer) for as long as it takes. Correct latency comes first.
+TASKS_PER_CALL = 1
 CALLS_IN_FLIGHT = 2
 # Tasks whose samples add up to more than this go in calls of their own: copying them costs
 # more than the call, and holding several in the object store at once costs memory.
@@ -132,6 +134,7 @@ class ActorHandle:
         self.busy_since = time.monotonic()
         self.calls: Dict[int, Any] = {}  # call id -> its ObjectRef, until its answer is handled
         self.task_calls = 0  # calls of run() among them
+        self.call_tasks: Dict[int, Tuple[Task, ...]] = {}  # call id -> its tasks, in the order sent
         self.ready: Optional[ActorReady] = None
         self.samples = 0
 
@@ -284,6 +287,19 @@ class RayPool(WorkerPool):
             writer.drop_slot(slot_id)
             self.wake()
 
+    def running_tasks(self, source_id: int) -> List[Tuple[int, int, Task, float]]:
+        """*engine*, lock held: ``(worker, pid, task, seconds running)`` of the source's tasks
+        sent to actors. Every task of an actor's first call is running (a call answers for all
+        its tasks at once, when the last is done); those of later calls are queued."""
+        now = time.monotonic()
+        rows = []
+        for worker in self._workers:
+            for position, tasks in enumerate(worker.call_tasks.values()):
+                running = now - worker.busy_since if position == 0 else 0.0
+                rows += [(worker.index, worker.pid, task, running) for task in tasks
+                         if task.source_id == source_id]
+        return rows
+
     # -- calls and their answers ----------------------------------------------------------------
 
     def _watch(self, worker: ActorHandle, tasks: Tuple[Task, ...], ref: Any) -> None:
@@ -293,6 +309,7 @@ class RayPool(WorkerPool):
         worker.calls[call] = ref
         if tasks:
             worker.task_calls += 1
+            worker.call_tasks[call] = tasks
         ref.future().add_done_callback(functools.partial(self._arrived, worker, call, tasks))
 
     def _arrived(self, worker: ActorHandle, call: int, tasks: Tuple[Task, ...], future: Any) -> None:
@@ -456,6 +473,7 @@ class RayPool(WorkerPool):
             worker.ready = answer
             return False
         worker.task_calls -= 1
+        worker.call_tasks.pop(call, None)
         worker.busy_since = time.monotonic()
         changed = False
         for task, result in answer:
@@ -558,6 +576,7 @@ class RayPool(WorkerPool):
         for worker in workers:
             worker.calls.clear()
             worker.task_calls = 0
+            worker.call_tasks.clear()
             worker.outstanding.clear()
             worker.outbox.clear()
 
