@@ -175,9 +175,8 @@ class RayPool(WorkerPool):
     ``ValueError`` for ``ray_options`` Ray refuses.
 
     Each actor holds up to :attr:`max_outstanding` tasks, sent in calls of
-    up to :data:`TASKS_PER_CALL` (small tasks) with :data:`CALLS_IN_FLIGHT`
-    calls at a time, so a source's default ``prefetch`` is four batches per
-    worker (twice the process backend's).
+    up to :data:`TASKS_PER_CALL` tasks with :data:`CALLS_IN_FLIGHT` calls at
+    a time; a source's default ``prefetch`` is that many batches per worker.
     """
 
     max_outstanding = TASKS_PER_CALL * CALLS_IN_FLIGHT
