@@ -20,7 +20,9 @@ from extsrc import (
 )
 from extsrc.shm.slots import lease_of
 
-from sources import StopsAt, jittered, records_and_draws, sample_of, two_outputs
+from sources import (
+    StopsAt, filling_two_outputs, jittered, large_sample, records_and_draws, sample_of, two_outputs,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("local_ray")]
 
@@ -69,6 +71,32 @@ def test_sample_mode_gives_the_batches_processes_give_despite_jitter():
     ours, theirs = both(source=jittered, batch_size=6, batches=7)
     assert_same(ours, theirs)
     assert all(dense for epoch in ours for batch in epoch for dense, _ in batch[1:])
+
+
+def test_large_samples_written_one_by_one_are_the_same():
+    ours, theirs = both(source=large_sample, batch_size=4, batches=3, epoch_count=1)
+    assert_same(ours, theirs)
+    assert ours[0][0][0][0], "a batch of same-shaped large samples is one dense array"
+
+
+def test_in_place_callbacks_give_what_processes_give():
+    ours, theirs = both(source=filling_two_outputs, batch_size=5, num_outputs=2, in_place=True,
+                        batches=3, epoch_count=1)
+    assert_same(ours, theirs)
+    copied, _ = both(source=two_outputs, batch_size=5, num_outputs=2, batches=3, epoch_count=1)
+    assert_same(ours, copied)
+
+
+def test_statistics_count_what_the_actors_delivered():
+    with ParallelSource(sample_of, 6, num_workers=2, backend="ray") as src:
+        it = iter(src)
+        for _ in range(5):
+            next(it)
+        stats = src.stats()
+    assert (stats.batches, stats.samples) == (5, 30)
+    assert stats.bytes == 30 * 4 * 8  # sample_of: four int64 per sample
+    assert len(stats.worker_busy) == 2 and max(stats.worker_busy) > 0
+    assert stats.callback_median_s is not None and stats.callback_median_s >= 0
 
 
 def test_several_outputs_dense_and_ragged_are_the_same():
