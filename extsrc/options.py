@@ -17,6 +17,24 @@ import numpy as np
 
 START_METHODS = ("fork", "spawn", "forkserver")
 LAST_BATCH_POLICIES = ("drop", "partial", "pad")
+BACKENDS = ("processes", "ray")
+# Ray actor options a pool passes on (ray_options=...): where its actors run and what they hold.
+RAY_OPTION_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "accelerator_type",
+                   "label_selector", "scheduling_strategy", "runtime_env")
+RAY_STRATEGIES = ("DEFAULT", "SPREAD")  # Ray's scheduling strategies given by name
+# Actor options the pool sets itself, and why a user's value would break its contract.
+RAY_OPTIONS_OWNED = {
+    "max_restarts": "a restarted actor would have lost its source's state; a dead actor is an error",
+    "max_task_retries": "a retried task would call the callback twice; a dead actor is an error",
+    "max_concurrency": "a worker runs its tasks one at a time, in the order sent",
+    "concurrency_groups": "a worker runs its tasks one at a time, in the order sent",
+    "allow_out_of_order_execution": "a worker runs its tasks one at a time, in the order sent",
+    "max_pending_calls": "the pool decides how many tasks each actor holds",
+    "name": "the pool's actors are its own and die with close()",
+    "namespace": "the pool's actors are its own and die with close()",
+    "get_if_exists": "the pool's actors are its own and die with close()",
+    "lifetime": "the pool's actors are its own and die with close()",
+}
 
 
 class _Unset:
@@ -47,6 +65,57 @@ def positive_int(name: str, value: Any) -> int:
     if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return int(value)
+
+
+def non_negative_number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    return value
+
+
+def check_backend(name: str, value: Any) -> str:
+    """``value`` if it names a backend (``"processes"``, ``"ray"``), else ``ValueError``."""
+    if not isinstance(value, str) or value not in BACKENDS:
+        raise ValueError(f"{name} must be one of {BACKENDS}, got {value!r}")
+    return value
+
+
+def check_ray_options(name: str, value: Any) -> Optional[dict]:
+    """A copy of ``value``, Ray actor options for a pool's actors; ``None`` stays ``None``.
+
+    Keys must be among :data:`RAY_OPTION_KEYS`; numbers and resources are
+    checked here, the rest (``scheduling_strategy``, ``runtime_env``,
+    ``label_selector``) by Ray when the pool is created.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be a dict of Ray actor options or None, got {type(value).__name__} "
+                        f"{value!r}")
+    for key, option in value.items():
+        where = f"{name}[{key!r}]"
+        if key in RAY_OPTIONS_OWNED:
+            raise ValueError(f"{where}: extsrc sets this Ray option itself ({RAY_OPTIONS_OWNED[key]})")
+        if key not in RAY_OPTION_KEYS:
+            raise ValueError(f"{where}: not an option extsrc passes to its Ray actors; expected one of "
+                             f"{RAY_OPTION_KEYS}")
+        if key in ("num_cpus", "num_gpus", "memory"):
+            non_negative_number(where, option)
+        elif key == "resources":
+            if not isinstance(option, dict):
+                raise TypeError(f"{where} must be a dict of resource name to amount, got {option!r}")
+            for resource, amount in option.items():
+                if not isinstance(resource, str):
+                    raise TypeError(f"{where}: resource names are str, got {resource!r}")
+                non_negative_number(f"{where}[{resource!r}]", amount)
+        elif key in ("runtime_env", "label_selector") and not isinstance(option, dict):
+            raise TypeError(f"{where} must be a dict, got {type(option).__name__} {option!r}")
+        elif key == "accelerator_type" and not isinstance(option, str):
+            raise TypeError(f"{where} must be a str, got {option!r}")
+        elif key == "scheduling_strategy" and isinstance(option, str) and option not in RAY_STRATEGIES:
+            raise ValueError(f"{where} must be one of {RAY_STRATEGIES} or a Ray scheduling strategy "
+                             f"object, got {option!r}")
+    return dict(value)
 
 
 def optional_positive_int(name: str, value: Any) -> Optional[int]:
@@ -82,27 +151,51 @@ def _ndim(value: Any, output: int) -> Optional[int]:
     return int(value)
 
 
-def default_prefetch(num_workers: int) -> int:
-    """Batches produced ahead by default: two per worker (as PyTorch's ``DataLoader``), so
-    that each batch can be one task and every worker still has a task queued."""
-    return 2 * num_workers
+def default_prefetch(num_workers: int, tasks_per_worker: int = 2) -> int:
+    """Batches produced ahead by default: as many per worker as a worker holds tasks (two for
+    worker processes, as PyTorch's ``DataLoader``), so that each batch can be one task and
+    every worker still has a task queued."""
+    return tasks_per_worker * num_workers
 
 
 @dataclass(frozen=True)
 class PoolOptions:
-    """How a :class:`~extsrc.WorkerPool` runs its workers."""
+    """How a :class:`~extsrc.WorkerPool` runs its workers.
+
+    ``backend="processes"``: worker processes on this host, started with
+    ``start_method``. ``backend="ray"``: Ray actors anywhere in the cluster,
+    created with ``ray_options``; ``start_method`` is then ``None``.
+    """
 
     num_workers: int
-    start_method: str
+    start_method: Optional[str]
     pickler: Any  # an extsrc.engine.pickling.Pickler
+    backend: str = "processes"
+    ray_options: Optional[dict] = None
 
     @classmethod
-    def create(cls, num_workers: Any = 1, start_method: Any = "fork", pickler: Any = None) -> "PoolOptions":
+    def create(cls, num_workers: Any = 1, start_method: Any = UNSET, pickler: Any = None,
+               backend: Any = "processes", ray_options: Any = None) -> "PoolOptions":
         from extsrc.engine.pickling import Pickler
 
-        if start_method not in START_METHODS:
-            raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
-        return cls(positive_int("num_workers", num_workers), start_method, Pickler(pickler))
+        backend = check_backend("backend", backend)
+        if backend == "ray":
+            if start_method is not UNSET:
+                raise ValueError(
+                    f"start_method={start_method!r} chooses how worker processes start "
+                    "(backend='processes'); with backend='ray' the workers are Ray actors: drop it"
+                )
+            start_method = None
+            ray_options = check_ray_options("ray_options", ray_options)
+        else:
+            if start_method is UNSET:
+                start_method = "fork"
+            if start_method not in START_METHODS:
+                raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+            if ray_options is not None:
+                raise ValueError(f"ray_options is for backend='ray', got it with backend={backend!r}")
+        return cls(positive_int("num_workers", num_workers), start_method, Pickler(pickler), backend,
+                   ray_options)
 
 
 @dataclass(frozen=True)
@@ -149,6 +242,7 @@ class SourceOptions:
         batch_info: Any = False,
         prefetch: Any = None,
         num_workers: int = 1,
+        tasks_per_worker: int = 2,
         last_batch: Any = "drop",
         dtype: Any = None,
         ndim: Any = None,
@@ -202,7 +296,8 @@ class SourceOptions:
             num_outputs=num_outputs,
             batch=bool(batch),
             batch_info=bool(batch_info),
-            prefetch=default_prefetch(num_workers) if prefetch is None else positive_int("prefetch", prefetch),
+            prefetch=(default_prefetch(num_workers, tasks_per_worker) if prefetch is None
+                      else positive_int("prefetch", prefetch)),
             last_batch=last_batch,
             dtypes=dtypes,
             ndims=ndims,

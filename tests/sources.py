@@ -50,3 +50,17 @@ def pid_sample(info):
 def records_and_draws(info):
     """[record, a draw of the sample's rng]: what a loader with an augmentation would depend on."""
     return np.array([info.record, info.rng.integers(1 << 40)], dtype=np.int64)
+
+
+def large_sample(info):
+    """1 MiB per sample: each is written on its own (streaming writes), not with its task's others."""
+    return np.full(1 << 20, info.idx_in_epoch % 251, np.uint8)
+
+
+def filling_two_outputs(info, buffers):
+    """``two_outputs`` written in place (``in_place=True``): an image and a ragged output."""
+    image = buffers.array((2, 3), np.uint8)
+    image[...] = info.idx_in_epoch
+    ragged = buffers.array(info.idx_in_batch + 1, np.float32, output=1)
+    ragged[:] = np.arange(info.idx_in_batch + 1)
+    return image, ragged

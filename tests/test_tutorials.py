@@ -35,8 +35,10 @@ EXTSRC_ONLY = {
     "12_shards_with_order.py": "uses extsrc.Order, which DALI does not have",
     "13_data_parallel_torchrun.py": "uses extsrc.Order, which DALI does not have",
     "14_find_the_bottleneck.py": "uses pipe.extsrc_stats(), which DALI does not have",
+    "15_ray_cluster.py": "uses py_backend='ray', which DALI does not have",
 }
 NEEDS_TORCH = {"13_data_parallel_torchrun.py"}
+NEEDS_RAY = {"15_ray_cluster.py"}
 
 _REWRITES = [
     (re.compile(r"^from extsrc import fn, pipeline_def$", re.M), "from nvidia.dali import fn, pipeline_def"),
@@ -77,6 +79,8 @@ def extsrc_outputs(tmp_path_factory):
     def get(name: str) -> dict:
         if name in NEEDS_TORCH:
             pytest.importorskip("torch")
+        if name in NEEDS_RAY:
+            pytest.importorskip("ray")
         if name not in cache:
             with run_script(ROOT / "tutorials" / name, tmp_path_factory.mktemp("extsrc")) as saved:
                 cache[name] = dict(saved)
@@ -196,3 +200,9 @@ def test_order_shards_are_disjoint_but_for_the_padding_and_equal(extsrc_outputs)
 def test_the_statistics_tell_input_bound_from_consumer_bound(extsrc_outputs):
     saved = extsrc_outputs("14_find_the_bottleneck.py")
     assert saved["input_bound"].tolist() == [True, True, False]
+
+
+def test_the_ray_cluster_tutorial_reads_every_image_on_both_nodes(extsrc_outputs):
+    saved = extsrc_outputs("15_ray_cluster.py")
+    assert saved["labels"].tolist() == bundled_labels()  # the whole set, in order
+    assert sorted(set(saved["nodes"].tolist())) == [0, 1], "the actors did not run on both nodes"

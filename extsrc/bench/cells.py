@@ -37,6 +37,7 @@ def _throughput_cell(loader: str, workload: str, seconds: float, warmup_s: float
     take, indices, close = open_loader(loader, workload, WORKERS, "fork", consumed)
     try:
         batches, elapsed, cpu, total, last = measure(take, seconds, warmup_s)
+        extra = take.figures() if hasattr(take, "figures") else {}  # a loader's own figures
         got = indices(last)
         expected = expected_indices(loader, total - 1, w.batch_size)
         if got != expected:
@@ -53,6 +54,7 @@ def _throughput_cell(loader: str, workload: str, seconds: float, warmup_s: float
         "samples_per_s": samples_per_s,
         "mb_per_s": samples_per_s * w.sample_bytes / MB,
         **cpu,  # cores: consumer_cpu (consuming process), loader_cpu (it and its workers), other_cpu
+        **extra,
     }
     if w.spin_s:
         result["ideal_fraction"] = samples_per_s / (WORKERS / w.spin_s)

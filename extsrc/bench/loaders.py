@@ -169,6 +169,10 @@ def open_loader(loader: str, workload: str, workers: int, start_method: str,
         return _open_torch(workload, workers, start_method)
     if loader == EXTSRC_FROM_DATASET:
         return _open_from_dataset(workload, workers, start_method)
+    if loader.startswith("extsrc-ray"):
+        from extsrc.bench.ray_bench import open_ray_loader
+
+        return open_ray_loader(loader, workload, workers)
     if loader in (DALI, EXTSRC_DALI):
         return _open_dali(workload, workers, start_method, dropin=loader == EXTSRC_DALI, consumed=consumed)
     raise ValueError(f"unknown loader {loader!r}")

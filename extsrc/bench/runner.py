@@ -75,6 +75,11 @@ def _parser() -> argparse.ArgumentParser:
                              "batch with spawn and 4 workers (needs nvidia-dali)")
     parser.add_argument("--no-torch", action="store_true",
                         help="skip the PyTorch comparison")
+    parser.add_argument("--backend", choices=("processes", "ray"), default="processes",
+                        help="ray: compare backend='ray' on a local Ray (ray.init(num_cpus=2), 2 "
+                             "actors) with worker processes on the three workloads, and run the "
+                             "cpu workload on a local two-node cluster (1 CPU, 1 actor per node), "
+                             "instead of the PyTorch comparison (needs extsrc[ray])")
     parser.add_argument("--torch-api", action="store_true",
                         help="also compare extsrc.torch.from_dataset with DataLoader on the same "
                              "Dataset and arguments (needs PyTorch)")
@@ -120,7 +125,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         return transfer.run(args, seconds, warmup_s, repeat)
 
     tables: List[Table] = []
-    if not args.no_torch:
+    if args.backend == "ray":
+        if not installed("ray"):
+            print("extsrc bench: --backend ray needs Ray (pip install 'extsrc[ray]')", file=sys.stderr)
+            return 2
+        from extsrc.bench.ray_bench import ray_tables
+
+        tables += ray_tables()
+    elif not args.no_torch:
         table = torch_table()
         if not installed("torch"):
             table.note = ("PyTorch is not installed: the DataLoader column is skipped "
@@ -181,6 +193,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     versions = {name: version(dist) for name, dist in
                 (("extsrc", "extsrc"), ("numpy", "numpy"), ("torch", "torch"),
                  ("dali", "nvidia-dali-cuda120"))}
+    if args.backend == "ray":
+        versions["ray"] = version("ray")
     print()
     print(f"Python {platform.python_version()}, {os.cpu_count()} CPUs, "
           + ", ".join(f"{k} {v}" for k, v in versions.items() if v)

@@ -170,6 +170,9 @@ def _figure(row: Row, runs: List[Dict[str, Any]]) -> str:
         return f"{_median(runs, 'startup_s'):.2f} s{mark}"
     w = ALL_WORKLOADS[row.workload]
     rate = _median(runs, "samples_per_s")
+    shares = runs[0].get("node_shares")  # Ray on several nodes: each node's share of the samples
+    if shares:
+        mark = f", nodes {' / '.join(f'{s:.0%}' for s in shares)}{mark}"
     if w.spin_s:
         return f"{rate:,.0f} samples/s ({_median(runs, 'ideal_fraction'):.2f} of ideal){mark}"
     faults = ""
@@ -228,7 +231,9 @@ def format_table(table: Table, results: Dict[Tuple[str, int, str], List[Dict[str
 
 def targets_text() -> str:
     lines = ["targets (printed next to the ratios):"]
-    for table in (torch_table(), from_dataset_table(), dali_table(), features_table()):
+    from extsrc.bench.ray_bench import ray_tables
+
+    for table in (torch_table(), from_dataset_table(), dali_table(), features_table(), *ray_tables()):
         lines.append(f"  {table.title}:")
         lines += [f"    {row.label}: {row.target.describe()}" for row in table.rows]
     return "\n".join(lines)

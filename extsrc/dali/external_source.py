@@ -445,6 +445,7 @@ def external_source(
     outputs = 1 if num_outputs is None else num_outputs
     engine_dtype, engine_ndim = _engine_dtypes_ndims(dtype, ndim, layout, outputs, num_outputs is not None)
     held = pipe._extsrc_batches_held()
+    pool = pipe._extsrc_pool_for_new_source()
     parallel_source = ParallelSource(
         engine_source,
         batch_size,
@@ -452,7 +453,8 @@ def external_source(
         batch=bool(batch),
         batch_info=bool(batch_info) and bool(batch) and callable_source,
         prefetch=(prefetch_queue_depth if prefetch_queue_depth is not None
-                  else max(default_prefetch(pipe.py_num_workers), pipe._extsrc_depth())),
+                  else max(default_prefetch(pipe.py_num_workers, pool.max_outstanding),
+                           pipe._extsrc_depth())),
         last_batch=last_batch,
         order=order,
         in_place=in_place,
@@ -461,7 +463,7 @@ def external_source(
         ndim=engine_ndim,
         timeout=timeout,
         batches_held=held,
-        pool=pipe._extsrc_pool_for_new_source(),
+        pool=pool,
         name=name if name is not None else _describe(source),
     )
     feeder = _Feeder(parallel_source, callable_source, mode, held, source, name)

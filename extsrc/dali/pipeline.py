@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Dict, List, Optional
 
 from nvidia.dali import pipeline as _dali_pipeline
@@ -11,7 +12,11 @@ from extsrc.dali.reader_meta import source_reader_meta
 from extsrc.engine.cuda_state import gpu_visible, no_gpu_message
 from extsrc.errors import PoolClosedError
 from extsrc.engine.pool import WorkerPool
-from extsrc.options import START_METHODS
+from extsrc.options import START_METHODS, UNSET, check_backend, check_ray_options
+
+
+# Arguments of extsrc's Pipeline that DALI's does not have.
+EXTSRC_PIPELINE_ARGS = ("py_backend", "py_ray_options")
 
 
 class Pipeline(_dali_pipeline.Pipeline):
@@ -21,7 +26,9 @@ class Pipeline(_dali_pipeline.Pipeline):
     ``py_start_method`` (``"fork"``, ``"spawn"``, ``"forkserver"``) and
     ``py_callback_pickler`` configure one :class:`~extsrc.WorkerPool` that
     serves all parallel external sources of the pipeline; DALI's own worker
-    pool is never created.
+    pool is never created. ``py_backend="ray"`` makes its workers Ray actors
+    anywhere in the cluster (with ``py_ray_options`` for them, see
+    :class:`extsrc.ray.RayPool`); ``py_start_method`` is then not given.
 
     Life cycle: definition (the graph function runs; each parallel source is
     registered with the pool), ``start_py_workers()`` (starts the workers;
@@ -43,13 +50,28 @@ class Pipeline(_dali_pipeline.Pipeline):
         self,
         *args: Any,
         py_num_workers: int = 1,
-        py_start_method: str = "fork",
+        py_start_method: str = UNSET,
         py_callback_pickler: Any = None,
+        py_backend: str = "processes",
+        py_ray_options: Optional[dict] = None,
         **kwargs: Any,
     ):
         if not isinstance(py_num_workers, int) or isinstance(py_num_workers, bool) or py_num_workers < 0:
             raise ValueError(f"py_num_workers must be a non-negative int, got {py_num_workers!r}")
-        if py_start_method not in START_METHODS:
+        py_backend = check_backend("py_backend", py_backend)
+        if py_backend == "ray":
+            if py_start_method is not UNSET:
+                raise ValueError(
+                    f"py_start_method={py_start_method!r} chooses how worker processes start; with "
+                    "py_backend='ray' the workers are Ray actors: drop it"
+                )
+            py_start_method = None
+            py_ray_options = check_ray_options("py_ray_options", py_ray_options)
+        elif py_ray_options is not None:
+            raise ValueError("py_ray_options is for py_backend='ray'")
+        if py_start_method is UNSET:
+            py_start_method = "fork"
+        if py_backend == "processes" and py_start_method not in START_METHODS:
             raise ValueError(f"py_start_method must be one of {START_METHODS}, got {py_start_method!r}")
         if py_callback_pickler is not None and py_start_method == "fork":
             raise ValueError(
@@ -63,6 +85,8 @@ class Pipeline(_dali_pipeline.Pipeline):
         self._extsrc_num_workers = py_num_workers
         self._extsrc_start_method = py_start_method
         self._extsrc_pickler = py_callback_pickler
+        self._extsrc_backend = py_backend
+        self._extsrc_ray_options = py_ray_options
         # DALI keeps its defaults for py_*: it never sees a parallel source, so it starts no pool.
         super().__init__(*args, **kwargs)
 
@@ -74,9 +98,15 @@ class Pipeline(_dali_pipeline.Pipeline):
         return self._extsrc_num_workers
 
     @property
-    def py_start_method(self) -> str:
-        """How the extsrc workers are started: ``"fork"``, ``"spawn"`` or ``"forkserver"``."""
+    def py_start_method(self) -> Optional[str]:
+        """How the extsrc workers are started: ``"fork"``, ``"spawn"`` or ``"forkserver"``
+        (``None`` with ``py_backend="ray"``)."""
         return self._extsrc_start_method
+
+    @property
+    def py_backend(self) -> str:
+        """What the extsrc workers are: ``"processes"`` on this host, or ``"ray"`` actors."""
+        return self._extsrc_backend
 
     @property
     def extsrc_pool(self) -> Optional[WorkerPool]:
@@ -168,9 +198,13 @@ class Pipeline(_dali_pipeline.Pipeline):
                 f"{self._extsrc_num_workers}; raise py_num_workers or drop parallel=True"
             )
         if self._extsrc_pool is None:
-            self._extsrc_pool = WorkerPool(
-                self._extsrc_num_workers, self._extsrc_start_method, self._extsrc_pickler
-            )
+            if self._extsrc_backend == "ray":
+                self._extsrc_pool = WorkerPool(self._extsrc_num_workers, pickler=self._extsrc_pickler,
+                                               backend="ray", ray_options=self._extsrc_ray_options)
+            else:
+                self._extsrc_pool = WorkerPool(
+                    self._extsrc_num_workers, self._extsrc_start_method, self._extsrc_pickler
+                )
         if self._extsrc_pool.started:
             raise RuntimeError(
                 "a parallel external source cannot be added after the pipeline's workers "
@@ -273,8 +307,9 @@ def pipeline_def(
     or when calling the decorated function (the call wins), e.g.
     ``my_pipe(batch_size=8, device_id=None, py_num_workers=2)``; the other
     call arguments go to the graph function. ``py_num_workers``,
-    ``py_start_method`` and ``py_callback_pickler`` configure the extsrc
-    workers that run the ``parallel=True`` external sources.
+    ``py_start_method``, ``py_callback_pickler``, ``py_backend`` and
+    ``py_ray_options`` configure the extsrc workers that run the
+    ``parallel=True`` external sources.
     """
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Pipeline]:
@@ -284,11 +319,17 @@ def pipeline_def(
                 "functions called inside a pipeline, not for the pipeline definition itself"
             )
 
+        signature = inspect.getfullargspec(func)
+        own_params = set(signature.args) | set(signature.kwonlyargs)
+
         @functools.wraps(func)
         def create_pipeline(*args: Any, **kwargs: Any) -> Pipeline:
             conditionals = kwargs.get("enable_conditionals", enable_conditionals)
             graph_func = _dali_pipeline._preprocess_pipe_func(func, conditionals)
+            # DALI's Pipeline does not know extsrc's own arguments: they go to ours directly.
+            own = {k: kwargs.pop(k) for k in EXTSRC_PIPELINE_ARGS if k in kwargs and k not in own_params}
             ctor_kwargs, func_kwargs = _dali_pipeline._regroup_args(func, pipeline_kwargs, kwargs)
+            ctor_kwargs.update(own)
             pipe = Pipeline(**ctor_kwargs)
             try:
                 _dali_pipeline._preprocess_pipe_object(pipe, conditionals, args, func_kwargs)

@@ -133,10 +133,26 @@ class WorkerPool:
 
     The methods marked *engine* form the contract with sources; each says
     who calls it and whether the pool's lock must be held.
+
+    ``backend="ray"`` makes the workers Ray actors anywhere in a cluster
+    (``WorkerPool(...)`` then returns an :class:`extsrc.ray.RayPool`, with
+    ``ray_options`` for its actors; needs ``extsrc[ray]``); the default
+    ``backend="processes"`` runs worker processes on this host.
     """
 
-    def __init__(self, num_workers: int = 1, start_method: str = "fork", pickler: Any = None):
-        self.options = PoolOptions.create(num_workers, start_method, pickler)
+    max_outstanding = MAX_OUTSTANDING  # tasks a worker holds at most (a backend may hold more)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "WorkerPool":
+        backend = kwargs.get("backend", args[3] if len(args) > 3 else "processes")
+        if cls is WorkerPool and backend == "ray":
+            from extsrc.ray.pool import RayPool  # imports Ray: only for this backend
+
+            return super().__new__(RayPool)
+        return super().__new__(cls)
+
+    def __init__(self, num_workers: int = 1, start_method: str = UNSET, pickler: Any = None,
+                 backend: str = "processes", ray_options: Optional[Dict[str, Any]] = None):
+        self.options = PoolOptions.create(num_workers, start_method, pickler, backend, ray_options)
         self.lock = threading.RLock()
         self._waiters: List[Any] = []
         self._pid = os.getpid()
@@ -161,8 +177,13 @@ class WorkerPool:
         return self.options.num_workers
 
     @property
-    def start_method(self) -> str:
+    def start_method(self) -> Optional[str]:
         return self.options.start_method
+
+    @property
+    def backend(self) -> str:
+        """``"processes"`` or ``"ray"``."""
+        return self.options.backend
 
     @property
     def pickler(self) -> Any:
@@ -260,13 +281,17 @@ class WorkerPool:
             thread.join(IO_THREAD_JOIN_S)
         with self.lock:
             if self._workers:  # the I/O thread did not get to it (or never ran)
-                worker_processes.stop(self._workers, ask=False)
+                self._stop_workers(self._workers)
                 self._workers = []
             for i in range(len(self._clients)):
                 client = self._clients[i]()
                 if client is not None:
                     client.on_pool_closed()
         _live_pools.discard(self)
+
+    def _stop_workers(self, workers: List[Any]) -> None:
+        """Stops ``workers`` at once (close() found them still there); the backend's to override."""
+        worker_processes.stop(workers, ask=False)
 
     def forget_after_fork(self) -> None:
         # In a forked child (no lock taken: the parent's may be held by a thread not here).
@@ -498,7 +523,7 @@ class WorkerPool:
     def _assign(self) -> None:
         if not self._queue and not any(self._pinned.values()):
             return
-        for level in range(1, MAX_OUTSTANDING + 1):
+        for level in range(1, self.max_outstanding + 1):
             for worker in self._workers:
                 if len(worker.outstanding) >= level:
                     continue

@@ -196,13 +196,11 @@ class SourceRunner:
             timed.append((len(waiting), clock() - group_began))
         try:
             self._flush(write, waiting, chunk_start)
-            spilled, overflow = write.finish()
+            count = chunk_start - task.start + len(waiting)
+            return self._done(task, write, count, stopped, clock() - began, tuple(timed))
         except Exception as exc:
             return self._failed(task, getattr(exc, "position", chunk_start), None, exc,
                                 from_callback=False)
-        count = chunk_start - task.start + len(waiting)
-        return TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow,
-                        clock() - began, tuple(timed))
 
     def _flush(self, write: Any, waiting: List[Any], chunk_start: int) -> None:
         if waiting:
@@ -281,13 +279,23 @@ class SourceRunner:
         try:
             columns = self._columns_of_batch(batch, info)
             count = len(columns[0])
-            spilled, overflow = self.writer.write(task.slot_id, task.batch_seq, 0, task.stop,
-                                                  task.region_bytes, task.regions, columns, count,
-                                                  describe)
+            write = self.writer.begin(task.slot_id, task.batch_seq, 0, task.stop, task.region_bytes,
+                                      task.regions, describe)
+            write.add(columns, 0, count)
+            return self._done(task, write, count, False, self.clock() - began, ((count, took),))
         except Exception as exc:
             return self._failed(task, getattr(exc, "position", 0), info, exc, from_callback=False)
-        return TaskDone(task.source_id, task.ticket, self.worker, count, False, spilled, overflow,
-                        self.clock() - began, ((count, took),))
+
+    # -- what the worker does with the written samples -----------------------------------------
+
+    def _done(self, task: Task, write: Any, count: int, stopped: bool, busy_ns: int,
+              timed: Tuple[Tuple[int, int], ...]) -> Any:
+        """The answer to ``task`` once its ``count`` samples went to ``write`` (what
+        ``self.writer.begin`` gave). Another backend may deliver them otherwise (Ray actors
+        return them, see :mod:`extsrc.ray.actor`). Raises what the writer raises."""
+        spilled, overflow = write.finish()
+        return TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow,
+                        busy_ns, timed)
 
     def _iterator_for(self, epoch_idx: int):
         if self.iterator_epoch != epoch_idx:
@@ -352,19 +360,27 @@ class SourceRunner:
 
     def _failed(self, task: Task, position: int, where: Optional[Any], exc: BaseException,
                 from_callback: bool = True) -> TaskFailed:
-        tb = exc.__traceback__
-        if from_callback and tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next  # start at the callback, not at the worker's loop
-        text = "".join(traceback.format_exception(type(exc), exc, tb))
-        try:
-            payload: Optional[bytes] = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
-            pickle.loads(payload)
-        except Exception:
-            payload = None
-        return TaskFailed(
-            task.source_id, task.ticket, self.worker, position, where, payload,
-            type(exc).__qualname__, str(exc), text, from_callback,
-        )
+        return failure(task, self.worker, position, where, exc, from_callback)
 
     def close(self) -> None:
         self.writer.close()
+
+
+def failure(task: Task, worker: int, position: int, where: Optional[Any], exc: BaseException,
+            from_callback: bool = True) -> TaskFailed:
+    """The :class:`TaskFailed` of ``task`` for ``exc``, raised at sample ``position`` (``where``:
+    its ``SampleInfo``/``BatchInfo``, if tied to one) by the callback or, if not
+    ``from_callback``, by checking or writing its output."""
+    tb = exc.__traceback__
+    if from_callback and tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next  # start at the callback, not at the worker's loop
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    try:
+        payload: Optional[bytes] = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(payload)
+    except Exception:
+        payload = None
+    return TaskFailed(
+        task.source_id, task.ticket, worker, position, where, payload,
+        type(exc).__qualname__, str(exc), text, from_callback,
+    )

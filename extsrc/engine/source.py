@@ -148,8 +148,15 @@ class ParallelSource:
     must be. Workers start on first use or at ``start()``; ``close()`` (or
     ``with``) stops them and frees the shared memory no batch holds. ``pool``
     shares one :class:`~extsrc.WorkerPool` between sources; then
-    ``num_workers``, ``start_method`` and ``pickler`` come from the pool and
-    giving them is an error.
+    ``num_workers``, ``start_method``, ``pickler``, ``backend`` and
+    ``ray_options`` come from the pool and giving them is an error.
+
+    ``backend="ray"`` runs the workers as Ray actors anywhere in the cluster
+    this process is connected to (or a local Ray started on first use), with
+    ``ray_options`` (``num_cpus``, ``resources``, ``scheduling_strategy``,
+    ``runtime_env``, ...) for the actors; everything above holds unchanged
+    (see :class:`extsrc.ray.RayPool`). The default, ``"processes"``, runs
+    worker processes on this host.
     """
 
     def __init__(
@@ -175,12 +182,14 @@ class ParallelSource:
         in_place: bool = False,
         stats: bool = True,
         stats_every: Optional[float] = None,
+        backend: str = UNSET,
+        ray_options: Optional[Dict[str, Any]] = UNSET,
     ):
         given = {k: v for k, v in (("num_workers", num_workers), ("start_method", start_method),
-                                   ("pickler", pickler)) if v is not UNSET}
+                                   ("pickler", pickler), ("backend", backend),
+                                   ("ray_options", ray_options)) if v is not UNSET}
         if pool is None:
-            defaults = {"num_workers": 1, "start_method": "fork", "pickler": None}
-            pool = WorkerPool(**{**defaults, **given})
+            pool = WorkerPool(**{"num_workers": 1, **given})
             self._owns_pool = True
         else:
             if not isinstance(pool, WorkerPool):
@@ -188,15 +197,15 @@ class ParallelSource:
             if given:
                 raise ValueError(
                     f"{', '.join(given)} come(s) from the shared pool (num_workers="
-                    f"{pool.num_workers}, start_method={pool.start_method!r}); do not pass "
-                    "them together with pool="
+                    f"{pool.num_workers}, start_method={pool.start_method!r}, backend="
+                    f"{pool.backend!r}); do not pass them together with pool="
                 )
             self._owns_pool = False
         self.options = SourceOptions.create(
             batch_size, num_outputs=num_outputs, batch=batch, batch_info=batch_info,
-            prefetch=prefetch, num_workers=pool.num_workers, last_batch=last_batch, dtype=dtype,
-            ndim=ndim, timeout=timeout, batches_held=batches_held, order=order, in_place=in_place,
-            stats=stats, stats_every=stats_every,
+            prefetch=prefetch, num_workers=pool.num_workers, tasks_per_worker=pool.max_outstanding,
+            last_batch=last_batch, dtype=dtype, ndim=ndim, timeout=timeout, batches_held=batches_held,
+            order=order, in_place=in_place, stats=stats, stats_every=stats_every,
         )
         if self.options.batches_per_epoch == 0:
             raise EmptyEpochError(
@@ -555,8 +564,11 @@ class ParallelSource:
     def _timed_out(self, epoch: Epoch) -> SourceTimeoutError:
         stuck = []
         pending = self._producer.pending.get(epoch.next_yield)
-        for worker, pid, task, running in self._pool.running_tasks(self._producer.source_id):
-            if pending is None or task.batch_seq == pending.seq:
+        rows = self._pool.running_tasks(self._producer.source_id)
+        # The batch's own tasks, and what the workers holding them are running instead.
+        holding = {worker for worker, _, task, _ in rows if pending is None or task.batch_seq == pending.seq}
+        for worker, pid, task, running in rows:
+            if pending is None or task.batch_seq == pending.seq or (worker in holding and running):
                 state = f"running for {running:.1f} s" if running else "queued behind another task"
                 stuck.append(f"worker {worker} (pid {pid}): {self._producer.describe_task(task)}, {state}")
         error = SourceTimeoutError(

@@ -1,0 +1,99 @@
+"""``python -m extsrc bench --backend ray``: the Ray backend against worker processes.
+
+Two tables:
+
+* **One host.** ``ParallelSource(..., backend="ray")`` on a local Ray of
+  :data:`~extsrc.bench.loaders.WORKERS` CPUs (``ray.init(num_cpus=2)``, two
+  actors) against the process backend (two fork workers), on the three
+  workloads. The Ray backend pays, per task (one per batch here), a round
+  trip through Ray (submitting the call, the actor's reply, the result in
+  the object store) and one more copy (object store -> slot); the process
+  backend pays one message each way and no extra copy.
+* **Two nodes.** The CPU-bound workload on a local two-node cluster
+  (``ray.cluster_utils.Cluster``: a head and one more node, one CPU each, one
+  actor on each) against the same processes; the figure also gives each
+  node's share of the samples.
+
+Ray is imported only inside the cells' own processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+from extsrc.bench.loaders import EXTSRC, WORKERS, Opened
+from extsrc.bench.tables import Row, Table, Target, _label
+from extsrc.bench.workloads import WORKLOADS
+
+EXTSRC_RAY, EXTSRC_RAY_TWO_NODES = "extsrc-ray", "extsrc-ray-two-nodes"
+RAY_LOADERS = (EXTSRC_RAY, EXTSRC_RAY_TWO_NODES)
+NODE_CPUS = 1  # per node of the two-node cluster: one actor each
+
+
+def ray_tables() -> List[Table]:
+    """The tables of ``--backend ray``."""
+    local = Table("ray", f"extsrc backend='ray' (local Ray, {WORKERS} CPUs, {WORKERS} actors) vs "
+                  f"backend='processes' ({WORKERS} workers, fork)", "ray", "processes")
+    targets = {
+        "small": Target("samples_per_s", 0.25),  # a Ray round trip per batch of 256 tiny samples
+        "large": Target("mb_per_s", 0.25),  # one more copy of every byte, through the object store
+        "cpu": Target("samples_per_s", 0.8),  # the callback's time dwarfs the per-batch cost
+    }
+    local.rows = [Row(_label(w), w, EXTSRC_RAY, EXTSRC, targets[w]) for w in WORKLOADS]
+    cluster = Table("ray-two-nodes", f"extsrc backend='ray' on a local two-node cluster ({NODE_CPUS} "
+                    f"CPU and 1 actor per node) vs backend='processes' ({WORKERS} workers, fork)",
+                    "ray, two nodes", "processes")
+    cluster.rows = [Row(f"{_label('cpu')}, share of samples per node", "cpu", EXTSRC_RAY_TWO_NODES,
+                        EXTSRC, Target("samples_per_s", 0.8))]
+    return [local, cluster]
+
+
+def open_ray_loader(loader: str, workload: str, workers: int) -> Opened:
+    """Opens a Ray loader (see the module docstring) on ``workload``; like
+    :func:`extsrc.bench.loaders.open_loader`, and ``take.figures()`` gives each node's share."""
+    import ray
+
+    import extsrc
+    from extsrc.bench.workloads import CALLBACKS, sample_index
+
+    cluster = None
+    if loader == EXTSRC_RAY_TWO_NODES:
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": NODE_CPUS})
+        for _ in range(workers - 1):
+            cluster.add_node(num_cpus=NODE_CPUS)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+    elif loader == EXTSRC_RAY:
+        ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+    else:
+        raise ValueError(f"unknown Ray loader {loader!r}")
+    source = extsrc.ParallelSource(CALLBACKS[workload], WORKLOADS[workload].batch_size,
+                                   num_workers=workers, backend="ray")
+    batches = iter(source)
+
+    def take():
+        batch = next(batches)
+        batch[0][0]  # the consumer touches one byte
+        return batch
+
+    def figures() -> Dict[str, Any]:
+        if cluster is None:
+            return {}
+        actors = source.pool.actors()
+        total = sum(a.samples for a in actors) or 1
+        shares: Dict[str, float] = {}
+        for actor in actors:
+            shares[actor.node_id] = shares.get(actor.node_id, 0.0) + actor.samples / total
+        return {"node_shares": sorted(shares.values(), reverse=True), "nodes": len(shares)}
+
+    def close():
+        source.close()
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+
+    take.source = source  # type: ignore[attr-defined]
+    take.figures = figures  # type: ignore[attr-defined]
+    return take, lambda batch: [sample_index(sample) for sample in batch], close

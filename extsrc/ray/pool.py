@@ -1,0 +1,606 @@
+"""The Ray backend: a worker pool whose workers are Ray actors, anywhere in a cluster.
+
+:class:`RayPool` is a :class:`~extsrc.WorkerPool` with another kind of
+worker. Everything a source sees stays the pool's: the engine methods (the
+contract with :class:`~extsrc.engine.producer.Producer`), the lock and
+waiters, the states and faults, and the scheduling (tasks go to the least
+loaded worker in submission order, at most
+:data:`~extsrc.engine.pool.MAX_OUTSTANDING` per worker, so that an actor
+always has its next task queued while the answer to the previous one
+travels back). What differs is what a worker is and how results arrive:
+
+* **Workers** are :class:`~extsrc.ray.actor.SourceActor` actors, created at
+  ``start()`` with ``ray_options``, in the cluster this process is connected
+  to (``ray.init()`` by the user), or in a local Ray started on first use.
+  They receive the sources once, pickled with the pool's pickler, as
+  ``spawn`` workers do.
+* **Results** come back through Ray's object store: the actor returns the
+  checked samples (:class:`~extsrc.ray.protocol.Produced`), and the pool's
+  I/O thread writes them into the slot (:class:`~extsrc.ray.writer.ResultWriter`)
+  and hands the source an ordinary :class:`~extsrc.engine.protocol.TaskDone`.
+
+Threads: the pool's I/O thread (``extsrc-ray-io``) is the only one that
+calls Ray, apart from ``start()`` (which connects and creates the actors, in
+the thread calling it, as the process backend starts its processes there).
+Each call's answer is an ``ObjectRef`` whose future, once Ray has it, is
+queued for the I/O thread and wakes it through the pool's waker; the I/O
+thread waits on nothing but that waker, so a consumer's wake-up (a batch
+taken or dropped, ``close()``) is served at once too. Results are written
+into the slots without the pool's lock: only the I/O thread touches the
+writers' memory, and a dropped slot is unmapped by it, between writes.
+
+Faults: an actor that dies (``ray.kill``, a crash in native code, its node
+lost) fails its calls with Ray's ``RayActorError``; the pool then raises
+:class:`~extsrc.errors.WorkerDiedError` naming the actor, its node and the
+samples it held, and kills the other actors. A callback's exception comes
+back like a worker process's. ``close()`` kills the actors, waits until Ray
+reports them dead, and drops every reference to their results, so the object
+store can free them. If Ray goes away (``ray.shutdown()``, the connection to
+the cluster lost), the I/O thread notices within :data:`LIVENESS_PERIOD_S`
+and breaks the pool: nothing waits for answers that cannot come.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import select
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+from extsrc.engine.pool import RETURN_POLL_S, PoolState, WorkerPool
+from extsrc.engine.protocol import SetupFailed, Task, TaskDone, TaskFailed
+from extsrc.engine.workers import Waker
+from extsrc.errors import InternalError, WorkerDiedError
+from extsrc.options import UNSET
+from extsrc.ray.actor import SourceActor
+from extsrc.ray.protocol import ActorReady, Produced
+from extsrc.ray.writer import ResultWriter
+
+# While calls are out, the I/O thread checks at least this often that Ray is still connected:
+# calls to a cluster that went away never answer, so their absence must be noticed.
+LIVENESS_PERIOD_S = 1.0
+# Ray starts an actor within seconds once a node has room for it; setting up a runtime_env
+# (pip packages, a working_dir upload) can take minutes. An actor not running after this long
+# waits for resources no node has: an error that says so beats waiting for ever.
+ACTOR_START_TIMEOUT_S = 300.0
+# close() waits this long for Ray to report killed actors dead (it takes milliseconds), so
+# that their CPUs are free for whatever comes next.
+ACTOR_STOP_WAIT_S = 10.0
+PROCESS_EXIT_POLL_S = 0.01  # how often close() looks whether a killed actor's process is gone
+# A call carries up to this many tasks, and an actor has up to CALLS_IN_FLIGHT calls: one that
+# runs, and one queued behind it that hides the round trip. Ray costs about the same per call
+# (a few CPU milliseconds between the caller, the actor and the node's raylet) whether it
+# carries one small task or two: two per call gave 1.5x the samples/s on 1 KiB samples, but a
+# call answers for its tasks only when the last is done, so one slow sample then holds back a
+# finished batch (and the consumer) for as long as it takes. Correct latency comes first.
+TASKS_PER_CALL = 1
+CALLS_IN_FLIGHT = 2
+# Tasks whose samples add up to more than this go in calls of their own: copying them costs
+# more than the call, and holding several in the object store at once costs memory.
+CALL_GROUP_MAX_BYTES = 4 << 20
+# What the pool's actors ask for unless ray_options says otherwise: a CPU each (Ray's default
+# for actors is none while running, which would pile any number onto one node), spread over
+# the nodes.
+DEFAULT_ACTOR_OPTIONS = {"num_cpus": 1, "scheduling_strategy": "SPREAD"}
+# What the pool's contract needs of its actors (see extsrc.options.RAY_OPTIONS_OWNED).
+FIXED_ACTOR_OPTIONS = {"max_restarts": 0, "max_task_retries": 0, "max_concurrency": 1}
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or ``ImportError`` saying how to install it."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError(
+            f"backend='ray' needs Ray, which cannot be imported here ({exc}); install it with "
+            "pip install 'extsrc[ray]'"
+        ) from None
+    return ray
+
+
+@dataclass(frozen=True)
+class ActorInfo:
+    """Where worker ``index`` of a :class:`RayPool` runs, and how many samples it produced."""
+
+    index: int
+    actor_id: str
+    node_id: str
+    node_ip: str
+    hostname: str
+    pid: int
+    samples: int
+
+
+class _Lost(Exception):
+    """A call's answer is Ray's error: the actor, its node or Ray itself is gone."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+class ActorHandle:
+    """One actor as the pool sees it (the counterpart of a worker process's handle)."""
+
+    def __init__(self, index: int, actor: Any):
+        self.index = index
+        self.actor = actor
+        self.outstanding: Dict[int, Task] = {}  # ticket -> task assigned, in the order assigned
+        self.outbox: Deque[Tuple[Task, None]] = deque()  # assigned, not yet sent
+        self.busy_since = time.monotonic()
+        self.calls: Dict[int, Any] = {}  # call id -> its ObjectRef, until its answer is handled
+        self.task_calls = 0  # calls of run() among them
+        self.call_tasks: Dict[int, Tuple[Task, ...]] = {}  # call id -> its tasks, in the order sent
+        self.ready: Optional[ActorReady] = None
+        self.samples = 0
+
+    @property
+    def pid(self) -> int:
+        """The actor's pid on its node (0 until it has started)."""
+        return self.ready.pid if self.ready is not None else 0
+
+    def describe(self) -> str:
+        ready = self.ready
+        if ready is None:
+            return f"extsrc ray worker {self.index} (a Ray actor that had not started yet)"
+        return (f"extsrc ray worker {self.index} (Ray actor {ready.actor_id}, pid {ready.pid} on node "
+                f"{ready.node_ip} ({ready.hostname}), node id {ready.node_id})")
+
+
+class RayPool(WorkerPool):
+    """A :class:`~extsrc.WorkerPool` whose ``num_workers`` workers are Ray actors.
+
+    Made by ``WorkerPool(num_workers, backend="ray", ray_options=...)``,
+    ``ParallelSource(..., backend="ray")``, ``pipeline_def(...,
+    py_backend="ray")``, or directly. Sources on it behave as on worker
+    processes: the same batches in the same order, zero-copy and valid for as
+    long as they are held, the same errors (see the module docstring for
+    what differs underneath). The actors run wherever Ray places them in the
+    cluster this process is connected to (``ray.init(address=...)`` before
+    ``start()``), or in a local Ray that ``start()`` starts when none is
+    connected. ``ray_options`` go to every actor: ``num_cpus`` (default 1),
+    ``num_gpus``, ``memory``, ``resources``, ``accelerator_type``,
+    ``label_selector``, ``scheduling_strategy`` (default ``"SPREAD"``),
+    ``runtime_env`` (e.g. ``{"py_modules": [...]}`` when the callback's
+    modules are not installed on the nodes). extsrc itself must be
+    importable on every node.
+
+    ``worker_pids()`` are the actors' pids on their nodes; :meth:`actors`
+    says which node each runs on. ``close()`` kills the actors and returns
+    once Ray reports them dead. Raises ``ImportError`` when Ray is missing,
+    ``ValueError`` for ``ray_options`` Ray refuses.
+
+    Each actor holds up to :attr:`max_outstanding` tasks, sent in calls of
+    up to :data:`TASKS_PER_CALL` tasks with :data:`CALLS_IN_FLIGHT` calls at
+    a time; a source's default ``prefetch`` is that many batches per worker.
+    """
+
+    max_outstanding = TASKS_PER_CALL * CALLS_IN_FLIGHT
+
+    def __init__(self, num_workers: int = 1, start_method: str = UNSET, pickler: Any = None,
+                 backend: str = "ray", ray_options: Optional[Dict[str, Any]] = None):
+        if backend != "ray":
+            raise ValueError(f"a RayPool runs backend='ray', got backend={backend!r}")
+        super().__init__(num_workers, start_method, pickler, backend, ray_options)
+        ray = import_ray()
+        options = {**DEFAULT_ACTOR_OPTIONS, **(self.options.ray_options or {}), **FIXED_ACTOR_OPTIONS}
+        try:
+            self._actor_class = ray.remote(SourceActor).options(**options)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"ray_options={self.options.ray_options!r}: Ray refused them: {exc}") from None
+        self._writers: Dict[int, ResultWriter] = {}  # source id -> its writer
+        self._arrivals: Deque[Tuple[ActorHandle, int, Tuple[Task, ...], Any]] = deque()
+        self._calls = itertools.count()
+        self._started_at = 0.0
+
+    @property
+    def ray_options(self) -> Optional[Dict[str, Any]]:
+        """The ``ray_options`` given (before the pool's defaults)."""
+        return None if self.options.ray_options is None else dict(self.options.ray_options)
+
+    def worker_pids(self) -> List[int]:
+        """The pids of the actors that have started, each on its own node (empty after close)."""
+        return [w.pid for w in self._workers if w.ready is not None]
+
+    def actors(self) -> List[ActorInfo]:
+        """Where each started actor runs and how many samples it produced, in worker order."""
+        with self.lock:
+            return [ActorInfo(w.index, w.ready.actor_id, w.ready.node_id, w.ready.node_ip,
+                              w.ready.hostname, w.ready.pid, w.samples)
+                    for w in self._workers if w.ready is not None]
+
+    # -- life cycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Creates the actors; no-op if running. Raises if closed or broken.
+
+        Connects to Ray first if this process is not connected (``ray.init()``:
+        the cluster named by ``RAY_ADDRESS`` or started on this host with
+        ``ray start``, else a new local one, which lives until the process
+        exits). Pickling errors of a source are raised here, with the pool
+        still NEW. Returns without waiting for the actors to run: tasks queue
+        until they do.
+        """
+        with self.lock:
+            self.check_owner()
+            if self._state is PoolState.RUNNING:
+                return
+            self.check_usable(None)
+            pickler = self.options.pickler
+            clients = [ref() for ref in self._clients]
+            sources = tuple(c.worker_source(pickler) for c in clients if c is not None)
+            ray = import_ray()
+            if not ray.is_initialized():
+                ray.init()
+            self._writers = {s.source_id: ResultWriter(s, self.options.num_workers) for s in sources}
+            self._waker = Waker()
+            self._started_at = time.monotonic()
+            try:
+                shared = ray.put(sources)  # once for all actors
+                for index in range(self.options.num_workers):
+                    worker = ActorHandle(index, self._actor_class.remote(index, shared, pickler))
+                    self._workers.append(worker)
+                    self._watch(worker, (), worker.actor.ready.remote())
+            except BaseException:
+                self._kill(self._workers)
+                self._workers = []
+                self._writers = {}
+                self._waker = None
+                raise
+            self._state = PoolState.RUNNING
+            self._thread = threading.Thread(target=self._run, name="extsrc-ray-io", daemon=True)
+            self._thread.start()
+
+    def _stop_workers(self, workers: List[Any]) -> None:
+        self._kill(workers)
+
+    def forget_after_fork(self) -> None:
+        # In a forked child: the actors and the memory are the parent's. Their Ray objects are
+        # kept, never released here: releasing one runs Ray's code, which needs the threads of
+        # Ray that only the parent has.
+        _kept_in_child.append((self._workers, self._arrivals))
+        self._workers = []
+        self._writers = {}
+        self._arrivals = deque()
+        self._thread = None
+
+    # -- engine: slots (lock held) --------------------------------------------------------------
+
+    def add_slot(self, source_id: int, slot_id: int, region_fd: int, overflow_fds: Any) -> None:
+        """*engine*, lock held: the pool writes into the slot for the actors (see
+        :class:`~extsrc.ray.writer.ResultWriter`); the descriptors are duplicated."""
+        writer = self._writers.get(source_id)
+        if self._state is PoolState.RUNNING and writer is not None:
+            from extsrc.shm.segment import backend
+
+            writer.add_slot(slot_id, region_fd, overflow_fds, backend())
+
+    def drop_slot(self, source_id: int, slot_id: int) -> None:
+        """*engine*, lock held: the slot's mappings go at the I/O thread's next round."""
+        writer = self._writers.get(source_id)
+        if self._state is PoolState.RUNNING and writer is not None:
+            writer.drop_slot(slot_id)
+            self.wake()
+
+    def running_tasks(self, source_id: int) -> List[Tuple[int, int, Task, float]]:
+        """*engine*, lock held: ``(worker, pid, task, seconds running)`` of the source's tasks
+        sent to actors. Every task of an actor's first call is running (a call answers for all
+        its tasks at once, when the last is done); those of later calls are queued."""
+        now = time.monotonic()
+        rows = []
+        for worker in self._workers:
+            for position, tasks in enumerate(worker.call_tasks.values()):
+                running = now - worker.busy_since if position == 0 else 0.0
+                rows += [(worker.index, worker.pid, task, running) for task in tasks
+                         if task.source_id == source_id]
+        return rows
+
+    # -- calls and their answers ----------------------------------------------------------------
+
+    def _watch(self, worker: ActorHandle, tasks: Tuple[Task, ...], ref: Any) -> None:
+        """Lock held: queues the answer of ``ref`` (a call for ``tasks``, none: ``ready()``)
+        for the I/O thread once Ray has it."""
+        call = next(self._calls)
+        worker.calls[call] = ref
+        if tasks:
+            worker.task_calls += 1
+            worker.call_tasks[call] = tasks
+        ref.future().add_done_callback(functools.partial(self._arrived, worker, call, tasks))
+
+    def _arrived(self, worker: ActorHandle, call: int, tasks: Tuple[Task, ...], future: Any) -> None:
+        # In a thread of Ray's (or the I/O thread): only queue and wake, nothing that can block.
+        self._arrivals.append((worker, call, tasks, future))
+        waker = self._waker
+        if waker is not None:
+            waker.wake()
+
+    def _send(self) -> bool:
+        """Lock held: sends the assigned tasks to their actors, grouped into calls (see
+        :data:`TASKS_PER_CALL`). False if Ray is gone."""
+        for worker in self._workers:
+            while worker.outbox and worker.task_calls < CALLS_IN_FLIGHT:
+                tasks = self._next_call(worker)
+                if not tasks:
+                    break
+                try:
+                    ref = worker.actor.run.remote(tasks)
+                except Exception as exc:
+                    self._connection_lost(exc)
+                    return False
+                self._watch(worker, tasks, ref)
+        return True
+
+    @staticmethod
+    def _next_call(worker: ActorHandle) -> Tuple[Task, ...]:
+        """Lock held: the tasks of ``worker``'s next call, taken from its outbox; none yet
+        while the call could carry more and the actor is busy with another.
+
+        A call carries up to :data:`TASKS_PER_CALL` small tasks. One with room
+        for more waits in the outbox until more come (the consumer took
+        batches) or the actor's calls have all ended: an actor that produces
+        faster than its batches are taken gets full calls, one that idles
+        gets every task at once.
+        """
+        outbox = worker.outbox
+        count, size = 0, 0
+        for task, _ in outbox:
+            size += _task_bytes(task)
+            if count == TASKS_PER_CALL or (count and size > CALL_GROUP_MAX_BYTES):
+                break
+            count += 1
+        if count < TASKS_PER_CALL and size <= CALL_GROUP_MAX_BYTES and worker.task_calls:
+            return ()
+        return tuple(outbox.popleft()[0] for _ in range(count))
+
+    def _land(self, worker: ActorHandle, tasks: Tuple[Task, ...], future: Any) -> Any:
+        """I/O thread, no lock: a call's answer, with every ``Produced`` written into its slot
+        (a ``TaskDone``, or ``TaskFailed`` if the memory could not be had; ``None`` if the slot
+        is gone), or ``_Lost`` with Ray's error."""
+        try:
+            answer = future.result()
+        except BaseException as exc:  # Ray's error, raised for the call
+            return _Lost(exc)
+        if not tasks or not isinstance(answer, list):
+            return answer  # ready()'s answer, or SetupFailed
+        landed = []
+        for task, result in zip(tasks, answer):
+            if isinstance(result, Produced):
+                writer = self._writers.get(task.source_id)
+                result = None if writer is None else writer.write(worker.index, task, result)
+            landed.append((task, result))
+        return landed
+
+    # -- the I/O thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._io_ident = threading.get_ident()
+        try:
+            assert self._waker is not None
+            poller = select.poll()
+            poller.register(self._waker.fileno(), select.POLLIN)
+            while self._round(poller):
+                pass
+        except BaseException as exc:  # a bug: the pool must not hang its consumers
+            with self.lock:
+                error = InternalError(f"the extsrc Ray pool's I/O thread failed: {type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+                self._break(error)
+        finally:
+            with self.lock:
+                workers, self._workers = self._workers, []
+                writers, self._writers = self._writers, {}
+            self._kill(workers)
+            with self.lock:
+                self._arrivals.clear()  # the answers and the object-store memory they pin
+                for writer in writers.values():
+                    writer.close()
+                self.notify()
+
+    def _round(self, poller: Any) -> bool:
+        """One round: service, send, wait, write what came, deliver it. False when stopping."""
+        with self.lock:
+            if self._state is not PoolState.RUNNING:
+                return False
+            changed = False
+            lending = False
+            for ref in self._clients:
+                client = ref()
+                if client is not None:
+                    changed = client.service() or changed
+                    lending = lending or client.lends()
+            self._assign()
+            if not self._send():
+                return False
+            if changed:
+                self.notify()
+            waiting = any(w.calls for w in self._workers)
+            waker = self._waker
+            assert waker is not None
+        timeout: Optional[float] = None
+        if lending:
+            timeout = RETURN_POLL_S
+        if waiting:
+            timeout = LIVENESS_PERIOD_S if timeout is None else min(timeout, LIVENESS_PERIOD_S)
+        if not self._arrivals:
+            poller.poll(None if timeout is None else timeout * 1000)
+        waker.drain()
+        arrivals = []
+        while self._arrivals:
+            arrivals.append(self._arrivals.popleft())
+        with self.lock:
+            if self._state is not PoolState.RUNNING:
+                return False
+            for writer in self._writers.values():
+                writer.apply_drops()
+        # The copies into the slots, without the lock (see the module docstring).
+        answers = [(worker, call, self._land(worker, tasks, future))
+                   for worker, call, tasks, future in arrivals]
+        del arrivals
+        with self.lock:
+            if self._state is not PoolState.RUNNING:
+                return False
+            changed = False
+            for worker, call, answer in answers:
+                delivered = self._deliver(worker, call, answer)
+                if delivered is None:
+                    return False
+                changed = delivered or changed
+            if waiting and not self._check_alive():
+                return False
+            if changed:
+                self.notify()
+        return True
+
+    def _deliver(self, worker: ActorHandle, call: int, answer: Any) -> Optional[bool]:
+        """Lock held: hands a call's answers to their sources. Whether a consumer may now go
+        on; ``None`` when the answer broke the pool."""
+        if isinstance(answer, _Lost):
+            self._actor_lost(worker, answer.error)
+            return None
+        if isinstance(answer, SetupFailed):
+            self._break(RuntimeError(
+                f"extsrc ray worker {answer.worker} could not load the sources: {answer.message}\n"
+                f"Worker traceback:\n{answer.traceback}"
+            ))
+            return None
+        worker.calls.pop(call, None)
+        if isinstance(answer, ActorReady):
+            worker.ready = answer
+            return False
+        worker.task_calls -= 1
+        worker.call_tasks.pop(call, None)
+        worker.busy_since = time.monotonic()
+        changed = False
+        for task, result in answer:
+            worker.outstanding.pop(task.ticket, None)
+            if not isinstance(result, (TaskDone, TaskFailed)):
+                continue  # its slot is gone: the source was closed
+            if isinstance(result, TaskDone):
+                worker.samples += result.count
+            client = self._clients[task.source_id]()
+            if client is not None and client.on_result(result):
+                changed = True
+        return changed
+
+    def _check_alive(self) -> bool:
+        """Lock held: whether Ray is still connected and every actor started in time."""
+        ray = import_ray()
+        if not ray.is_initialized():
+            self._connection_lost(None)
+            return False
+        late = [w for w in self._workers if w.ready is None]
+        if late and time.monotonic() - self._started_at > ACTOR_START_TIMEOUT_S:
+            self._break(RuntimeError(
+                f"extsrc ray worker {late[0].index} (of {len(late)} not started) was not running "
+                f"{ACTOR_START_TIMEOUT_S:g} s after start(): no node of the cluster has room for an "
+                f"actor with {self._asked()}. The cluster has {self._resources(ray)}. Lower "
+                "num_workers, ask for less in ray_options, or add nodes."
+            ))
+            return False
+        return True
+
+    def _asked(self) -> str:
+        asked = {**DEFAULT_ACTOR_OPTIONS, **(self.options.ray_options or {})}
+        return ", ".join(f"{k}={v!r}" for k, v in asked.items() if k != "runtime_env")
+
+    @staticmethod
+    def _resources(ray: Any) -> str:
+        try:
+            available, total = ray.available_resources(), ray.cluster_resources()
+        except Exception as exc:
+            return f"resources that could not be read ({type(exc).__name__}: {exc})"
+        shown = sorted(k for k in total if not k.startswith("node:") and "memory" not in k)
+        return ", ".join(f"{available.get(k, 0):g} of {total[k]:g} {k} free" for k in shown) or "no resources"
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    def _held(self, worker: ActorHandle) -> str:
+        held = []
+        for task in worker.outstanding.values():
+            client = self._clients[task.source_id]()
+            held.append(client.describe_task(task) if client is not None else f"a task of source {task.source_id}")
+        return "; ".join(held) if held else "no samples"
+
+    def _actor_lost(self, worker: ActorHandle, error: BaseException) -> None:
+        """Lock held: ``worker``'s call failed with Ray's ``error``: break the pool saying so."""
+        ray = import_ray()
+        if isinstance(error, ray.exceptions.RayTaskError):
+            broken: BaseException = InternalError(
+                f"{worker.describe()} failed outside the callback: {_first_lines(error)}"
+            )
+        else:
+            broken = WorkerDiedError(
+                f"{worker.describe()} died while it held {self._held(worker)}. Ray says: "
+                f"{_first_lines(error)} The remaining workers were shut down."
+            )
+        broken.__cause__ = error
+        self._break(broken)
+
+    def _connection_lost(self, error: Optional[BaseException]) -> None:
+        held = "; ".join(f"worker {w.index}: {self._held(w)}" for w in self._workers if w.outstanding)
+        why = "" if error is None else f" ({type(error).__name__}: {error})"
+        broken = WorkerDiedError(
+            f"this process is no longer connected to Ray{why} (ray.shutdown(), or the cluster "
+            f"went away); the extsrc ray workers held {held or 'no samples'}. The pool was shut down."
+        )
+        broken.__cause__ = error
+        self._break(broken)
+
+    def _kill(self, workers: List[ActorHandle]) -> None:
+        """Kills the actors and waits (briefly) until Ray reports them dead; drops their calls."""
+        ray = import_ray()
+        if workers and ray.is_initialized():
+            pings = []
+            for worker in workers:
+                try:
+                    ray.kill(worker.actor, no_restart=True)
+                    pings.append(worker.actor.ping.remote())
+                except Exception:
+                    pass  # gone already, or Ray is
+            deadline = time.monotonic() + ACTOR_STOP_WAIT_S
+            try:
+                ray.wait(pings, num_returns=len(pings), timeout=ACTOR_STOP_WAIT_S)
+                here = ray.get_runtime_context().get_node_id()
+            except Exception:
+                here = None
+            # Ray reports an actor dead before its process has exited; on this host, see it go.
+            for worker in workers:
+                if worker.ready is not None and worker.ready.node_id == here:
+                    while _running(worker.ready.pid) and time.monotonic() < deadline:
+                        time.sleep(PROCESS_EXIT_POLL_S)
+        for worker in workers:
+            worker.calls.clear()
+            worker.task_calls = 0
+            worker.call_tasks.clear()
+            worker.outstanding.clear()
+            worker.outbox.clear()
+
+
+_kept_in_child: List[Any] = []  # see RayPool.forget_after_fork
+
+
+def _task_bytes(task: Task) -> int:
+    """The bytes of samples ``task`` writes in place (0 while the layout is not known)."""
+    return (task.stop - task.start) * sum(r.stride for r in task.regions if r is not None)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _first_lines(error: BaseException) -> str:
+    """Ray's message without its indented fields (class name, ids), on one line."""
+    lines = [line.strip() for line in str(error).splitlines()
+             if line.strip() and not line.startswith(("\t", " "))]
+    text = " ".join(lines[:4])
+    return text if text.endswith(".") else text + "."
+

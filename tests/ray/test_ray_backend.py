@@ -1,0 +1,304 @@
+"""backend="ray": the same batches, guarantees and errors as worker processes, from Ray actors.
+
+Every test compares with what the process backend gives, or with what a user
+of it relies on. One local Ray of 2 CPUs serves them all (``local_ray``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from extsrc import (
+    BatchInfo, Order, ParallelSource, PoolClosedError, SampleError, WorkerPool,
+)
+from extsrc.shm.slots import lease_of
+
+from sources import (
+    StopsAt, filling_two_outputs, jittered, large_sample, records_and_draws, sample_of, two_outputs,
+)
+
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("local_ray")]
+
+
+def epochs(epoch_count=2, batches=None, **kwargs):
+    """Every batch of ``epoch_count`` epochs, copied: a tuple of outputs as arrays or lists."""
+    out = []
+    with ParallelSource(**kwargs) as src:
+        for _ in range(epoch_count):
+            it = iter(src)
+            taken = []
+            for k, batch in enumerate(it):
+                taken.append(_copy(batch))
+                if batches is not None and k + 1 == batches:
+                    break
+            out.append(taken)
+    return out
+
+
+def _copy(batch):
+    outputs = batch if isinstance(batch, tuple) else (batch,)
+    return tuple((o.is_dense, [np.array(s) for s in o]) for o in outputs)
+
+
+def assert_same(ours, theirs):
+    assert len(ours) == len(theirs)
+    for e, (a, b) in enumerate(zip(ours, theirs)):
+        assert len(a) == len(b), f"epoch {e}: {len(a)} batches, processes gave {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert len(x) == len(y)
+            for (dense_x, xs), (dense_y, ys) in zip(x, y):
+                assert dense_x == dense_y, f"epoch {e}, batch {i}: dense {dense_x} vs {dense_y}"
+                assert len(xs) == len(ys)
+                for s, t in zip(xs, ys):
+                    assert s.dtype == t.dtype and s.shape == t.shape
+                    np.testing.assert_array_equal(s, t, err_msg=f"epoch {e}, batch {i}")
+
+
+def both(**kwargs):
+    """(ray, processes) results of the same source."""
+    return (epochs(backend="ray", num_workers=2, **kwargs),
+            epochs(num_workers=2, start_method="fork", **kwargs))
+
+
+def test_sample_mode_gives_the_batches_processes_give_despite_jitter():
+    ours, theirs = both(source=jittered, batch_size=6, batches=7)
+    assert_same(ours, theirs)
+    assert all(dense for epoch in ours for batch in epoch for dense, _ in batch[1:])
+
+
+def test_large_samples_written_one_by_one_are_the_same():
+    ours, theirs = both(source=large_sample, batch_size=4, batches=3, epoch_count=1)
+    assert_same(ours, theirs)
+    assert ours[0][0][0][0], "a batch of same-shaped large samples is one dense array"
+
+
+def test_in_place_callbacks_give_what_processes_give():
+    ours, theirs = both(source=filling_two_outputs, batch_size=5, num_outputs=2, in_place=True,
+                        batches=3, epoch_count=1)
+    assert_same(ours, theirs)
+    copied, _ = both(source=two_outputs, batch_size=5, num_outputs=2, batches=3, epoch_count=1)
+    assert_same(ours, copied)
+
+
+def test_statistics_count_what_the_actors_delivered():
+    with ParallelSource(sample_of, 6, num_workers=2, backend="ray") as src:
+        it = iter(src)
+        for _ in range(5):
+            next(it)
+        stats = src.stats()
+    assert (stats.batches, stats.samples) == (5, 30)
+    assert stats.bytes == 30 * 4 * 8  # sample_of: four int64 per sample
+    assert len(stats.worker_busy) == 2 and max(stats.worker_busy) > 0
+    assert stats.callback_median_s is not None and stats.callback_median_s >= 0
+
+
+def test_several_outputs_dense_and_ragged_are_the_same():
+    ours, theirs = both(source=two_outputs, batch_size=5, num_outputs=2, batches=4)
+    assert_same(ours, theirs)
+    images, ragged = ours[0][2]
+    assert images[0] and not ragged[0]  # the image output is one array, the ragged one a list
+    assert [r.shape for r in ragged[1]] == [(k + 1,) for k in range(5)]
+
+
+@pytest.mark.parametrize("last_batch", ["drop", "partial"])
+def test_the_epoch_ends_where_the_callback_stops_with_either_policy(last_batch):
+    ours, theirs = both(source=StopsAt(23), batch_size=4, last_batch=last_batch)
+    assert_same(ours, theirs)
+    sizes = [len(batch[0][1]) for batch in ours[0]]
+    assert sizes == ([4] * 5 + ([3] if last_batch == "partial" else []))
+
+
+def _batch_of(info):
+    if info.iteration >= 5:
+        raise StopIteration
+    return [np.full((info.iteration + 2,), info.epoch_idx * 100 + info.iteration, np.int16)] * 3
+
+
+def _generator():
+    for k in range(4):
+        yield np.arange(6, dtype=np.float32).reshape(3, 2) + k  # 3 samples along axis 0
+
+
+@pytest.mark.parametrize("source, kwargs", [(_batch_of, {"batch_info": True}), (_generator, {})],
+                         ids=["callable", "generator"])
+def test_batch_mode_callables_and_generators_give_the_same_batches(source, kwargs):
+    ours, theirs = both(source=source, batch_size=4, batch=True, **kwargs)
+    assert_same(ours, theirs)
+    assert len(ours[0]) == (5 if source is _batch_of else 4)
+
+
+def test_an_order_with_padding_shards_and_resume_give_the_same_records_and_draws():
+    order = Order(50, shuffle=True, seed=3, shard=(1, 2), remainder="pad")
+    kwargs = dict(source=records_and_draws, batch_size=4, order=order, last_batch="pad")
+    ours, theirs = both(**kwargs)
+    assert_same(ours, theirs)
+    with ParallelSource(backend="ray", num_workers=2, **kwargs) as src:
+        it = iter(src)
+        for _ in range(3):
+            next(it)
+        state = src.get_state()
+    with ParallelSource(backend="ray", num_workers=2, **kwargs) as resumed:
+        resumed.set_state(state)
+        rest = [_copy(b) for b in iter(resumed)]
+    assert_same([rest], [ours[0][3:]])
+
+
+def test_batches_are_zero_copy_and_stay_right_for_as_long_as_they_are_held():
+    def sample(info):
+        return np.full((256,), info.idx_in_epoch % 251, np.uint8)
+
+    with ParallelSource(sample, 8, backend="ray", num_workers=2) as src:
+        kept = []
+        it = iter(src)
+        for _ in range(30):
+            kept.append(next(it))
+        dense = kept[-1].as_array()
+        assert lease_of(dense) is not None  # a view of the slot, not a copy
+        assert all(np.shares_memory(dense, s) for s in kept[-1])
+        for _ in range(40):  # the slots go round many times while the kept batches are held
+            next(it)
+    for i, batch in enumerate(kept):  # also after close()
+        assert batch.as_array()[:, 0].tolist() == [(i * 8 + k) % 251 for k in range(8)]
+
+
+def _extsrc_mappings() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum("extsrc:" in line for line in maps)
+
+
+def test_close_kills_every_actor_and_frees_the_shared_memory():
+    import ray
+
+    before = _extsrc_mappings()
+    gc.disable()
+    try:
+        src = ParallelSource(lambda info: np.ones(1 << 16, np.uint8), 8, backend="ray", num_workers=2)
+        it = iter(src)
+        for _ in range(5):
+            next(it)
+        deadline = time.monotonic() + 30
+        while len(src.worker_pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pids = src.worker_pids()
+        assert len(pids) == 2 and _extsrc_mappings() > before
+        src.close()
+        assert [p for p in pids if _running(p)] == []
+        assert _extsrc_mappings() == before  # also the pool's own mappings, for the actors
+        assert src.worker_pids() == []
+    finally:
+        gc.enable()
+    deadline = time.monotonic() + 5  # Ray's resource view follows within its report period
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ray.available_resources().get("CPU", 0) == 2
+    with pytest.raises(PoolClosedError):
+        iter(src)
+
+
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _raises_at_13(info):
+    if info.idx_in_epoch == 13:
+        raise FileNotFoundError(f"/data/img_{info.idx_in_epoch}.jpg")
+    return np.zeros(2, np.int32)
+
+
+def test_a_callback_exception_keeps_its_type_traceback_and_sample_and_the_actor_goes_on():
+    with ParallelSource(_raises_at_13, 8, backend="ray", num_workers=2) as src:
+        it = iter(src)
+        next(it)
+        with pytest.raises(FileNotFoundError, match="img_13.jpg") as caught:
+            next(it)
+        cause = str(caught.value.__cause__)
+        assert "idx_in_epoch=13, idx_in_batch=5, iteration=1, epoch_idx=0" in cause
+        assert "_raises_at_13" in cause and 'raise FileNotFoundError(f"/data/img_' in cause
+        assert "extsrc worker" in cause
+        assert len(next(iter(src))) == 8  # the next epoch runs on the same actors
+
+
+def test_a_bad_sample_is_named_as_with_processes():
+    def bad(info):
+        return np.zeros(3, np.float64) if info.idx_in_epoch == 5 else np.zeros(3, np.uint8)
+
+    messages = []
+    for kwargs in ({"backend": "ray"}, {}):
+        with ParallelSource(bad, 4, num_workers=2, dtype=np.uint8, **kwargs) as src:
+            it = iter(src)
+            next(it)
+            with pytest.raises(SampleError) as caught:
+                next(it)
+            messages.append(str(caught.value))
+    assert messages[0] == messages[1]
+    assert "idx_in_epoch=5" in messages[0] and "expected dtype uint8" in messages[0]
+
+
+def test_a_shared_pool_serves_two_sources_and_owns_its_settings():
+    pool = WorkerPool(2, backend="ray")
+    try:
+        a = ParallelSource(sample_of, 4, pool=pool)
+        b = ParallelSource(lambda info: np.full(2, -info.idx_in_epoch, np.int64), 3, pool=pool)
+        with pytest.raises(ValueError, match="backend='ray'"):
+            ParallelSource(sample_of, 4, pool=pool, backend="ray")
+        first_a, first_b = next(iter(a)), next(iter(b))
+        assert first_a.as_array()[:, 0].tolist() == [0, 1, 2, 3]
+        assert first_b.as_array()[:, 1].tolist() == [0, -1, -2]
+        assert pool.backend == "ray" and pool.start_method is None
+    finally:
+        pool.close()
+
+
+def test_a_timeout_names_the_stuck_actor_and_the_samples():
+    def slow(info):
+        if info.idx_in_epoch == 10:
+            time.sleep(60)
+        return np.zeros(1)
+
+    src = ParallelSource(slow, 4, backend="ray", num_workers=2, timeout=2)
+    it = iter(src)
+    next(it)
+    started = time.monotonic()
+    from extsrc import SourceTimeoutError
+
+    with pytest.raises(SourceTimeoutError, match=r"timeout=2 s\. Stuck: worker \d \(pid \d+\): samples 0\.\.3 of batch 2"):
+        for _ in range(3):
+            next(it)
+    assert time.monotonic() - started < 10
+    src.close()
+
+
+def test_importing_extsrc_and_running_processes_does_not_import_ray():
+    code = ("import sys, numpy as np, extsrc, extsrc.ray\n"
+            "with extsrc.ParallelSource(lambda i: np.zeros(1), 2) as s: next(iter(s))\n"
+            "print('ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def _marked(info):
+    return np.frombuffer(os.environ.get("EXTSRC_TEST_MARK", "-").encode(), np.uint8)
+
+
+def test_ray_options_reach_the_actors_and_ray_refuses_bad_ones_at_once():
+    from extsrc.ray import RayPool
+
+    pool = WorkerPool(2, backend="ray", ray_options={
+        "num_cpus": 0.5, "runtime_env": {"env_vars": {"EXTSRC_TEST_MARK": "actor"}}})
+    assert isinstance(pool, RayPool) and isinstance(pool, WorkerPool)
+    with ParallelSource(_marked, 2, pool=pool) as src:
+        assert bytes(next(iter(src)).as_array()[0]) == b"actor"
+    pool.close()
+    with pytest.raises(ValueError, match="Ray refused them: .*num_cpus"):
+        WorkerPool(2, backend="ray", ray_options={"resources": {"CPU": 2}})
