@@ -1,7 +1,6 @@
 """Batches stay right for as long as they are held, and memory follows what is held."""
 
 import gc
-import os
 import resource
 import time
 

@@ -9,10 +9,10 @@ cells' own processes.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Tuple
 
 from extsrc.bench.measure import Take
-from extsrc.bench.workloads import ALL_WORKLOADS, WORKLOADS
+from extsrc.bench.workloads import ALL_WORKLOADS
 
 WORKERS = 2
 DALI_THREADS = 1  # num_threads of the DALI pipelines (DALI requires a value)

@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from extsrc.bench.cells import MB, STARTUP_WORKERS
+from extsrc.bench.cells import STARTUP_WORKERS
 from extsrc.bench.loaders import (
     DALI, DALI_THREADS, EXTSRC, EXTSRC_DALI, EXTSRC_FROM_DATASET, EXTSRC_IDENTITY, EXTSRC_NO_STATS,
     EXTSRC_SHUFFLED, ORDER_RECORDS, TORCH, WORKERS,

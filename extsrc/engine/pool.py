@@ -46,7 +46,6 @@ from __future__ import annotations
 import _thread
 import atexit
 import enum
-import multiprocessing.connection
 import os
 import select
 import threading

@@ -31,7 +31,7 @@ from extsrc.batch import Batch
 from extsrc.engine.assembly import BatchOutput, PendingBatch
 from extsrc.engine.pool import WorkerPool
 from extsrc.engine.producer import Producer, Run
-from extsrc.engine.runner import BATCH_GENERATOR, BATCH_ITERABLE, SAMPLE, classify
+from extsrc.engine.runner import BATCH_GENERATOR, BATCH_ITERABLE, classify
 from extsrc.engine.stats import SourceStats
 from extsrc.errors import EmptyEpochError, SampleError, SourceTimeoutError
 from extsrc.options import UNSET, SourceOptions

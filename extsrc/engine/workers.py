@@ -16,7 +16,6 @@ import multiprocessing.process
 import os
 import signal
 import sys
-import threading
 import time
 from collections import deque
 from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple

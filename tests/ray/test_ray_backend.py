@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from extsrc import (
-    BatchInfo, Order, ParallelSource, PoolClosedError, SampleError, WorkerPool,
+    Order, ParallelSource, PoolClosedError, SampleError, WorkerPool,
 )
 from extsrc.shm.slots import lease_of
 
