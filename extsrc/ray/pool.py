@@ -86,6 +86,8 @@ CALL_GROUP_MAX_BYTES = 4 << 20
 # for actors is none while running, which would pile any number onto one node), spread over
 # the nodes.
 DEFAULT_ACTOR_OPTIONS = {"num_cpus": 1, "scheduling_strategy": "SPREAD"}
+# Ray's words when an actor's owner, this process's Ray worker, went away (ray.shutdown() here).
+OWNER_GONE = "Owner's worker process has crashed"
 # What the pool's contract needs of its actors (see extsrc.options.RAY_OPTIONS_OWNED).
 FIXED_ACTOR_OPTIONS = {"max_restarts": 0, "max_task_retries": 0, "max_concurrency": 1}
 
@@ -528,6 +530,11 @@ class RayPool(WorkerPool):
     def _actor_lost(self, worker: ActorHandle, error: BaseException) -> None:
         """Lock held: ``worker``'s call failed with Ray's ``error``: break the pool saying so."""
         ray = import_ray()
+        if not ray.is_initialized() or OWNER_GONE in str(error):
+            # ray.shutdown() in this process (or its connection lost) fails the actors' calls
+            # first, sometimes before Ray says it is disconnected: say what happened.
+            self._connection_lost(error)
+            return
         if isinstance(error, ray.exceptions.RayTaskError):
             broken: BaseException = InternalError(
                 f"{worker.describe()} failed outside the callback: {_first_lines(error)}"
