@@ -43,7 +43,10 @@ def assert_clean(result):
 
 def test_an_actor_killed_with_ray_kill_mid_epoch_is_named_with_its_node_and_samples():
     result = run_fault(ray_case('''
+go = f"/tmp/extsrc-ray-kill-{os.getpid()}"  # made once the actors' pids are reported
 def load(info):
+    while info.idx_in_epoch >= 8 and not os.path.exists(go):
+        time.sleep(0.01)
     if info.idx_in_epoch == 9:
         ray.kill(ray.get_runtime_context().current_actor)
         time.sleep(60)
@@ -51,8 +54,12 @@ def load(info):
 src = extsrc.ParallelSource(load, 8, num_workers=2, backend="ray")
 it = started(src, report)
 report.fault_starts()
-for _ in it:
-    pass
+open(go, "w").close()
+try:
+    for _ in it:
+        pass
+finally:
+    os.unlink(go)
 '''), timeout=FAULT_TIMEOUT_S)
     assert result.type == "WorkerDiedError", result.stderr
     message = result.message
