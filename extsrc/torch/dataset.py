@@ -130,9 +130,13 @@ class SampleLayout:
         if self.kind == SINGLE:
             return _to_array(sample, record, "")
         if self.kind == MAPPING:
-            if not isinstance(sample, collections.abc.Mapping) or tuple(sample.keys()) != self.keys:
-                got = list(sample.keys()) if isinstance(sample, collections.abc.Mapping) else type(sample).__name__
-                raise TypeError(f"dataset[{record}] holds {got}, and dataset[0] the keys {list(self.keys)}")
+            # By key, as default_collate: the order of a sample's keys does not matter.
+            if not isinstance(sample, collections.abc.Mapping):
+                raise TypeError(f"dataset[{record}] is a {type(sample).__name__}, and dataset[0] a "
+                                f"mapping with the keys {list(self.keys)}")
+            if len(sample) != len(self.keys) or any(k not in sample for k in self.keys):
+                raise TypeError(f"dataset[{record}] holds the keys {list(sample.keys())}, and "
+                                f"dataset[0] {list(self.keys)}")
             return tuple(_to_array(sample[k], record, f"[{k!r}]") for k in self.keys)
         if not isinstance(sample, (tuple, list)) or len(sample) != len(self.keys):
             what = f"{len(sample)} fields" if isinstance(sample, (tuple, list)) else type(sample).__name__

@@ -140,3 +140,43 @@ def test_dataloader_arguments_that_map_are_taken():
                       multiprocessing_context="fork") as loader:
         assert loader.source.prefetch == 6 and loader.source.timeout == 30
         assert _labels(loader) == list(range(12))
+
+
+class _KeysInAnyOrder(torch.utils.data.Dataset):
+    """Dict samples whose keys come in an order that depends on the record."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return {"label": i, "image": torch.full((2,), i)} if i % 2 else {"image": torch.full((2,), i), "label": i}
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_dict_samples_are_collated_by_key_whatever_the_order_of_their_keys(shuffle):
+    dataset = _KeysInAnyOrder()
+    theirs = list(DataLoader(dataset, batch_size=4))
+    with from_dataset(dataset, batch_size=4, shuffle=shuffle, num_workers=2) as loader:
+        ours = list(loader)
+    if not shuffle:
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            _same(a, b, f"batch {i}")
+    for batch in ours:
+        assert list(batch) == ["image", "label"]  # dataset[0]'s order, as default_collate keeps it
+        assert (batch["image"][:, 0] == batch["label"]).all()
+    assert sorted(r for b in ours for r in b["label"].tolist()) == list(range(8))
+
+
+class _OtherKeys(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return {"image": np.zeros(2), "label": i} if i != 3 else {"image": np.zeros(2), "target": i}
+
+
+def test_a_dict_sample_with_other_keys_is_an_error_naming_them():
+    with from_dataset(_OtherKeys(), batch_size=2, num_workers=1) as loader:
+        with pytest.raises(TypeError, match=r"dataset\[3\] holds the keys \['image', 'target'\], "
+                                            r"and dataset\[0\] \['image', 'label'\]"):
+            list(loader)
