@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from extsrc.engine.source import ParallelSource
+from extsrc.errors import EmptyEpochError
 from extsrc.options import START_METHODS
 from extsrc.order import Order
 from extsrc.torch.loader import TorchLoader
@@ -302,20 +303,27 @@ def from_dataset(
     layout.flatten(dataset[0], 0)  # a field that cannot be carried is an error here, not in a worker
     order = Order(records, shuffle=shuffle, seed=seed, shard=shard, remainder="pad")
     base_seed = int(torch.empty((), dtype=torch.int64).random_().item())  # as DataLoader draws it
-    source = ParallelSource(
-        DatasetSamples(dataset, layout, base_seed),
-        batch_size,
-        num_outputs=layout.num_outputs,
-        num_workers=num_workers,
-        start_method=start_method,
-        pickler=pickler,
-        prefetch=None if prefetch_factor is None or not isinstance(num_workers, int)
-        else prefetch_factor * num_workers,
-        last_batch="drop" if drop_last else "partial",
-        timeout=timeout or None,
-        order=order,
-        name=f"from_dataset({type(dataset).__name__})",
-    )
+    try:
+        source = ParallelSource(
+            DatasetSamples(dataset, layout, base_seed),
+            batch_size,
+            num_outputs=layout.num_outputs,
+            num_workers=num_workers,
+            start_method=start_method,
+            pickler=pickler,
+            prefetch=None if prefetch_factor is None or not isinstance(num_workers, int)
+            else prefetch_factor * num_workers,
+            last_batch="drop" if drop_last else "partial",
+            timeout=timeout or None,
+            order=order,
+            name=f"from_dataset({type(dataset).__name__})",
+        )
+    except EmptyEpochError:
+        raise EmptyEpochError(
+            f"{len(order)} records (this shard's, of len(dataset) == {records}) make no batch of "
+            f"batch_size={batch_size} with drop_last=True; give drop_last=False or a batch_size "
+            f"of at most {len(order)} (a DataLoader would yield no batch at all)"
+        ) from None
     try:
         source.start()  # now, so that a loader made before CUDA is initialised can fork
     except BaseException:
