@@ -188,6 +188,7 @@ class TorchLoader:
         if self._closed:
             raise ValueError("this TorchLoader is closed")
         batches = iter(self._source)
+        self._end_loop("a newer iter(loader)")
         start = self._source.get_state()  # the new epoch, before its first batch
         epoch: _Epoch = (_DeviceEpoch if self._device is not None else _HostEpoch)(self, batches, start)
         self._position = epoch.position
@@ -214,7 +215,13 @@ class TorchLoader:
         ``ParallelSource.get_state``), or saved with another order.
         """
         self._source.set_state(state_dict)
+        self._end_loop("load_state_dict()")
         self._position = None
+
+    def _end_loop(self, why: str) -> None:
+        """Marks the running loop ended (its next ``next()`` raises, saying ``why``)."""
+        if self._position is not None:
+            self._position.ended_by = why
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -223,6 +230,7 @@ class TorchLoader:
         if self._closed:
             return
         self._closed = True
+        self._end_loop("close()")
         self._position = None
         self._finalizer()
         if self._owns_source:
@@ -256,12 +264,13 @@ def _page_lock_with_torch(source: ParallelSource, index: int) -> PageLock:
 class _Position:
     """Where a loop over a loader stands: the epoch, and the iteration of the next batch."""
 
-    __slots__ = ("epoch_idx", "next_iteration", "finished")
+    __slots__ = ("epoch_idx", "next_iteration", "finished", "ended_by")
 
     def __init__(self, epoch_idx: int, next_iteration: int):
         self.epoch_idx = epoch_idx
         self.next_iteration = next_iteration
         self.finished = False
+        self.ended_by: Optional[str] = None  # what ended the loop before its epoch's end
 
 
 class _Epoch:
@@ -279,6 +288,15 @@ class _Epoch:
         return len(self.loader)
 
     def _check(self) -> None:
+        ended_by = self.position.ended_by
+        if ended_by == "close()":
+            raise ValueError("this TorchLoader is closed")
+        if ended_by is not None:
+            raise RuntimeError(
+                f"this loop over the TorchLoader was ended by {ended_by} before the end of its "
+                "epoch: a loader runs one loop at a time (as its source does); finish or leave "
+                "a loop before starting the next"
+            )
         if self.loader._page_lock is not None:
             self.loader._page_lock.check()
 
