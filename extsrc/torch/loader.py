@@ -280,6 +280,21 @@ class _Epoch:
         self.loader = loader
         self.batches = batches
         self.position = _Position(start["epoch_idx"], start["iteration"])
+        # A batch taken from the source and not yet handed on: an interrupt (KeyboardInterrupt)
+        # arriving in between leaves it here, and the next call hands it on.
+        self._taken: Any = None
+
+    def _next_host(self) -> Any:
+        """The next batch as host tensors (the one taken before, if it was not handed on);
+        raises StopIteration at the end of the epoch. The caller clears ``_taken`` once the
+        batch is handed on."""
+        if self._taken is None:
+            self._taken = next(self.batches)
+        try:
+            return self.loader._tensors(self._taken)
+        except Exception:
+            self._taken = None  # a batch that cannot be made tensors is raised once, not again
+            raise
 
     def __iter__(self) -> "_Epoch":
         return self
@@ -313,14 +328,14 @@ class _HostEpoch(_Epoch):
             loader._handed.cover(loader._in_flight)  # the previous batch, copied by now or queued
             loader._in_flight.release_done()
         try:
-            batch = next(self.batches)
+            tensors = self._next_host()
         except StopIteration:
             self.position.finished = True
             raise
-        tensors = loader._tensors(batch)
-        self.position.next_iteration += 1
         if loader._pin:
             loader._handed.tensors = tensors
+        self._taken = None  # handed on: no call from here to the return
+        self.position.next_iteration += 1
         return tensors
 
 
@@ -336,7 +351,7 @@ class _DeviceEpoch(_Epoch):
     def _copy_next(self) -> Any:
         """Takes the next host batch and queues its copy; raises StopIteration at the end."""
         loader = self.loader
-        host = loader._tensors(next(self.batches))
+        host = self._next_host()
         with torch.cuda.stream(loader._stream):
             device = map_tensors(lambda t: t.to(loader._device, non_blocking=True), host)
             event = torch.cuda.Event()
@@ -361,19 +376,25 @@ class _DeviceEpoch(_Epoch):
             except StopIteration:
                 self.position.finished = True
                 raise
+            self._taken = None
         current = self._ready
-        try:
-            upcoming = self._copy_next()  # overlaps with the loop's work on `current`
-        except StopIteration:
-            upcoming, self._exhausted = None, True
-        except Exception as exc:
-            upcoming, self._error = None, exc
-        # An interrupt (KeyboardInterrupt) above leaves `current` ready: the next call returns it.
-        self._ready = upcoming
+        upcoming = None
+        if not self._exhausted and self._error is None:
+            try:
+                upcoming = self._copy_next()  # overlaps with the loop's work on `current`
+            except StopIteration:
+                self._exhausted = True
+            except Exception as exc:
+                self._error = exc
         device, event = current
         stream = torch.cuda.current_stream(self.loader._device)
         stream.wait_event(event)
         for tensor in each_tensor(device):
             tensor.record_stream(stream)  # allocated on the side stream, used on this one
+        # Handed on from here, with no call before the return: an interrupt (KeyboardInterrupt)
+        # above leaves `current` ready and the upcoming host batch taken, and the next call
+        # returns `current` and copies that batch again.
+        self._ready = upcoming
+        self._taken = None
         self.position.next_iteration += 1
         return device

@@ -179,3 +179,34 @@ def test_a_loop_over_a_closed_loader_raises_instead_of_stopping_early():
             next(epoch)
         with pytest.raises(ValueError, match="this TorchLoader is closed"):
             iter(loader)
+
+
+def test_an_interrupt_while_a_batch_becomes_tensors_loses_no_batch(monkeypatch):
+    import extsrc.torch.loader as loader_module
+
+    real, calls = loader_module.batch_tensors, []
+
+    def interrupted_once(batch):
+        calls.append(1)
+        if len(calls) == 3:  # a KeyboardInterrupt arriving after the source handed the batch over
+            raise KeyboardInterrupt
+        return real(batch)
+
+    monkeypatch.setattr(loader_module, "batch_tensors", interrupted_once)
+    with ParallelSource(stamped, 4, num_outputs=2, num_workers=2, order=Order(24)) as source:
+        loader = TorchLoader(source)
+        epoch = iter(loader)
+        records = []
+        interrupts = 0
+        while True:
+            try:
+                ids, _payload = next(epoch)
+            except KeyboardInterrupt:
+                interrupts += 1
+                assert loader.state_dict()["iteration"] == 2  # still points at the batch not given
+                continue
+            except StopIteration:
+                break
+            records += ids[:, 0].tolist()
+    assert interrupts == 1
+    assert records == list(range(24))  # the interrupted batch came with the next call
