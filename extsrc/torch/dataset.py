@@ -299,8 +299,9 @@ def from_dataset(
     records = len(dataset)
     if records == 0:
         raise ValueError("the dataset is empty (len(dataset) == 0)")
-    layout = SampleLayout.of(dataset[0])
-    layout.flatten(dataset[0], 0)  # a field that cannot be carried is an error here, not in a worker
+    first = dataset[0]
+    layout = SampleLayout.of(first)
+    layout.flatten(first, 0)  # a field that cannot be carried is an error here, not in a worker
     order = Order(records, shuffle=shuffle, seed=seed, shard=shard, remainder="pad")
     base_seed = int(torch.empty((), dtype=torch.int64).random_().item())  # as DataLoader draws it
     try:

@@ -189,3 +189,23 @@ def test_a_dataset_smaller_than_a_batch_with_drop_last_is_refused_in_from_datase
         from_dataset(Records(3), batch_size=5, drop_last=True)
     with from_dataset(Records(3), batch_size=5) as loader:  # without drop_last: one short batch
         assert [labels.tolist() for _image, labels, _half in loader] == [[0, 1, 2]]
+
+
+class _Counting(torch.utils.data.Dataset):
+    """Counts the calls of __getitem__ made in this process (a worker's are its own)."""
+
+    calls = 0
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        type(self).calls += 1
+        return np.full((2,), i)
+
+
+def test_dataset_0_is_read_once_in_this_process():
+    _Counting.calls = 0
+    with from_dataset(_Counting(), batch_size=2, num_workers=1) as loader:
+        assert [b[:, 0].tolist() for b in loader] == [[0, 1], [2, 3]]
+    assert _Counting.calls == 1  # as the README says: an expensive sample 0 is not loaded twice
