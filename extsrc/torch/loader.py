@@ -79,7 +79,11 @@ class TorchLoader:
     share shape and dtype (dense), else a list of per-sample tensors; several
     outputs (``num_outputs``) make a tuple. Each ``for`` loop is one epoch of
     the source. ``len()`` is the source's (batches per epoch; needs
-    ``order=``). One consumer thread per loader.
+    ``order=``). One consumer thread per loader, and one loop at a time: a
+    new ``iter()``, ``load_state_dict()`` or ``close()`` ends the running
+    loop, whose next ``next()`` raises ``RuntimeError`` (``ValueError``
+    after ``close()``). A ``KeyboardInterrupt`` inside ``next()`` loses no
+    batch: the next call returns the one it interrupted.
 
     * ``device=None`` (or ``"cpu"``): tensors are ``torch.from_numpy`` views
       of the batch's shared memory, no copy; like the source's arrays they
