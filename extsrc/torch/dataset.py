@@ -194,7 +194,12 @@ class DatasetSamples:
         if not _ProcessSeeded.done:
             self._seed_process()
         record = info.record
-        sample = self.dataset[record]
+        try:
+            sample = self.dataset[record]
+        except Exception as exc:
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(f"(extsrc.torch: raised by dataset[{record}])")
+            raise
         if type(sample) is np.ndarray and self.layout.kind == SINGLE:
             return sample  # the common case, first; the engine checks its dtype
         return self.layout.flatten(sample, record)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import sys
 
 import numpy as np
 import pytest
@@ -209,3 +210,22 @@ def test_dataset_0_is_read_once_in_this_process():
     with from_dataset(_Counting(), batch_size=2, num_workers=1) as loader:
         assert [b[:, 0].tolist() for b in loader] == [[0, 1], [2, 3]]
     assert _Counting.calls == 1  # as the README says: an expensive sample 0 is not loaded twice
+
+
+class _FailsAt5(torch.utils.data.Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        if i == 5:
+            raise KeyError("missing file")
+        return i
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_an_error_in_getitem_names_the_index_it_was_called_with(shuffle):
+    with from_dataset(_FailsAt5(), batch_size=4, shuffle=shuffle, num_workers=2) as loader:
+        with pytest.raises(KeyError, match="missing file") as caught:
+            list(loader)
+    assert any("dataset[5]" in note for note in caught.value.__notes__), caught.value.__notes__
