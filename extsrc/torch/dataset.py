@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from extsrc.engine.source import ParallelSource
+from extsrc.errors import EmptyEpochError
 from extsrc.options import START_METHODS
 from extsrc.order import Order
 from extsrc.torch.loader import TorchLoader
@@ -130,9 +131,13 @@ class SampleLayout:
         if self.kind == SINGLE:
             return _to_array(sample, record, "")
         if self.kind == MAPPING:
-            if not isinstance(sample, collections.abc.Mapping) or tuple(sample.keys()) != self.keys:
-                got = list(sample.keys()) if isinstance(sample, collections.abc.Mapping) else type(sample).__name__
-                raise TypeError(f"dataset[{record}] holds {got}, and dataset[0] the keys {list(self.keys)}")
+            # By key, as default_collate: the order of a sample's keys does not matter.
+            if not isinstance(sample, collections.abc.Mapping):
+                raise TypeError(f"dataset[{record}] is a {type(sample).__name__}, and dataset[0] a "
+                                f"mapping with the keys {list(self.keys)}")
+            if len(sample) != len(self.keys) or any(k not in sample for k in self.keys):
+                raise TypeError(f"dataset[{record}] holds the keys {list(sample.keys())}, and "
+                                f"dataset[0] {list(self.keys)}")
             return tuple(_to_array(sample[k], record, f"[{k!r}]") for k in self.keys)
         if not isinstance(sample, (tuple, list)) or len(sample) != len(self.keys):
             what = f"{len(sample)} fields" if isinstance(sample, (tuple, list)) else type(sample).__name__
@@ -189,7 +194,12 @@ class DatasetSamples:
         if not _ProcessSeeded.done:
             self._seed_process()
         record = info.record
-        sample = self.dataset[record]
+        try:
+            sample = self.dataset[record]
+        except Exception as exc:
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(f"(extsrc.torch: raised by dataset[{record}])")
+            raise
         if type(sample) is np.ndarray and self.layout.kind == SINGLE:
             return sample  # the common case, first; the engine checks its dtype
         return self.layout.flatten(sample, record)
@@ -294,24 +304,32 @@ def from_dataset(
     records = len(dataset)
     if records == 0:
         raise ValueError("the dataset is empty (len(dataset) == 0)")
-    layout = SampleLayout.of(dataset[0])
-    layout.flatten(dataset[0], 0)  # a field that cannot be carried is an error here, not in a worker
+    first = dataset[0]
+    layout = SampleLayout.of(first)
+    layout.flatten(first, 0)  # a field that cannot be carried is an error here, not in a worker
     order = Order(records, shuffle=shuffle, seed=seed, shard=shard, remainder="pad")
     base_seed = int(torch.empty((), dtype=torch.int64).random_().item())  # as DataLoader draws it
-    source = ParallelSource(
-        DatasetSamples(dataset, layout, base_seed),
-        batch_size,
-        num_outputs=layout.num_outputs,
-        num_workers=num_workers,
-        start_method=start_method,
-        pickler=pickler,
-        prefetch=None if prefetch_factor is None or not isinstance(num_workers, int)
-        else prefetch_factor * num_workers,
-        last_batch="drop" if drop_last else "partial",
-        timeout=timeout or None,
-        order=order,
-        name=f"from_dataset({type(dataset).__name__})",
-    )
+    try:
+        source = ParallelSource(
+            DatasetSamples(dataset, layout, base_seed),
+            batch_size,
+            num_outputs=layout.num_outputs,
+            num_workers=num_workers,
+            start_method=start_method,
+            pickler=pickler,
+            prefetch=None if prefetch_factor is None or not isinstance(num_workers, int)
+            else prefetch_factor * num_workers,
+            last_batch="drop" if drop_last else "partial",
+            timeout=timeout or None,
+            order=order,
+            name=f"from_dataset({type(dataset).__name__})",
+        )
+    except EmptyEpochError:
+        raise EmptyEpochError(
+            f"{len(order)} records (this shard's, of len(dataset) == {records}) make no batch of "
+            f"batch_size={batch_size} with drop_last=True; give drop_last=False or a batch_size "
+            f"of at most {len(order)} (a DataLoader would yield no batch at all)"
+        ) from None
     try:
         source.start()  # now, so that a loader made before CUDA is initialised can fork
     except BaseException:

@@ -79,7 +79,11 @@ class TorchLoader:
     share shape and dtype (dense), else a list of per-sample tensors; several
     outputs (``num_outputs``) make a tuple. Each ``for`` loop is one epoch of
     the source. ``len()`` is the source's (batches per epoch; needs
-    ``order=``). One consumer thread per loader.
+    ``order=``). One consumer thread per loader, and one loop at a time: a
+    new ``iter()``, ``load_state_dict()`` or ``close()`` ends the running
+    loop, whose next ``next()`` raises ``RuntimeError`` (``ValueError``
+    after ``close()``). A ``KeyboardInterrupt`` inside ``next()`` loses no
+    batch: the next call returns the one it interrupted.
 
     * ``device=None`` (or ``"cpu"``): tensors are ``torch.from_numpy`` views
       of the batch's shared memory, no copy; like the source's arrays they
@@ -188,6 +192,7 @@ class TorchLoader:
         if self._closed:
             raise ValueError("this TorchLoader is closed")
         batches = iter(self._source)
+        self._end_loop("a newer iter(loader)")
         start = self._source.get_state()  # the new epoch, before its first batch
         epoch: _Epoch = (_DeviceEpoch if self._device is not None else _HostEpoch)(self, batches, start)
         self._position = epoch.position
@@ -214,7 +219,13 @@ class TorchLoader:
         ``ParallelSource.get_state``), or saved with another order.
         """
         self._source.set_state(state_dict)
+        self._end_loop("load_state_dict()")
         self._position = None
+
+    def _end_loop(self, why: str) -> None:
+        """Marks the running loop ended (its next ``next()`` raises, saying ``why``)."""
+        if self._position is not None:
+            self._position.ended_by = why
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -223,6 +234,7 @@ class TorchLoader:
         if self._closed:
             return
         self._closed = True
+        self._end_loop("close()")
         self._position = None
         self._finalizer()
         if self._owns_source:
@@ -256,12 +268,13 @@ def _page_lock_with_torch(source: ParallelSource, index: int) -> PageLock:
 class _Position:
     """Where a loop over a loader stands: the epoch, and the iteration of the next batch."""
 
-    __slots__ = ("epoch_idx", "next_iteration", "finished")
+    __slots__ = ("epoch_idx", "next_iteration", "finished", "ended_by")
 
     def __init__(self, epoch_idx: int, next_iteration: int):
         self.epoch_idx = epoch_idx
         self.next_iteration = next_iteration
         self.finished = False
+        self.ended_by: Optional[str] = None  # what ended the loop before its epoch's end
 
 
 class _Epoch:
@@ -271,6 +284,21 @@ class _Epoch:
         self.loader = loader
         self.batches = batches
         self.position = _Position(start["epoch_idx"], start["iteration"])
+        # A batch taken from the source and not yet handed on: an interrupt (KeyboardInterrupt)
+        # arriving in between leaves it here, and the next call hands it on.
+        self._taken: Any = None
+
+    def _next_host(self) -> Any:
+        """The next batch as host tensors (the one taken before, if it was not handed on);
+        raises StopIteration at the end of the epoch. The caller clears ``_taken`` once the
+        batch is handed on."""
+        if self._taken is None:
+            self._taken = next(self.batches)
+        try:
+            return self.loader._tensors(self._taken)
+        except Exception:
+            self._taken = None  # a batch that cannot be made tensors is raised once, not again
+            raise
 
     def __iter__(self) -> "_Epoch":
         return self
@@ -279,6 +307,15 @@ class _Epoch:
         return len(self.loader)
 
     def _check(self) -> None:
+        ended_by = self.position.ended_by
+        if ended_by == "close()":
+            raise ValueError("this TorchLoader is closed")
+        if ended_by is not None:
+            raise RuntimeError(
+                f"this loop over the TorchLoader was ended by {ended_by} before the end of its "
+                "epoch: a loader runs one loop at a time (as its source does); finish or leave "
+                "a loop before starting the next"
+            )
         if self.loader._page_lock is not None:
             self.loader._page_lock.check()
 
@@ -295,14 +332,14 @@ class _HostEpoch(_Epoch):
             loader._handed.cover(loader._in_flight)  # the previous batch, copied by now or queued
             loader._in_flight.release_done()
         try:
-            batch = next(self.batches)
+            tensors = self._next_host()
         except StopIteration:
             self.position.finished = True
             raise
-        tensors = loader._tensors(batch)
-        self.position.next_iteration += 1
         if loader._pin:
             loader._handed.tensors = tensors
+        self._taken = None  # handed on: no call from here to the return
+        self.position.next_iteration += 1
         return tensors
 
 
@@ -318,7 +355,7 @@ class _DeviceEpoch(_Epoch):
     def _copy_next(self) -> Any:
         """Takes the next host batch and queues its copy; raises StopIteration at the end."""
         loader = self.loader
-        host = loader._tensors(next(self.batches))
+        host = self._next_host()
         with torch.cuda.stream(loader._stream):
             device = map_tensors(lambda t: t.to(loader._device, non_blocking=True), host)
             event = torch.cuda.Event()
@@ -343,19 +380,25 @@ class _DeviceEpoch(_Epoch):
             except StopIteration:
                 self.position.finished = True
                 raise
+            self._taken = None
         current = self._ready
-        try:
-            upcoming = self._copy_next()  # overlaps with the loop's work on `current`
-        except StopIteration:
-            upcoming, self._exhausted = None, True
-        except Exception as exc:
-            upcoming, self._error = None, exc
-        # An interrupt (KeyboardInterrupt) above leaves `current` ready: the next call returns it.
-        self._ready = upcoming
+        upcoming = None
+        if not self._exhausted and self._error is None:
+            try:
+                upcoming = self._copy_next()  # overlaps with the loop's work on `current`
+            except StopIteration:
+                self._exhausted = True
+            except Exception as exc:
+                self._error = exc
         device, event = current
         stream = torch.cuda.current_stream(self.loader._device)
         stream.wait_event(event)
         for tensor in each_tensor(device):
             tensor.record_stream(stream)  # allocated on the side stream, used on this one
+        # Handed on from here, with no call before the return: an interrupt (KeyboardInterrupt)
+        # above leaves `current` ready and the upcoming host batch taken, and the next call
+        # returns `current` and copies that batch again.
+        self._ready = upcoming
+        self._taken = None
         self.position.next_iteration += 1
         return device

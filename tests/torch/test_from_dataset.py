@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import sys
 
 import numpy as np
 import pytest
@@ -140,3 +141,91 @@ def test_dataloader_arguments_that_map_are_taken():
                       multiprocessing_context="fork") as loader:
         assert loader.source.prefetch == 6 and loader.source.timeout == 30
         assert _labels(loader) == list(range(12))
+
+
+class _KeysInAnyOrder(torch.utils.data.Dataset):
+    """Dict samples whose keys come in an order that depends on the record."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return {"label": i, "image": torch.full((2,), i)} if i % 2 else {"image": torch.full((2,), i), "label": i}
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_dict_samples_are_collated_by_key_whatever_the_order_of_their_keys(shuffle):
+    dataset = _KeysInAnyOrder()
+    theirs = list(DataLoader(dataset, batch_size=4))
+    with from_dataset(dataset, batch_size=4, shuffle=shuffle, num_workers=2) as loader:
+        ours = list(loader)
+    if not shuffle:
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            _same(a, b, f"batch {i}")
+    for batch in ours:
+        assert list(batch) == ["image", "label"]  # dataset[0]'s order, as default_collate keeps it
+        assert (batch["image"][:, 0] == batch["label"]).all()
+    assert sorted(r for b in ours for r in b["label"].tolist()) == list(range(8))
+
+
+class _OtherKeys(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return {"image": np.zeros(2), "label": i} if i != 3 else {"image": np.zeros(2), "target": i}
+
+
+def test_a_dict_sample_with_other_keys_is_an_error_naming_them():
+    with from_dataset(_OtherKeys(), batch_size=2, num_workers=1) as loader:
+        with pytest.raises(TypeError, match=r"dataset\[3\] holds the keys \['image', 'target'\], "
+                                            r"and dataset\[0\] \['image', 'label'\]"):
+            list(loader)
+
+
+def test_a_dataset_smaller_than_a_batch_with_drop_last_is_refused_in_from_datasets_terms():
+    assert len(DataLoader(Records(3), batch_size=5, drop_last=True)) == 0  # a DataLoader yields nothing
+    with pytest.raises(ValueError, match=r"3 records .* no batch of batch_size=5 with drop_last=True; "
+                                         r"give drop_last=False or a batch_size of at most 3"):
+        from_dataset(Records(3), batch_size=5, drop_last=True)
+    with from_dataset(Records(3), batch_size=5) as loader:  # without drop_last: one short batch
+        assert [labels.tolist() for _image, labels, _half in loader] == [[0, 1, 2]]
+
+
+class _Counting(torch.utils.data.Dataset):
+    """Counts the calls of __getitem__ made in this process (a worker's are its own)."""
+
+    calls = 0
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        type(self).calls += 1
+        return np.full((2,), i)
+
+
+def test_dataset_0_is_read_once_in_this_process():
+    _Counting.calls = 0
+    with from_dataset(_Counting(), batch_size=2, num_workers=1) as loader:
+        assert [b[:, 0].tolist() for b in loader] == [[0, 1], [2, 3]]
+    assert _Counting.calls == 1  # as the README says: an expensive sample 0 is not loaded twice
+
+
+class _FailsAt5(torch.utils.data.Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        if i == 5:
+            raise KeyError("missing file")
+        return i
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_an_error_in_getitem_names_the_index_it_was_called_with(shuffle):
+    with from_dataset(_FailsAt5(), batch_size=4, shuffle=shuffle, num_workers=2) as loader:
+        with pytest.raises(KeyError, match="missing file") as caught:
+            list(loader)
+    assert any("dataset[5]" in note for note in caught.value.__notes__), caught.value.__notes__

@@ -148,3 +148,65 @@ def test_invalid_arguments_are_refused(kwargs, error, match):
 def test_a_loader_needs_a_parallel_source():
     with pytest.raises(TypeError, match="extsrc.ParallelSource, got list"):
         TorchLoader([np.zeros(3)])
+
+
+def test_a_loop_ended_by_a_newer_one_raises_instead_of_stopping_early():
+    with ParallelSource(stamped, 4, num_outputs=2, order=Order(12)) as source:
+        loader = TorchLoader(source)
+        first = iter(loader)
+        next(first)
+        second = iter(loader)  # one loop at a time: this ends the first one's epoch
+        with pytest.raises(RuntimeError, match=r"ended by a newer iter\(loader\).*one loop at a time"):
+            next(first)
+        assert [b[0][0, 1].item() for b in second] == [1, 1, 1]  # the newer loop has its whole epoch
+        with pytest.raises(RuntimeError, match="one loop at a time"):
+            list(zip(loader, loader))  # not an empty list
+        third = iter(loader)
+        next(third)
+        loader.load_state_dict(loader.state_dict())
+        with pytest.raises(RuntimeError, match=r"load_state_dict\(\)"):
+            next(third)
+
+
+def test_a_loop_over_a_closed_loader_raises_instead_of_stopping_early():
+    with ParallelSource(stamped, 4, num_outputs=2, order=Order(12)) as source:
+        loader = TorchLoader(source)
+        epoch = iter(loader)
+        next(epoch)
+        loader.close()
+        loader.close()  # idempotent
+        with pytest.raises(ValueError, match="this TorchLoader is closed"):
+            next(epoch)
+        with pytest.raises(ValueError, match="this TorchLoader is closed"):
+            iter(loader)
+
+
+def test_an_interrupt_while_a_batch_becomes_tensors_loses_no_batch(monkeypatch):
+    import extsrc.torch.loader as loader_module
+
+    real, calls = loader_module.batch_tensors, []
+
+    def interrupted_once(batch):
+        calls.append(1)
+        if len(calls) == 3:  # a KeyboardInterrupt arriving after the source handed the batch over
+            raise KeyboardInterrupt
+        return real(batch)
+
+    monkeypatch.setattr(loader_module, "batch_tensors", interrupted_once)
+    with ParallelSource(stamped, 4, num_outputs=2, num_workers=2, order=Order(24)) as source:
+        loader = TorchLoader(source)
+        epoch = iter(loader)
+        records = []
+        interrupts = 0
+        while True:
+            try:
+                ids, _payload = next(epoch)
+            except KeyboardInterrupt:
+                interrupts += 1
+                assert loader.state_dict()["iteration"] == 2  # still points at the batch not given
+                continue
+            except StopIteration:
+                break
+            records += ids[:, 0].tolist()
+    assert interrupts == 1
+    assert records == list(range(24))  # the interrupted batch came with the next call
