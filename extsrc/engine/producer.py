@@ -94,8 +94,8 @@ class Producer:
         return None
 
     def ready_count(self) -> int:
-        """Batches of the current run whose every task reported back (consumer, lock held)."""
-        return sum(1 for pending in self.pending.values() if pending.complete)
+        """Batches finished and not taken yet (their slots are READY; consumer, lock held)."""
+        return self.slots.ready
 
     def commit(self, pending: PendingBatch) -> None:
         """The consumer took ``pending`` (its slot is LEASED)."""

@@ -181,6 +181,7 @@ class SlotPool:
         self.keep = keep
         self.link = link
         self.slots: Dict[int, Slot] = {}
+        self.ready = 0  # slots READY now (batches finished and not taken), kept by _move
         # id(weak reference of a live lease) -> (slot id, lease seq, the reference); a dead
         # lease's reference lands in `returns` (see Lease). Keyed by id: a dead reference
         # whose hash was never taken cannot be hashed.
@@ -197,6 +198,10 @@ class SlotPool:
             raise InternalError(
                 f"{self.label}: slot {slot.slot_id} cannot go from {slot.state.value} to {to.value}"
             )
+        if slot.state is SlotState.READY:
+            self.ready -= 1
+        if to is SlotState.READY:
+            self.ready += 1
         slot.state = to
 
     def acquire(self, region_bytes: int, total_needed: int, batch_seq: int) -> Slot:

@@ -58,6 +58,21 @@ def test_a_slot_goes_free_filling_ready_leased_and_back_when_its_last_array_dies
     assert slot.state is SlotState.FREE
 
 
+def test_the_pool_counts_the_batches_finished_and_not_taken(pool):
+    slots, _ = pool
+    first = slots.acquire(4096, 8192, batch_seq=0)
+    second = slots.acquire(4096, 8192, batch_seq=1)
+    assert slots.ready == 0
+    slots.filled(first)
+    slots.filled(second)
+    assert slots.ready == 2 == slots.count(SlotState.READY)
+    lease = slots.take(first, {})
+    assert slots.ready == 1
+    slots.abandon(second)  # an epoch that ended with it unread
+    assert slots.ready == 0 == slots.count(SlotState.READY)
+    del lease
+
+
 def test_a_free_slot_is_reused_before_a_new_one_is_made(pool):
     slots, link = pool
     slot, lease = lease_a_batch(slots, 0)
