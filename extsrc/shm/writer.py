@@ -165,7 +165,7 @@ class TaskWrite:
         self.region_map = slot.region_view(region_bytes) if region_bytes else None
         self.spilled: List[List[Spilled]] = [[] for _ in regions]
         self.first: List[Optional[np.ndarray]] = [None] * len(regions)
-        self.first_where = [""] * len(regions)
+        self.first_at = [0] * len(regions)  # its position, described only when an error needs it
         self._rows: List[Optional[np.ndarray]] = [None] * len(regions)
         self._given: Dict[Tuple[int, int], Tuple[int, Optional[Spilled]]] = {}  # see alloc
 
@@ -231,10 +231,14 @@ class TaskWrite:
                 self._note_first(j, destination[0], position)
                 return
         checker = self.writer.checker
+        first_where = ""
         for k in range(count):
             sample_position = position + k
             where = self.describe(sample_position)
-            array = checker.check(column[k], j, sample_position, where, self.first[j], self.first_where[j])
+            first = self.first[j]
+            if first is not None and not first_where:
+                first_where = self.describe(self.first_at[j])
+            array = checker.check(column[k], j, sample_position, where, first, first_where)
             self._note_first(j, array, sample_position)
             given = self._given.get((j, sample_position))
             if given is not None and array.__array_interface__["data"][0] == given[0]:
@@ -251,7 +255,7 @@ class TaskWrite:
 
     def _note_first(self, j: int, sample: np.ndarray, position: int) -> None:
         if self.first[j] is None:
-            self.first[j], self.first_where[j] = sample, self.describe(position)
+            self.first[j], self.first_at[j] = sample, position
 
     def finish(self) -> Tuple[Tuple[Tuple[Spilled, ...], ...], int]:
         """Per output, the samples spilled to overflow; and the bytes of overflow in use."""
