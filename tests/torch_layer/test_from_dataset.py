@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from extsrc.torch import from_dataset
 
-from datasets import Changing, Draws, Ragged, Records
+from sample_datasets import Changing, Draws, Ragged, Records
 
 
 def _same(ours, theirs, where=""):
