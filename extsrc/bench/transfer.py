@@ -144,14 +144,14 @@ def transfer_cell(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 def run(args: argparse.Namespace, seconds: float, warmup_s: float, repeat: int) -> int:
     """Runs the ``--h2d`` table; 0 when every cell ran, 1 when one failed, 2 when it cannot run."""
-    if not installed("torch"):
-        print("extsrc bench: --h2d needs PyTorch with CUDA (pip install 'extsrc[torch]')", file=sys.stderr)
-        return 2
     from extsrc.engine.cuda_state import gpu_visible
 
     visible, why = gpu_visible()
     if not visible:
         print(f"extsrc bench: --h2d copies batches to a GPU, but {why}", file=sys.stderr)
+        return 2
+    if not installed("torch"):
+        print("extsrc bench: --h2d needs PyTorch with CUDA (pip install 'extsrc[torch]')", file=sys.stderr)
         return 2
     plan = [loader for r in range(repeat)
             for loader in (LOADERS if r % 2 == 0 else tuple(reversed(LOADERS)))]
