@@ -475,19 +475,25 @@ class WorkerPool:
             poller.register(worker.sentinel, select.POLLIN)
         return poller, sockets, sentinels
 
+    def _service_clients(self) -> Tuple[bool, bool]:
+        """I/O thread, lock held: lets every source dispatch and take back memory. Whether any
+        changed what its consumers wait for, and whether any lends batches out (then returned
+        memory must be looked for every RETURN_POLL_S)."""
+        changed = lending = False
+        for ref in self._clients:
+            client = ref()
+            if client is not None:
+                changed = client.service() or changed
+                lending = lending or client.lends()
+        return changed, lending
+
     def _io_round(self, poller: Any, sockets: Dict[int, WorkerHandle],
                   sentinels: Dict[int, WorkerHandle]) -> bool:
         """One round: service, send, wait, receive. False when the pool stops running."""
         with self.lock:
             if self._state is not PoolState.RUNNING:
                 return False
-            changed = False
-            lending = False
-            for ref in self._clients:
-                client = ref()
-                if client is not None:
-                    changed = client.service() or changed
-                    lending = lending or client.lends()
+            changed, lending = self._service_clients()
             self._assign()
             if not self._flush():
                 return False

@@ -407,13 +407,7 @@ class RayPool(WorkerPool):
         with self.lock:
             if self._state is not PoolState.RUNNING:
                 return False
-            changed = False
-            lending = False
-            for ref in self._clients:
-                client = ref()
-                if client is not None:
-                    changed = client.service() or changed
-                    lending = lending or client.lends()
+            changed, lending = self._service_clients()
             self._assign()
             if not self._send():
                 return False
