@@ -64,3 +64,23 @@ def filling_two_outputs(info, buffers):
     ragged = buffers.array(info.idx_in_batch + 1, np.float32, output=1)
     ragged[:] = np.arange(info.idx_in_batch + 1)
     return image, ragged
+
+
+class ReusesItsBuffers:
+    """Returns views of one buffer per process that the next batch's samples overwrite, as
+    callbacks that recycle their memory do: sample ``k`` of a batch is row ``k``, filled with the
+    sample's index. ``ragged``: rows of varying length; ``sample_bytes``: the full row length."""
+
+    def __init__(self, batch_size: int, sample_bytes: int, ragged: bool = False):
+        self.batch_size, self.sample_bytes, self.ragged = batch_size, sample_bytes, ragged
+        self.rows = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "rows": None}
+
+    def __call__(self, info):
+        if self.rows is None:
+            self.rows = np.zeros((self.batch_size, self.sample_bytes), np.int64)
+        row = self.rows[info.idx_in_batch]
+        row[:] = info.idx_in_epoch
+        return row[: self.sample_bytes - info.idx_in_batch] if self.ragged else row

@@ -7,23 +7,29 @@ pool's pickler), and runs tasks with the engine's
 ``BatchInfo`` / ``Order`` records, the same checks and the same errors. Only
 the last step differs: instead of writing the samples into shared memory it
 cannot reach (it may be on another host), it returns them, checked, as a
-:class:`~extsrc.ray.protocol.Produced`, through Ray's object store.
+:class:`~extsrc.ray.protocol.Produced`, in Ray's reply or its object store
+(see :mod:`extsrc.ray.parts`).
 
-Ray runs an actor's calls one at a time in the order they were sent, which
-iterable sources (whose state lives in one worker) rely on.
+Ray runs an actor's calls one at a time in the order they were sent, and the
+actor runs their tasks in that order, one at a time, which iterable sources
+(whose state lives in one worker) rely on.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from extsrc.engine.protocol import SetupFailed, SourceSetup, Task, TaskFailed
+from extsrc.engine.protocol import SetupFailed, SourceSetup, Task
 from extsrc.engine.runner import SAMPLE, SourceRunner
+from extsrc.ray.parts import INLINE_MAX_BYTES, columns_bytes, fitting, split
 from extsrc.ray.protocol import ActorReady, Produced
 
 # Samples up to this size travel stacked, as one array per output: Ray serialises every array
@@ -31,6 +37,13 @@ from extsrc.ray.protocol import ActorReady, Produced
 # travel as they are: stacking them would copy the whole batch once more in the actor, for a
 # per-array cost that is small next to their size.
 STACK_MAX_SAMPLE_BYTES = 64 << 10
+# A call answers once REPLY_TASKS tasks are done, or once one is and the next is not done
+# REPLY_HOLD_S later. A Ray call costs about a millisecond of CPU between the pool, the actor
+# and Ray's threads (on 2 cores, as much as running 256 samples of 1 KiB), so answering small
+# tasks in pairs halves that; a task longer than the hold goes alone, where a call's cost does
+# not matter, and a slow or stuck task holds back a finished one by no more than the hold.
+REPLY_TASKS = 2
+REPLY_HOLD_S = 0.005
 
 
 class PackedWrite:
@@ -42,7 +55,8 @@ class PackedWrite:
     def __init__(self, checker: Any, num_outputs: int, describe: Callable[[int], str]):
         self.checker = checker
         self.describe = describe
-        self.chunks: List[List[Any]] = [[] for _ in range(num_outputs)]  # per output, packed chunks
+        self.pieces: List[Tuple[int, int, Tuple[Any, ...]]] = []  # (position, count, packed columns)
+        self.borrowed: List[Tuple[bool, ...]] = []  # per piece and output: may be the callback's memory
 
     def alloc(self, output: int, position: int, shape: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         self.checker.check(np.empty((0,) * len(shape), dtype), output, position, self.describe(position),
@@ -51,18 +65,29 @@ class PackedWrite:
 
     def add(self, columns: List[Sequence[Any]], position: int, count: int) -> None:
         if count:
-            for j, column in enumerate(columns):
-                self.chunks[j].append(pack(self.checker, j, column, position, count, self.describe))
+            packed = tuple(pack(self.checker, j, column, position, count, self.describe)
+                           for j, column in enumerate(columns))
+            self.pieces.append((position, count, packed))
+            self.borrowed.append(tuple(
+                isinstance(p, list) or (isinstance(c, np.ndarray) and np.may_share_memory(p, c))
+                for p, c in zip(packed, columns)))
 
-    def columns(self) -> Tuple[Any, ...]:
-        """Per output: one packed chunk as it is, several as one list of samples."""
-        joined = []
-        for chunks in self.chunks:
-            if len(chunks) == 1:
-                joined.append(chunks[0])
-            else:
-                joined.append([sample for chunk in chunks for sample in chunk])
-        return tuple(joined)
+    def answer(self) -> Any:
+        """The pieces, holding none of the callback's memory: the runner thread goes on with the
+        next task (whose callback may reuse its buffers) before Ray serialises this answer.
+
+        Above :data:`~extsrc.ray.parts.INLINE_MAX_BYTES` they are put into Ray's object
+        store at once (the one copy Ray would make of them anyway) and this is their
+        ``ObjectRef``; below, what may be the callback's is copied (stacked samples are not).
+        """
+        pieces = tuple(self.pieces)
+        if sum(columns_bytes(columns) for _, _, columns in pieces) > INLINE_MAX_BYTES:
+            import ray
+
+            return ray.put(pieces)
+        return tuple(
+            (position, count, tuple(_copy(c) if b else c for c, b in zip(columns, borrowed)))
+            for (position, count, columns), borrowed in zip(pieces, self.borrowed))
 
 
 class PackingWriter:
@@ -88,8 +113,12 @@ class ActorRunner(SourceRunner):
     def _done(self, task: Task, write: Any, count: int, stopped: bool, busy_ns: int,
               timed: Tuple[Tuple[int, int], ...]) -> Produced:
         start = task.start if self.setup.kind == SAMPLE else 0
-        return Produced(task.source_id, task.ticket, start, count, stopped, write.columns(), busy_ns,
+        return Produced(task.source_id, task.ticket, start, count, stopped, write.answer(), busy_ns,
                         timed)
+
+
+def _copy(column: Any) -> Any:
+    return np.array(column) if isinstance(column, np.ndarray) else [np.array(x) for x in column]
 
 
 def pack(checker: Any, output: int, column: Sequence[Any], start: int, count: int,
@@ -127,12 +156,30 @@ class SourceActor:
     pickled with ``pickler``. A failure to load them is reported by every
     call (:class:`~extsrc.engine.protocol.SetupFailed`), not raised, so that
     the pool can say what went wrong.
+
+    Tasks run in the actor's own thread (``extsrc-actor-runner``), one at a
+    time, in the order they came; the pool's calls of :meth:`run` (Ray's
+    thread, one call at a time) queue tasks and take the answers of those
+    finished since the last call. A call answers as soon as a task is done,
+    waiting at most :data:`REPLY_HOLD_S` more for the next one to finish
+    too: the pool has at most one call out per actor, so what the actor
+    holds keeps running while an answer travels, and a slow task never holds
+    back a finished one by more than that.
+
+    States of the runner thread: ``IDLE`` (no task queued) -> ``RUNNING``
+    (one task) -> ``IDLE``; ``FAILED`` for good when running raised outside
+    what the runner catches (a bug), which every later call raises.
     """
 
     def __init__(self, index: int, sources: Tuple[SourceSetup, ...], pickler: Any):
         self.index = index
         self.runners: Dict[int, ActorRunner] = {}
         self.setup_failed: Optional[SetupFailed] = None
+        self._changed = threading.Condition()  # guards everything below
+        self._queue: Deque[Task] = deque()  # received, not yet started
+        self._running = False
+        self._answers: List[Any] = []  # finished since the last call, in the order they ran
+        self._failed: Optional[BaseException] = None
         try:
             for source in sources:
                 callback = pickler.loads(source.callback) if source.pickled else source.callback
@@ -140,6 +187,8 @@ class SourceActor:
         except BaseException as exc:
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             self.setup_failed = SetupFailed(index, f"{type(exc).__name__}: {exc}", text)
+            return
+        threading.Thread(target=self._work, name="extsrc-actor-runner", daemon=True).start()
 
     def ready(self) -> Union[ActorReady, SetupFailed]:
         """Where this actor runs, once it has loaded the sources."""
@@ -151,12 +200,64 @@ class SourceActor:
         return ActorReady(self.index, context.get_actor_id(), context.get_node_id(),
                           ray.util.get_node_ip_address(), socket.gethostname(), os.getpid())
 
-    def run(self, tasks: Tuple[Task, ...]) -> Union[List[Union[Produced, TaskFailed]], SetupFailed]:
-        """Runs ``tasks`` in order (see :meth:`extsrc.engine.runner.SourceRunner.run`); their
-        answers, in the same order."""
+    def run(self, tasks: Tuple[Task, ...], parts: int = 0) -> Any:
+        """Queues ``tasks`` behind those of earlier calls (see
+        :meth:`extsrc.engine.runner.SourceRunner.run`) and answers with the
+        tasks finished since the last call, in the order they ran: at least
+        one, unless the actor holds none. One list, or with ``parts`` its
+        ``1 + parts`` return values (see :func:`extsrc.ray.parts.split`).
+        ``SetupFailed`` in place of the list when the sources could not be
+        loaded; raises what broke the runner thread, if it broke."""
         if self.setup_failed is not None:
-            return self.setup_failed
-        return [self.runners[task.source_id].run(task) for task in tasks]
+            answers: Any = self.setup_failed
+            return (answers,) + (None,) * parts if parts else answers
+        with self._changed:
+            self._queue.extend(tasks)
+            self._changed.notify_all()
+            answers = self._take(parts)
+        return split(answers, parts) if parts else answers
+
+    def _take(self, parts: int) -> List[Any]:
+        """Lock held: the answers to hand over, once there are some (see :meth:`run`); with
+        ``parts``, those that fit in them (see :func:`extsrc.ray.parts.fitting`)."""
+        while not self._answers and self._holds() and self._failed is None:
+            self._changed.wait()
+        deadline = time.monotonic() + REPLY_HOLD_S
+        while len(self._answers) < REPLY_TASKS and self._holds() and self._failed is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._changed.wait(left)
+        if self._failed is not None:
+            raise self._failed
+        count = fitting(self._answers, parts) if parts else len(self._answers)
+        answers, self._answers = self._answers[:count], self._answers[count:]
+        return answers
+
+    def _holds(self) -> bool:
+        """Lock held: whether a task is queued or running."""
+        return self._running or bool(self._queue)
+
+    def _work(self) -> None:
+        """The runner thread: runs the queued tasks, one at a time, in order."""
+        while True:
+            with self._changed:
+                while not self._queue:
+                    self._changed.wait()
+                task = self._queue.popleft()
+                self._running = True
+            try:
+                answer = self.runners[task.source_id].run(task)
+            except BaseException as exc:  # a bug outside the callback: every call says so
+                with self._changed:
+                    self._failed = exc
+                    self._running = False
+                    self._changed.notify_all()
+                return
+            with self._changed:
+                self._answers.append(answer)
+                self._running = False
+                self._changed.notify_all()
 
     def ping(self) -> None:
         """Answers once the actor runs; after ``ray.kill``, the error says it is dead."""

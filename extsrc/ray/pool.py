@@ -4,30 +4,38 @@
 worker. Everything a source sees stays the pool's: the engine methods (the
 contract with :class:`~extsrc.engine.producer.Producer`), the lock and
 waiters, the states and faults, and the scheduling (tasks go to the least
-loaded worker in submission order, at most
-:data:`~extsrc.engine.pool.MAX_OUTSTANDING` per worker, so that an actor
-always has its next task queued while the answer to the previous one
-travels back). What differs is what a worker is and how results arrive:
+loaded worker in submission order, at most :data:`TASKS_PER_ACTOR` per
+actor). What differs is what a worker is and how results arrive:
 
 * **Workers** are :class:`~extsrc.ray.actor.SourceActor` actors, created at
   ``start()`` with ``ray_options``, in the cluster this process is connected
   to (``ray.init()`` by the user), or in a local Ray started on first use.
   They receive the sources once, pickled with the pool's pickler, as
   ``spawn`` workers do.
-* **Results** come back through Ray's object store: the actor returns the
-  checked samples (:class:`~extsrc.ray.protocol.Produced`), and the pool's
-  I/O thread writes them into the slot (:class:`~extsrc.ray.writer.ResultWriter`)
-  and hands the source an ordinary :class:`~extsrc.engine.protocol.TaskDone`.
+* **Calls**: each actor has at most one call of ``run()`` out. It carries
+  the tasks assigned to the actor since its last call (or none, when the
+  actor still holds some) and answers with the tasks finished meanwhile,
+  two at a time where the second follows closely (see
+  :class:`~extsrc.ray.actor.SourceActor`): the actor keeps running what it
+  holds while an answer travels, Ray's cost per call is shared by two
+  batches, and a slow task never holds back a finished one.
+* **Results** come back in Ray's reply when small (cut into parts under
+  Ray's inline limit, :mod:`extsrc.ray.parts`), else through its object
+  store: the actor returns the checked samples
+  (:class:`~extsrc.ray.protocol.Produced`), and the pool's I/O thread writes
+  them into the slot (:class:`~extsrc.ray.writer.ResultWriter`) and hands the
+  source an ordinary :class:`~extsrc.engine.protocol.TaskDone`.
 
 Threads: the pool's I/O thread (``extsrc-ray-io``) is the only one that
 calls Ray, apart from ``start()`` (which connects and creates the actors, in
 the thread calling it, as the process backend starts its processes there).
-Each call's answer is an ``ObjectRef`` whose future, once Ray has it, is
-queued for the I/O thread and wakes it through the pool's waker; the I/O
-thread waits on nothing but that waker, so a consumer's wake-up (a batch
-taken or dropped, ``close()``) is served at once too. Results are written
-into the slots without the pool's lock: only the I/O thread touches the
-writers' memory, and a dropped slot is unmapped by it, between writes.
+Each call's answer is a list of ``ObjectRef`` s; the future of the last,
+once Ray has it, is queued for the I/O thread and wakes it through the
+pool's waker; the I/O thread waits on nothing but that waker, so a
+consumer's wake-up (a batch taken or dropped, ``close()``) is served at once
+too. Results are written into the slots without the pool's lock: only the
+I/O thread touches the writers' memory, and a dropped slot is unmapped by
+it, between writes.
 
 Faults: an actor that dies (``ray.kill``, a crash in native code, its node
 lost) fails its calls with Ray's ``RayActorError``; the pool then raises
@@ -56,7 +64,8 @@ from extsrc.engine.protocol import SetupFailed, Task, TaskDone, TaskFailed
 from extsrc.engine.workers import Waker
 from extsrc.errors import InternalError, WorkerDiedError
 from extsrc.options import UNSET
-from extsrc.ray.actor import SourceActor
+from extsrc.ray.actor import REPLY_TASKS, SourceActor
+from extsrc.ray.parts import columns_bytes, join, parts_for
 from extsrc.ray.protocol import ActorReady, Produced
 from extsrc.ray.writer import ResultWriter
 
@@ -71,17 +80,17 @@ ACTOR_START_TIMEOUT_S = 300.0
 # that their CPUs are free for whatever comes next.
 ACTOR_STOP_WAIT_S = 10.0
 PROCESS_EXIT_POLL_S = 0.01  # how often close() looks whether a killed actor's process is gone
-# A call carries up to this many tasks, and an actor has up to CALLS_IN_FLIGHT calls: one that
-# runs, and one queued behind it that hides the round trip. Ray costs about the same per call
-# (a few CPU milliseconds between the caller, the actor and the node's raylet) whether it
-# carries one small task or two: two per call gave 1.5x the samples/s on 1 KiB samples, but a
-# call answers for its tasks only when the last is done, so one slow sample then holds back a
-# finished batch (and the consumer) for as long as it takes. Correct latency comes first.
-TASKS_PER_CALL = 1
-CALLS_IN_FLIGHT = 2
-# Tasks whose samples add up to more than this go in calls of their own: copying them costs
-# more than the call, and holding several in the object store at once costs memory.
-CALL_GROUP_MAX_BYTES = 4 << 20
+# Tasks an actor holds at most (queued, running, or done and not yet answered). A call answers
+# up to REPLY_TASKS of them (see extsrc.ray.actor); the others keep the actor busy while the
+# answer travels back and the next call, with the next tasks, comes (3 gave fewer small batches
+# per second in short runs on 2 cores: the actor then idled while answers travelled).
+TASKS_PER_ACTOR = 4
+# The return values of a call come in one reply: once the last is there, the others are, or
+# follow within moments. A get of them that takes longer than this means Ray went away.
+REPLY_GET_TIMEOUT_S = 10.0
+# A large answer the actor put into the object store may have to come over the network: 64 MiB
+# at 1 Gb/s take half a second. One that takes longer than this is lost with its node.
+OBJECT_GET_TIMEOUT_S = 120.0
 # What the pool's actors ask for unless ray_options says otherwise: a CPU each (Ray's default
 # for actors is none while running, which would pile any number onto one node), spread over
 # the nodes.
@@ -134,9 +143,9 @@ class ActorHandle:
         self.outstanding: Dict[int, Task] = {}  # ticket -> task assigned, in the order assigned
         self.outbox: Deque[Tuple[Task, None]] = deque()  # assigned, not yet sent
         self.busy_since = time.monotonic()
-        self.calls: Dict[int, Any] = {}  # call id -> its ObjectRef, until its answer is handled
-        self.task_calls = 0  # calls of run() among them
-        self.call_tasks: Dict[int, Tuple[Task, ...]] = {}  # call id -> its tasks, in the order sent
+        self.calls: Dict[int, List[Any]] = {}  # call id -> its ObjectRefs, until its answer is handled
+        self.task_calls = 0  # calls of run() among them: 0 or 1
+        self.sent: Dict[int, Task] = {}  # I/O thread: ticket -> task sent to the actor, not answered
         self.ready: Optional[ActorReady] = None
         self.samples = 0
 
@@ -176,12 +185,13 @@ class RayPool(WorkerPool):
     once Ray reports them dead. Raises ``ImportError`` when Ray is missing,
     ``ValueError`` for ``ray_options`` Ray refuses.
 
-    Each actor holds up to :attr:`max_outstanding` tasks, sent in calls of
-    up to :data:`TASKS_PER_CALL` tasks with :data:`CALLS_IN_FLIGHT` calls at
-    a time; a source's default ``prefetch`` is that many batches per worker.
+    Each actor holds up to :attr:`max_outstanding` tasks (a source's default
+    ``prefetch`` is that many batches per worker), with one call out at a
+    time that brings it new tasks and takes back the answers of finished
+    ones (see :class:`~extsrc.ray.actor.SourceActor`).
     """
 
-    max_outstanding = TASKS_PER_CALL * CALLS_IN_FLIGHT
+    max_outstanding = TASKS_PER_ACTOR
 
     def __init__(self, num_workers: int = 1, start_method: str = UNSET, pickler: Any = None,
                  backend: str = "ray", ray_options: Optional[Dict[str, Any]] = None):
@@ -195,7 +205,10 @@ class RayPool(WorkerPool):
         except (TypeError, ValueError) as exc:
             raise ValueError(f"ray_options={self.options.ray_options!r}: Ray refused them: {exc}") from None
         self._writers: Dict[int, ResultWriter] = {}  # source id -> its writer
-        self._arrivals: Deque[Tuple[ActorHandle, int, Tuple[Task, ...], Any]] = deque()
+        # Calls answered, queued by Ray's threads for the I/O thread: (worker, call, its
+        # ObjectRefs, whether it ran tasks, the future of its last return value).
+        self._arrivals: Deque[Tuple[ActorHandle, int, List[Any], bool, Any]] = deque()
+        self._sample_bytes: Dict[int, float] = {}  # I/O thread: source id -> bytes per sample seen
         self._calls = itertools.count()
         self._started_at = 0.0
 
@@ -246,7 +259,7 @@ class RayPool(WorkerPool):
                 for index in range(self.options.num_workers):
                     worker = ActorHandle(index, self._actor_class.remote(index, shared, pickler))
                     self._workers.append(worker)
-                    self._watch(worker, (), worker.actor.ready.remote())
+                    self._watch(worker, False, [worker.actor.ready.remote()])
             except BaseException:
                 self._kill(self._workers)
                 self._workers = []
@@ -288,89 +301,80 @@ class RayPool(WorkerPool):
             writer.drop_slot(slot_id)
             self.wake()
 
-    def running_tasks(self, source_id: int) -> List[Tuple[int, int, Task, float]]:
-        """*engine*, lock held: ``(worker, pid, task, seconds running)`` of the source's tasks
-        sent to actors. Every task of an actor's first call is running (a call answers for all
-        its tasks at once, when the last is done); those of later calls are queued."""
-        now = time.monotonic()
-        rows = []
-        for worker in self._workers:
-            for position, tasks in enumerate(worker.call_tasks.values()):
-                running = now - worker.busy_since if position == 0 else 0.0
-                rows += [(worker.index, worker.pid, task, running) for task in tasks
-                         if task.source_id == source_id]
-        return rows
-
     # -- calls and their answers ----------------------------------------------------------------
 
-    def _watch(self, worker: ActorHandle, tasks: Tuple[Task, ...], ref: Any) -> None:
-        """Lock held: queues the answer of ``ref`` (a call for ``tasks``, none: ``ready()``)
-        for the I/O thread once Ray has it."""
+    def _watch(self, worker: ActorHandle, runs: bool, refs: List[Any]) -> None:
+        """Lock held: queues the answer of a call (its return values ``refs``; ``runs``: a call
+        of ``run()``, else of ``ready()``) for the I/O thread once Ray has it."""
         call = next(self._calls)
-        worker.calls[call] = ref
-        if tasks:
+        worker.calls[call] = refs
+        if runs:
             worker.task_calls += 1
-            worker.call_tasks[call] = tasks
-        ref.future().add_done_callback(functools.partial(self._arrived, worker, call, tasks))
+        # One reply brings every return value: a callback on the last is enough.
+        refs[-1].future().add_done_callback(functools.partial(self._arrived, worker, call, refs, runs))
 
-    def _arrived(self, worker: ActorHandle, call: int, tasks: Tuple[Task, ...], future: Any) -> None:
+    def _arrived(self, worker: ActorHandle, call: int, refs: List[Any], runs: bool, future: Any) -> None:
         # In a thread of Ray's (or the I/O thread): only queue and wake, nothing that can block.
-        self._arrivals.append((worker, call, tasks, future))
+        self._arrivals.append((worker, call, refs, runs, future))
         waker = self._waker
         if waker is not None:
             waker.wake()
 
     def _send(self) -> bool:
-        """Lock held: sends the assigned tasks to their actors, grouped into calls (see
-        :data:`TASKS_PER_CALL`). False if Ray is gone."""
+        """Lock held: sends each actor that has no call out the tasks assigned to it since its
+        last call; one that holds tasks gets a call without new ones, which takes their
+        answers. False if Ray is gone."""
         for worker in self._workers:
-            while worker.outbox and worker.task_calls < CALLS_IN_FLIGHT:
-                tasks = self._next_call(worker)
-                if not tasks:
-                    break
-                try:
-                    ref = worker.actor.run.remote(tasks)
-                except Exception as exc:
-                    self._connection_lost(exc)
-                    return False
-                self._watch(worker, tasks, ref)
+            if worker.task_calls or not (worker.outbox or worker.sent):
+                continue
+            tasks = tuple(task for task, _ in worker.outbox)
+            worker.outbox.clear()
+            for task in tasks:
+                worker.sent[task.ticket] = task
+            # The answer carries up to REPLY_TASKS tasks, the first ones the actor holds.
+            expected = sum((task.stop - task.start) * self._sample_bytes.get(task.source_id, 0.0)
+                           for task in itertools.islice(worker.sent.values(), REPLY_TASKS))
+            parts = parts_for(expected)
+            try:
+                if parts:
+                    refs = worker.actor.run.options(num_returns=1 + parts).remote(tasks, parts)
+                else:
+                    refs = [worker.actor.run.remote(tasks)]
+            except Exception as exc:
+                self._connection_lost(exc)
+                return False
+            self._watch(worker, True, refs)
         return True
 
-    @staticmethod
-    def _next_call(worker: ActorHandle) -> Tuple[Task, ...]:
-        """Lock held: the tasks of ``worker``'s next call, taken from its outbox; none yet
-        while the call could carry more and the actor is busy with another.
-
-        A call carries up to :data:`TASKS_PER_CALL` small tasks. One with room
-        for more waits in the outbox until more come (the consumer took
-        batches) or the actor's calls have all ended: an actor that produces
-        faster than its batches are taken gets full calls, one that idles
-        gets every task at once.
-        """
-        outbox = worker.outbox
-        count, size = 0, 0
-        for task, _ in outbox:
-            size += _task_bytes(task)
-            if count == TASKS_PER_CALL or (count and size > CALL_GROUP_MAX_BYTES):
-                break
-            count += 1
-        if count < TASKS_PER_CALL and size <= CALL_GROUP_MAX_BYTES and worker.task_calls:
-            return ()
-        return tuple(outbox.popleft()[0] for _ in range(count))
-
-    def _land(self, worker: ActorHandle, tasks: Tuple[Task, ...], future: Any) -> Any:
-        """I/O thread, no lock: a call's answer, with every ``Produced`` written into its slot
-        (a ``TaskDone``, or ``TaskFailed`` if the memory could not be had; ``None`` if the slot
-        is gone), or ``_Lost`` with Ray's error."""
+    def _land(self, worker: ActorHandle, refs: List[Any], runs: bool, future: Any) -> Any:
+        """I/O thread, no lock: a call's answer, with every ``Produced`` written into its slot,
+        as ``(task, result)`` pairs (a ``TaskDone``, or ``TaskFailed`` if the memory could not
+        be had; ``None`` if the slot is gone), or ``_Lost`` with Ray's error."""
+        ray = import_ray()
         try:
-            answer = future.result()
+            values = [future.result()]
+            if len(refs) > 1:
+                values = ray.get(refs[:-1], timeout=REPLY_GET_TIMEOUT_S) + values
+            answer = values[0]
+            if not runs or not isinstance(answer, list):
+                return answer  # ready()'s answer, or SetupFailed
+            if len(values) > 1:
+                answer = join(answer, values[1:])
+            stored = [k for k, result in enumerate(answer)
+                      if isinstance(result, Produced) and not isinstance(result.pieces, tuple)]
+            if stored:
+                pieces = ray.get([answer[k].pieces for k in stored], timeout=OBJECT_GET_TIMEOUT_S)
+                for k, got in zip(stored, pieces):
+                    answer[k] = answer[k]._replace(pieces=got)
         except BaseException as exc:  # Ray's error, raised for the call
             return _Lost(exc)
-        if not tasks or not isinstance(answer, list):
-            return answer  # ready()'s answer, or SetupFailed
         landed = []
-        for task, result in zip(tasks, answer):
+        for result in answer:
+            task = worker.sent[result.ticket]
             if isinstance(result, Produced):
+                if result.count:
+                    self._sample_bytes[task.source_id] = sum(
+                        columns_bytes(columns) for _, _, columns in result.pieces) / result.count
                 writer = self._writers.get(task.source_id)
                 result = None if writer is None else writer.write(worker.index, task, result)
             landed.append((task, result))
@@ -433,8 +437,8 @@ class RayPool(WorkerPool):
             for writer in self._writers.values():
                 writer.apply_drops()
         # The copies into the slots, without the lock (see the module docstring).
-        answers = [(worker, call, self._land(worker, tasks, future))
-                   for worker, call, tasks, future in arrivals]
+        answers = [(worker, call, self._land(worker, refs, runs, future))
+                   for worker, call, refs, runs, future in arrivals]
         del arrivals
         with self.lock:
             if self._state is not PoolState.RUNNING:
@@ -468,10 +472,11 @@ class RayPool(WorkerPool):
             worker.ready = answer
             return False
         worker.task_calls -= 1
-        worker.call_tasks.pop(call, None)
-        worker.busy_since = time.monotonic()
+        if answer:
+            worker.busy_since = time.monotonic()  # the next task it holds runs (or waits) since
         changed = False
         for task, result in answer:
+            worker.sent.pop(task.ticket, None)
             worker.outstanding.pop(task.ticket, None)
             if not isinstance(result, (TaskDone, TaskFailed)):
                 continue  # its slot is gone: the source was closed
@@ -576,17 +581,12 @@ class RayPool(WorkerPool):
         for worker in workers:
             worker.calls.clear()
             worker.task_calls = 0
-            worker.call_tasks.clear()
+            worker.sent.clear()
             worker.outstanding.clear()
             worker.outbox.clear()
 
 
 _kept_in_child: List[Any] = []  # see RayPool.forget_after_fork
-
-
-def _task_bytes(task: Task) -> int:
-    """The bytes of samples ``task`` writes in place (0 while the layout is not known)."""
-    return (task.stop - task.start) * sum(r.stride for r in task.regions if r is not None)
 
 
 def _running(pid: int) -> bool:

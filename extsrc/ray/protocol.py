@@ -1,27 +1,39 @@
 """What a Ray actor answers the pool, besides the engine's own records.
 
 A task comes back as a :class:`Produced` (the checked samples themselves,
-through Ray's object store) or as the engine's
+through Ray) or as the engine's
 :class:`~extsrc.engine.protocol.TaskFailed`; the pool writes a ``Produced``
 into the slot and hands its source an ordinary
-:class:`~extsrc.engine.protocol.TaskDone`. An actor answers its first call,
-``ready()``, with an :class:`ActorReady` (where it runs), or with the
-engine's :class:`~extsrc.engine.protocol.SetupFailed` when it could not load
-the sources.
+:class:`~extsrc.engine.protocol.TaskDone`. The samples of a small answer
+travel as :class:`Piece` s in the call's further return values (see
+:mod:`extsrc.ray.parts`). An actor answers its first call, ``ready()``, with
+an :class:`ActorReady` (where it runs), or with the engine's
+:class:`~extsrc.engine.protocol.SetupFailed` when it could not load the
+sources.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Tuple
+from typing import Any, List, NamedTuple, Tuple, Union
+
+import numpy as np
+
+# One output's samples of a piece: one array with the samples along its first axis when they
+# share dtype and shape (and are small, see extsrc.ray.actor.STACK_MAX_SAMPLE_BYTES), else a
+# list of sample arrays.
+PieceColumns = Union[np.ndarray, List[np.ndarray]]
 
 
 class Produced(NamedTuple):
-    """Samples ``start .. start + count - 1`` of a task, checked, one entry per output.
+    """Samples ``start .. start + count - 1`` of a task, checked.
 
-    ``columns[j]`` is one array with the samples along its first axis when
-    they share dtype and shape (and are small, see
-    :data:`extsrc.ray.actor.STACK_MAX_SAMPLE_BYTES`), else a list of sample
-    arrays. ``stopped``: the epoch ended right after them.
+    ``pieces``: the samples as the runner added them, in order, each
+    ``(position, count, columns)`` with ``columns[j]`` output ``j``'s samples
+    ``position .. position + count - 1``. Empty in a call's first return
+    value when the call has parts: they then come as :class:`Piece` s. The
+    ``ObjectRef`` of that tuple when the actor put a large answer into Ray's
+    object store (see :meth:`extsrc.ray.actor.PackedWrite.answer`).
+    ``stopped``: the epoch ended right after them.
     """
 
     source_id: int
@@ -29,9 +41,19 @@ class Produced(NamedTuple):
     start: int
     count: int
     stopped: bool
-    columns: Tuple[Any, ...]
+    pieces: Any  # Tuple[Tuple[int, int, Tuple[PieceColumns, ...]], ...], or its ObjectRef
     busy_ns: int = 0  # the actor's time on the task, and the callback's per group of samples
     timed: Tuple[Tuple[int, int], ...] = ()  # (samples, ns), as in TaskDone (statistics)
+
+
+class Piece(NamedTuple):
+    """Samples ``position .. position + count - 1`` of answer ``answer`` of the call (its index
+    in the call's first return value), one entry per output."""
+
+    answer: int
+    position: int
+    count: int
+    columns: Tuple[PieceColumns, ...]
 
 
 class ActorReady(NamedTuple):

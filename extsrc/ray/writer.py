@@ -8,7 +8,7 @@ region segment shared by all, and actor ``w``'s overflow segment of the slot,
 exactly where a worker process ``w`` would have written. The source then gets
 an ordinary :class:`~extsrc.engine.protocol.TaskDone`, and everything after
 (assembly, leases, zero-copy batches) is the engine's. This is the one copy
-the Ray backend adds: from Ray's object store into the slot.
+the Ray backend adds: from Ray's reply or object store into the slot.
 
 Threads: :meth:`ResultWriter.add_slot` and :meth:`ResultWriter.drop_slot` run
 with the pool's lock held, in any thread; :meth:`ResultWriter.write` and
@@ -78,9 +78,11 @@ class ResultWriter:
             return f"sample {position} of batch {task.iteration} of epoch {task.epoch_idx} of source {self.name}"
 
         try:
-            spilled, overflow = writer.write(task.slot_id, task.batch_seq, produced.start, task.stop,
-                                             task.region_bytes, task.regions, list(produced.columns),
-                                             produced.count, describe)
+            write = writer.begin(task.slot_id, task.batch_seq, produced.start, task.stop,
+                                 task.region_bytes, task.regions, describe)
+            for position, count, columns in produced.pieces:
+                write.add(list(columns), position, count)
+            spilled, overflow = write.finish()
         except Exception as exc:
             return failure(task, worker, getattr(exc, "position", produced.start), None, exc,
                            from_callback=False)

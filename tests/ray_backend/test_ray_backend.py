@@ -21,7 +21,8 @@ from extsrc import (
 from extsrc.shm.slots import lease_of
 
 from sources import (
-    StopsAt, filling_two_outputs, jittered, large_sample, records_and_draws, sample_of, two_outputs,
+    ReusesItsBuffers, StopsAt, filling_two_outputs, jittered, large_sample, records_and_draws,
+    sample_of, two_outputs,
 )
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("local_ray")]
@@ -77,6 +78,18 @@ def test_large_samples_written_one_by_one_are_the_same():
     ours, theirs = both(source=large_sample, batch_size=4, batches=3, epoch_count=1)
     assert_same(ours, theirs)
     assert ours[0][0][0][0], "a batch of same-shaped large samples is one dense array"
+
+
+@pytest.mark.parametrize("sample_bytes, ragged", [
+    (16, True),  # small samples of varying shape: they travel as they are, not stacked
+    (16 << 10, False),  # 2 MiB per batch of 16: the actor puts them into the object store
+])
+def test_a_callback_that_reuses_its_buffers_gives_the_batches_processes_give(sample_bytes, ragged):
+    # The actor runs the next task while the last answer waits to be sent: it must not send
+    # memory the callback overwrites meanwhile.
+    ours, theirs = both(source=ReusesItsBuffers(16, sample_bytes, ragged), batch_size=16, batches=12,
+                        epoch_count=1)
+    assert_same(ours, theirs)
 
 
 def test_in_place_callbacks_give_what_processes_give():
