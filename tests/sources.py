@@ -84,3 +84,23 @@ class ReusesItsBuffers:
         row = self.rows[info.idx_in_batch]
         row[:] = info.idx_in_epoch
         return row[: self.sample_bytes - info.idx_in_batch] if self.ragged else row
+
+
+class ReusesItsBatch:
+    """Batch mode: every batch is the same array (``batch_size`` rows of ``sample_bytes`` int64
+    values), refilled with the iteration's number, as a loader with one staging buffer does."""
+
+    def __init__(self, batch_size: int, sample_bytes: int, batches: int):
+        self.batch_size, self.sample_bytes, self.batches = batch_size, sample_bytes, batches
+        self.buffer = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "buffer": None}
+
+    def __call__(self, info):
+        if info.iteration >= self.batches:
+            raise StopIteration
+        if self.buffer is None:
+            self.buffer = np.zeros((self.batch_size, self.sample_bytes // 8), np.int64)
+        self.buffer[:] = info.iteration
+        return self.buffer

@@ -21,7 +21,7 @@ from extsrc import (
 from extsrc.shm.slots import lease_of
 
 from sources import (
-    ReusesItsBuffers, StopsAt, filling_two_outputs, jittered, large_sample, records_and_draws,
+    ReusesItsBatch, ReusesItsBuffers, StopsAt, filling_two_outputs, jittered, large_sample, records_and_draws,
     sample_of, two_outputs,
 )
 
@@ -90,6 +90,14 @@ def test_a_callback_that_reuses_its_buffers_gives_the_batches_processes_give(sam
     ours, theirs = both(source=ReusesItsBuffers(16, sample_bytes, ragged), batch_size=16, batches=12,
                         epoch_count=1)
     assert_same(ours, theirs)
+
+
+@pytest.mark.parametrize("sample_bytes", [64, 128 << 10])  # 1 KiB or 2 MiB per batch of 16
+def test_a_batch_callback_that_refills_one_array_gives_the_batches_processes_give(sample_bytes):
+    ours, theirs = both(source=ReusesItsBatch(16, sample_bytes, 10), batch_size=16, batch=True,
+                        batch_info=True, epoch_count=1)
+    assert_same(ours, theirs)
+    assert [int(batch[0][1][0][0]) for batch in ours[0]] == list(range(10))
 
 
 def test_in_place_callbacks_give_what_processes_give():
