@@ -127,12 +127,14 @@ class Pickler:
                     "itself (source=gen, not source=gen()); each epoch then calls it anew."
                 ) from exc
             raise SourcePicklingError(
-                f"cannot pickle the {what} {_short_repr(obj)} for spawned workers with "
-                f"pickler {self.name!r}: {type(exc).__name__}: {exc}\n"
+                f"cannot pickle the {what} {_short_repr(obj)} for workers started with spawn "
+                f"or on Ray, with pickler {self.name!r}: {type(exc).__name__}: {exc}\n"
                 "Fixes: define the callback at module level in an importable module, "
                 "mark it with extsrc.pickle_by_value, pass a pickler that serialises more "
                 'by value (e.g. pickler=(dill, {"recurse": True})), make the object picklable '
-                "(defer unpicklable state to __setstate__), or use start_method='fork'."
+                "(defer unpicklable state to __setstate__), or, with worker processes, fork "
+                "them (start_method='fork'; py_start_method='fork' in pipeline_def; "
+                "multiprocessing_context='fork' in extsrc.torch.from_dataset)."
             ) from exc
 
     def loads(self, data: bytes) -> Any:

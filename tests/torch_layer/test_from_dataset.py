@@ -229,3 +229,26 @@ def test_an_error_in_getitem_names_the_index_it_was_called_with(shuffle):
         with pytest.raises(KeyError, match="missing file") as caught:
             list(loader)
     assert any("dataset[5]" in note for note in caught.value.__notes__), caught.value.__notes__
+
+
+class HoldsALock(torch.utils.data.Dataset):
+    def __init__(self):
+        import threading
+
+        self.lock = threading.Lock()
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return np.zeros(2)
+
+
+def test_a_dataset_spawned_workers_cannot_receive_is_refused_with_the_loader_s_own_fix():
+    from extsrc.errors import SourcePicklingError
+
+    with pytest.raises(SourcePicklingError, match="lock") as raised:
+        with from_dataset(HoldsALock(), batch_size=2, num_workers=1,
+                          multiprocessing_context="spawn") as loader:
+            next(iter(loader))
+    assert "multiprocessing_context='fork'" in str(raised.value)
