@@ -104,3 +104,25 @@ class ReusesItsBatch:
             self.buffer = np.zeros((self.batch_size, self.sample_bytes // 8), np.int64)
         self.buffer[:] = info.iteration
         return self.buffer
+
+
+def with_empty_samples(info):
+    """Two outputs: a ragged one whose samples are empty in every other batch (from the first
+    batch on, so that the first spilled sample of a slot is empty) and a uint8 one of 0-d values."""
+    k = info.idx_in_epoch
+    length = 0 if info.iteration % 2 == 0 else k % 5
+    return np.arange(length, dtype=np.int16) + k, np.uint8(k % 251)
+
+
+VARYING_SAMPLE_BYTES = (0, 10, 200_000, 900_000, 50, 2_500_000, 3, 120_000)
+
+
+def varying_sizes(info):
+    """Three outputs whose sizes jump from batch to batch (empty, bytes, hundreds of KiB, MiB,
+    back to bytes), so that what a batch weighs says little about the next; a 0-d output and a
+    non-contiguous one."""
+    k = info.idx_in_epoch
+    length = VARYING_SAMPLE_BYTES[info.iteration % len(VARYING_SAMPLE_BYTES)] + k % 3
+    rng = np.random.default_rng(k)
+    return (rng.integers(0, 255, length, dtype=np.uint8), np.float32(k),
+            rng.random((k % 7, 3))[:, ::2])

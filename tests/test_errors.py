@@ -196,3 +196,25 @@ def test_a_base_exception_in_the_callback_reaches_the_consumer_like_any_other(at
         src.set_state({"epoch_idx": 0, "iteration": 0})
         assert int(next(iter(src))[0][0]) == 0  # the workers lived through it
         assert src.worker_pids() == pids
+
+
+@pytest.mark.parametrize("length", [1, 1 << 18])  # written at the task's end, or one by one
+def test_a_failure_while_writing_a_sample_says_where_with_the_worker_traceback(monkeypatch, length):
+    # An error that is neither the callback's nor one of extsrc's own (here: writing a spilled
+    # sample fails) must still say where it happened, not arrive bare.
+    from extsrc.shm import writer
+
+    def broken_put(self, array):
+        raise OSError("the overflow segment could not be written")
+
+    monkeypatch.setattr(writer.OverflowArea, "put", broken_put)
+    with ParallelSource(lambda info: np.zeros(length + info.idx_in_epoch % 3), 4, num_workers=1,
+                        start_method="fork") as src:
+        with pytest.raises(OSError, match="could not be written") as caught:
+            next(iter(src))
+    cause = caught.value.__cause__
+    assert isinstance(cause, WorkerTraceback)
+    assert "broken_put" in cause.text and "while checking or writing" in cause.text
+    assert "raised by the callback" not in cause.text
+    assert any("extsrc worker 0" in note and "idx_in_epoch=0" in note
+               for note in caught.value.__notes__)

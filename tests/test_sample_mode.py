@@ -5,7 +5,7 @@ import pytest
 
 from extsrc import Batch, ParallelSource, SampleInfo
 
-from sources import sample_of, two_outputs
+from sources import sample_of, two_outputs, with_empty_samples
 
 
 def rows(batch):
@@ -89,3 +89,15 @@ def test_sample_info_is_an_immutable_named_tuple():
     assert info.idx_in_epoch == 10 and info.epoch_idx == 0
     with pytest.raises(AttributeError):
         info.iteration = 3
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_empty_samples_come_back_empty_even_as_the_first_ones_spilled(workers):
+    with ParallelSource(with_empty_samples, 4, num_outputs=2, num_workers=workers) as src:
+        it = iter(src)
+        for iteration in range(4):
+            ragged, scalars = next(it)
+            expected = [np.arange(0 if iteration % 2 == 0 else k % 5, dtype=np.int16) + k
+                        for k in range(4 * iteration, 4 * iteration + 4)]
+            assert [(s.dtype, s.tolist()) for s in ragged] == [(e.dtype, e.tolist()) for e in expected]
+            assert scalars.as_array().tolist() == list(range(4 * iteration, 4 * iteration + 4))

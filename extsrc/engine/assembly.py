@@ -16,7 +16,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 import numpy as np
 
 from extsrc.batch import Batch
-from extsrc.errors import CallbackError, SampleError, WorkerTraceback
+from extsrc.errors import CallbackError, ExtsrcError, SampleError, WorkerTraceback
 from extsrc.engine.protocol import TaskDone, TaskFailed
 from extsrc.engine.samples import describe_dtype
 from extsrc.shm.layout import Region
@@ -110,7 +110,8 @@ class PendingBatch:
         sizes: Dict[int, int] = {}
         for start, msg in self._ordered():
             if isinstance(msg, TaskDone) and start < size and any(msg.spilled):
-                sizes[msg.worker] = max(sizes.get(msg.worker, 0), msg.overflow_bytes)
+                # At least a byte: spilled samples that are all empty still need a mapping to view.
+                sizes[msg.worker] = max(sizes.get(msg.worker, 0), msg.overflow_bytes, 1)
         return sizes
 
     def build(self, lease: Lease, size: int, num_outputs: Optional[int]) -> BatchOutput:
@@ -176,13 +177,20 @@ def rebuild_exception(failure: TaskFailed, source_name: str) -> BaseException:
             error = None
     if error is None:
         error = CallbackError(f"{failure.type_name}: {failure.message}")
+    where = f" at {failure.where}" if failure.where is not None else ""
     if failure.in_callback:
-        where = f" at {failure.where}" if failure.where is not None else ""
         note = (
             f"raised by the callback of source {source_name} in extsrc worker "
             f"{failure.worker}{where}"
         )
-        error.__cause__ = WorkerTraceback(f"{note}\nWorker traceback:\n{failure.traceback}")
-        if hasattr(error, "add_note"):
-            error.add_note(f"(extsrc: {note})")
+    else:
+        at_from = f" from {failure.where} on" if failure.where is not None else ""
+        note = (
+            f"raised in extsrc worker {failure.worker} while checking or writing what the "
+            f"callback of source {source_name} returned{at_from}"
+        )
+    error.__cause__ = WorkerTraceback(f"{note}\nWorker traceback:\n{failure.traceback}")
+    # extsrc's own errors say what and where in their message; any other one needs the note.
+    if (failure.in_callback or not isinstance(error, ExtsrcError)) and hasattr(error, "add_note"):
+        error.add_note(f"(extsrc: {note})")
     return error

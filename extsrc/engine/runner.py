@@ -21,7 +21,7 @@ import numpy as np
 
 from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.samples import SampleChecker, at
-from extsrc.errors import SampleError, SharedMemoryError
+from extsrc.errors import ExtsrcError, SampleError, SharedMemoryError
 from extsrc.order import RecordCache
 from extsrc.shm.writer import TaskWriter
 from extsrc.sample_info import BatchInfo, SampleInfo
@@ -165,6 +165,7 @@ class SourceRunner:
         clock = self.clock
         timed: List[Tuple[int, int]] = []
         began = group_began = clock()
+        writing = False  # whether an exception comes from writing samples, not from the callback
         try:
             for position, record in positions:
                 value = produce(make(SampleInfo, (base + position, position, iteration, epoch_idx,
@@ -173,7 +174,9 @@ class SourceRunner:
                 waiting_bytes += _nbytes(value)
                 if waiting_bytes >= STREAM_BYTES:
                     timed.append((len(waiting), clock() - group_began))
+                    writing = True
                     self._flush(write, waiting, chunk_start)
+                    writing = False
                     chunk_start += len(waiting)
                     waiting, waiting_bytes = [], 0
                     group_began = clock()
@@ -191,6 +194,8 @@ class SourceRunner:
         except SharedMemoryError as exc:
             return self._failed(task, position, None, exc, from_callback=False)
         except BaseException as exc:
+            if writing:
+                return self._write_failed(task, chunk_start, exc)
             return self._failed(task, position, self._info(task, position), exc)
         if waiting:
             timed.append((len(waiting), clock() - group_began))
@@ -199,8 +204,7 @@ class SourceRunner:
             count = chunk_start - task.start + len(waiting)
             return self._done(task, write, count, stopped, clock() - began, tuple(timed))
         except Exception as exc:
-            return self._failed(task, getattr(exc, "position", chunk_start), None, exc,
-                                from_callback=False)
+            return self._write_failed(task, chunk_start, exc)
 
     def _flush(self, write: Any, waiting: List[Any], chunk_start: int) -> None:
         if waiting:
@@ -361,6 +365,13 @@ class SourceRunner:
     def _failed(self, task: Task, position: int, where: Optional[Any], exc: BaseException,
                 from_callback: bool = True) -> TaskFailed:
         return failure(task, self.worker, position, where, exc, from_callback)
+
+    def _write_failed(self, task: Task, chunk_start: int, exc: BaseException) -> TaskFailed:
+        """``exc`` came from checking or writing the samples from ``chunk_start`` on. extsrc's
+        own errors name their sample; any other is tied to the first sample of the chunk."""
+        if isinstance(exc, ExtsrcError):
+            return self._failed(task, getattr(exc, "position", chunk_start), None, exc, from_callback=False)
+        return self._failed(task, chunk_start, self._info(task, chunk_start), exc, from_callback=False)
 
     def close(self) -> None:
         self.writer.close()

@@ -355,19 +355,22 @@ class RayPool(WorkerPool):
             values = [future.result()]
             if len(refs) > 1:
                 values = ray.get(refs[:-1], timeout=REPLY_GET_TIMEOUT_S) + values
-            answer = values[0]
-            if not runs or not isinstance(answer, list):
-                return answer  # ready()'s answer, or SetupFailed
-            if len(values) > 1:
-                answer = join(answer, values[1:])
-            stored = [k for k, result in enumerate(answer)
-                      if isinstance(result, Produced) and not isinstance(result.pieces, tuple)]
-            if stored:
-                pieces = ray.get([answer[k].pieces for k in stored], timeout=OBJECT_GET_TIMEOUT_S)
-                for k, got in zip(stored, pieces):
-                    answer[k] = answer[k]._replace(pieces=got)
-        except BaseException as exc:  # Ray's error, raised for the call
+        except Exception as exc:  # Ray's error for the call: the actor, its node or Ray is gone
             return _Lost(exc)
+        answer = values[0]
+        if not runs or not isinstance(answer, list):
+            return answer  # ready()'s answer, or SetupFailed
+        if len(values) > 1:
+            answer = join(answer, values[1:])
+        stored = [k for k, result in enumerate(answer)
+                  if isinstance(result, Produced) and not isinstance(result.pieces, tuple)]
+        if stored:
+            try:
+                pieces = ray.get([answer[k].pieces for k in stored], timeout=OBJECT_GET_TIMEOUT_S)
+            except Exception as exc:  # the object's node lost, or Ray gone
+                return _Lost(exc)
+            for k, got in zip(stored, pieces):
+                answer[k] = answer[k]._replace(pieces=got)
         landed = []
         for result in answer:
             task = worker.sent[result.ticket]

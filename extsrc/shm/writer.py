@@ -57,7 +57,7 @@ class OverflowArea:
         offset = align(self.cursor)
         end = offset + nbytes
         size = 0 if self.mapping is None else self.mapping.size
-        if end > size:
+        if self.mapping is None or end > size:  # mapped even for empty samples: they need a view
             reserved = self.segment.reserve(max(end, 2 * size, MIN_OVERFLOW))
             self.mapping = self.segment.map(reserved)
         self.cursor = end

@@ -22,7 +22,7 @@ from extsrc.shm.slots import lease_of
 
 from sources import (
     ReusesItsBatch, ReusesItsBuffers, StopsAt, filling_two_outputs, jittered, large_sample, records_and_draws,
-    sample_of, two_outputs,
+    sample_of, two_outputs, varying_sizes, with_empty_samples,
 )
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("local_ray")]
@@ -98,6 +98,14 @@ def test_a_batch_callback_that_refills_one_array_gives_the_batches_processes_giv
                         batch_info=True, epoch_count=1)
     assert_same(ours, theirs)
     assert [int(batch[0][1][0][0]) for batch in ours[0]] == list(range(10))
+
+
+def test_sizes_that_jump_between_batches_and_empty_samples_give_what_processes_give():
+    # Tiny batches then MiB ones and back: answers outgrow what the pool expected of them.
+    ours, theirs = both(source=varying_sizes, batch_size=6, num_outputs=3, batches=16, epoch_count=1)
+    assert_same(ours, theirs)
+    ours, theirs = both(source=with_empty_samples, batch_size=4, num_outputs=2, batches=4, epoch_count=1)
+    assert_same(ours, theirs)
 
 
 def test_in_place_callbacks_give_what_processes_give():
