@@ -431,16 +431,21 @@ class WorkerPool:
         if waker is not None and threading.get_ident() != self._io_ident:
             waker.wake()
 
-    def running_tasks(self, source_id: int) -> List[Tuple[int, int, Task, float]]:
-        """*engine*, lock held: ``(worker, pid, task, seconds running)`` of the source's sent tasks."""
+    def running_tasks(self, source_id: int) -> List[Tuple[int, str, Task, float]]:
+        """*engine*, lock held: ``(worker index, the worker described, task, seconds running)``
+        of the source's sent tasks."""
         now = time.monotonic()
         rows = []
         for worker in self._workers:
             for position, task in enumerate(worker.outstanding.values()):
                 if task.source_id == source_id:
                     running = now - worker.busy_since if position == 0 else 0.0
-                    rows.append((worker.index, worker.pid, task, running))
+                    rows.append((worker.index, self.describe_worker(worker), task, running))
         return rows
+
+    def describe_worker(self, worker: Any) -> str:
+        """Lock held: ``worker`` in an error message (which worker, and where it runs)."""
+        return f"worker {worker.index} (pid {worker.pid})"
 
     # -- the I/O thread -------------------------------------------------------------------------
 

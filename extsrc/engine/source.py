@@ -567,10 +567,10 @@ class ParallelSource:
         rows = self._pool.running_tasks(self._producer.source_id)
         # The batch's own tasks, and what the workers holding them are running instead.
         holding = {worker for worker, _, task, _ in rows if pending is None or task.batch_seq == pending.seq}
-        for worker, pid, task, running in rows:
+        for worker, described, task, running in rows:
             if pending is None or task.batch_seq == pending.seq or (worker in holding and running):
                 state = f"running for {running:.1f} s" if running else "queued behind another task"
-                stuck.append(f"worker {worker} (pid {pid}): {self._producer.describe_task(task)}, {state}")
+                stuck.append(f"{described}: {self._producer.describe_task(task)}, {state}")
         error = SourceTimeoutError(
             f"batch {epoch.next_yield} of epoch {epoch.epoch_idx} of source {self.name} was not "
             f"ready after timeout={self.options.timeout} s. Stuck: "

@@ -507,6 +507,15 @@ class RayPool(WorkerPool):
             return False
         return True
 
+    def describe_worker(self, worker: ActorHandle) -> str:
+        """Lock held: which actor, where it runs; for one not running yet, why it may not be."""
+        ready = worker.ready
+        if ready is not None:
+            return f"worker {worker.index} (Ray actor pid {ready.pid} on node {ready.node_ip} ({ready.hostname}))"
+        return (f"worker {worker.index} (a Ray actor not running yet, "
+                f"{time.monotonic() - self._started_at:.0f} s after start(): it asks for {self._asked()}; "
+                f"the cluster has {self._resources(import_ray())})")
+
     def _asked(self) -> str:
         asked = {**DEFAULT_ACTOR_OPTIONS, **(self.options.ray_options or {})}
         return ", ".join(f"{k}={v!r}" for k, v in asked.items() if k != "runtime_env")

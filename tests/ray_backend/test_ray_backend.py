@@ -301,11 +301,24 @@ def test_a_timeout_names_the_stuck_actor_and_the_samples():
     started = time.monotonic()
     from extsrc import SourceTimeoutError
 
-    with pytest.raises(SourceTimeoutError, match=r"timeout=2 s\. Stuck: worker \d \(pid \d+\): samples 0\.\.3 of batch 2"):
+    with pytest.raises(SourceTimeoutError, match=r"timeout=2 s\. Stuck: worker \d \(Ray actor pid \d+ on node [\d.]+ \(.+\)\): samples 0\.\.3 of batch 2"):
         for _ in range(3):
             next(it)
     assert time.monotonic() - started < 10
     src.close()
+
+
+def test_a_timeout_says_an_actor_never_started_and_what_it_asked_for():
+    src = ParallelSource(sample_of, 4, backend="ray", num_workers=1, ray_options={"num_cpus": 3},
+                         timeout=3)
+    from extsrc import SourceTimeoutError
+
+    with pytest.raises(SourceTimeoutError) as caught:
+        next(iter(src))
+    src.close()
+    message = str(caught.value)
+    assert "a Ray actor not running yet" in message and "num_cpus=3" in message
+    assert "CPU free" in message and "samples 0..3 of batch 0" in message
 
 
 def test_importing_extsrc_and_running_processes_does_not_import_ray():
