@@ -81,6 +81,27 @@ ray.shutdown()
 '''
 
 
+def _run_script(code, timeout=90):
+    """Runs ``code`` in a fresh interpreter in a session of its own, then kills whatever Ray left
+    in that session. Returns (returncode, stdout, stderr)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        try:  # what Ray left behind in the script's session (orphaned agents, actors)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    return proc.returncode, out, err
+
+
 def test_ray_shut_down_between_epochs_is_an_error_without_starting_another_ray():
     # After ray.shutdown() the next epoch's first call from the pool's I/O thread hits Ray's
     # auto-init (ActorMethod.remote): a new local Ray is started behind the user's back, in
@@ -89,21 +110,49 @@ def test_ray_shut_down_between_epochs_is_an_error_without_starting_another_ray()
     # ("The connection to the plasma store is failed. Terminate the process.", exit status 1)
     # and Ray's agents are left running. Expected: the WorkerDiedError, Ray left as the user
     # left it, and a new source works once the user starts Ray again.
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    proc = subprocess.Popen([sys.executable, "-c", _AFTER_SHUTDOWN], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=90)
-    finally:
-        try:  # what Ray left behind in the script's session (the orphaned agents)
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+    rc, out, err = _run_script(_AFTER_SHUTDOWN)
     assert "ERROR WorkerDiedError" in out, out + err
     assert "RAY INITIALIZED False" in out, out
-    assert "FRESH [0, 1]" in out and proc.returncode == 0, f"rc {proc.returncode}\n{out}\n{err[-2000:]}"
+    assert "FRESH [0, 1]" in out and rc == 0, f"rc {rc}\n{out}\n{err[-2000:]}"
+
+
+_FIRST_USE_IN_A_THREAD = r"""
+import threading, time
+import numpy as np, extsrc
+
+def load(info):
+    return np.full(2, info.idx_in_epoch, np.int64)
+
+# No ray.init(): "the first Ray source starts a local Ray on this host" (README).
+src = extsrc.ParallelSource(load, 4, num_workers=2, backend="ray")
+box = {}
+
+def first_batch():  # e.g. a loader thread that starts the data, then hands over
+    box["it"] = iter(src)
+    box["first"] = next(box["it"]).as_array()[:, 0].tolist()
+
+thread = threading.Thread(target=first_batch)
+thread.start()
+thread.join()
+print("FIRST", box["first"], flush=True)
+time.sleep(1)
+started = time.monotonic()
+src.close()
+print("CLOSE TOOK %.1f" % (time.monotonic() - started), flush=True)
+with extsrc.ParallelSource(load, 4, num_workers=1, backend="ray") as fresh:
+    print("FRESH", next(iter(fresh)).as_array()[:, 0].tolist(), flush=True)
+"""
+
+
+def test_a_source_first_used_in_a_thread_that_ends_leaves_ray_usable():
+    # RayPool.start() calls ray.init() in whatever thread first iterates the source. Ray's
+    # processes get a parent-death signal tied to that thread: when it ends, the local Ray dies
+    # under the pool. close() then waits for actors that Ray cannot report (seconds), and the
+    # next Ray source kills the process (plasma store gone, exit status 1), leaving Ray's
+    # agents running. Expected: the local Ray lives as long as the process, as with ray.init()
+    # in the main thread.
+    rc, out, err = _run_script(_FIRST_USE_IN_A_THREAD)
+    assert "FIRST [0, 1, 2, 3]" in out, out + err[-2000:]
+    assert "FRESH [0, 1, 2, 3]" in out and rc == 0, f"rc {rc}\n{out}\n{err[-2000:]}"
+    took = float(out.split("CLOSE TOOK ")[1].split()[0])
+    assert took < 3, f"close() took {took} s"
