@@ -55,8 +55,9 @@ class PackedWrite:
     def __init__(self, checker: Any, num_outputs: int, describe: Callable[[int], str]):
         self.checker = checker
         self.describe = describe
-        self.pieces: List[Tuple[int, int, Tuple[Any, ...]]] = []  # (position, count, packed columns)
-        self.borrowed: List[Tuple[bool, ...]] = []  # per piece and output: may be the callback's memory
+        # (position, count, packed columns, or their ObjectRef), none holding the callback's memory
+        self.pieces: List[Tuple[int, int, Any]] = []
+        self.nbytes = 0  # what the pieces weigh in transit (see extsrc.ray.parts.columns_bytes)
 
     def alloc(self, output: int, position: int, shape: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         self.checker.check(np.empty((0,) * len(shape), dtype), output, position, self.describe(position),
@@ -64,30 +65,38 @@ class PackedWrite:
         return np.empty(shape, dtype)
 
     def add(self, columns: List[Sequence[Any]], position: int, count: int) -> None:
-        if count:
-            packed = tuple(pack(self.checker, j, column, position, count, self.describe)
-                           for j, column in enumerate(columns))
-            self.pieces.append((position, count, packed))
-            self.borrowed.append(tuple(
-                isinstance(p, list) or (isinstance(c, np.ndarray) and np.may_share_memory(p, c))
-                for p, c in zip(packed, columns)))
+        """Keeps samples ``position .. position + count - 1``, made independent of the callback's
+        memory at once: the runner adds a task's large samples as they come, and the callback
+        may refill the same buffer for the next one. A piece above
+        :data:`~extsrc.ray.parts.INLINE_MAX_BYTES` that may be the callback's goes into Ray's
+        object store (the one copy Ray would make of it anyway); a smaller one is copied;
+        stacked samples are fresh already."""
+        if not count:
+            return
+        packed = tuple(pack(self.checker, j, column, position, count, self.describe)
+                       for j, column in enumerate(columns))
+        borrowed = [isinstance(p, list) or (isinstance(c, np.ndarray) and np.may_share_memory(p, c))
+                    for p, c in zip(packed, columns)]
+        nbytes = columns_bytes(packed)
+        self.nbytes += nbytes
+        if any(borrowed) and nbytes > INLINE_MAX_BYTES:
+            import ray
+
+            self.pieces.append((position, count, ray.put(packed)))
+            return
+        packed = tuple(_copy(c) if b else c for c, b in zip(packed, borrowed))
+        self.pieces.append((position, count, packed))
 
     def answer(self) -> Any:
-        """The pieces, holding none of the callback's memory: the runner thread goes on with the
-        next task (whose callback may reuse its buffers) before Ray serialises this answer.
-
-        Above :data:`~extsrc.ray.parts.INLINE_MAX_BYTES` they are put into Ray's object
-        store at once (the one copy Ray would make of them anyway) and this is their
-        ``ObjectRef``; below, what may be the callback's is copied (stacked samples are not).
-        """
+        """The pieces: above :data:`~extsrc.ray.parts.INLINE_MAX_BYTES` put into Ray's object
+        store and this is their ``ObjectRef`` (pieces in the store already are put as their
+        ``ObjectRef`` s: the pool gets them in a second step), else the tuple itself."""
         pieces = tuple(self.pieces)
-        if sum(columns_bytes(columns) for _, _, columns in pieces) > INLINE_MAX_BYTES:
+        if self.nbytes > INLINE_MAX_BYTES:
             import ray
 
             return ray.put(pieces)
-        return tuple(
-            (position, count, tuple(_copy(c) if b else c for c, b in zip(columns, borrowed)))
-            for (position, count, columns), borrowed in zip(pieces, self.borrowed))
+        return pieces
 
 
 class PackingWriter:

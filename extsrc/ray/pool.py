@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import select
 import threading
 import time
@@ -250,7 +251,7 @@ class RayPool(WorkerPool):
             sources = tuple(c.worker_source(pickler) for c in clients if c is not None)
             ray = import_ray()
             if not ray.is_initialized():
-                ray.init()
+                _start_local_ray(ray)
             self._writers = {s.source_id: ResultWriter(s, self.options.num_workers) for s in sources}
             self._waker = Waker()
             self._started_at = time.monotonic()
@@ -324,6 +325,7 @@ class RayPool(WorkerPool):
         """Lock held: sends each actor that has no call out the tasks assigned to it since its
         last call; one that holds tasks gets a call without new ones, which takes their
         answers. False if Ray is gone."""
+        ray = import_ray()
         for worker in self._workers:
             if worker.task_calls or not (worker.outbox or worker.sent):
                 continue
@@ -336,6 +338,7 @@ class RayPool(WorkerPool):
                            for task in itertools.islice(worker.sent.values(), REPLY_TASKS))
             parts = parts_for(expected)
             try:
+                _connected(ray)
                 if parts:
                     refs = worker.actor.run.options(num_returns=1 + parts).remote(tasks, parts)
                 else:
@@ -354,6 +357,7 @@ class RayPool(WorkerPool):
         try:
             values = [future.result()]
             if len(refs) > 1:
+                _connected(ray)
                 values = ray.get(refs[:-1], timeout=REPLY_GET_TIMEOUT_S) + values
         except Exception as exc:  # Ray's error for the call: the actor, its node or Ray is gone
             return _Lost(exc)
@@ -366,11 +370,20 @@ class RayPool(WorkerPool):
                   if isinstance(result, Produced) and not isinstance(result.pieces, tuple)]
         if stored:
             try:
-                pieces = ray.get([answer[k].pieces for k in stored], timeout=OBJECT_GET_TIMEOUT_S)
+                _connected(ray)
+                got = ray.get([answer[k].pieces for k in stored], timeout=OBJECT_GET_TIMEOUT_S)
+                # Pieces the actor stored as they came (see PackedWrite.add), in a second step.
+                nested = [(i, j) for i, pieces in enumerate(got)
+                          for j, (_, _, columns) in enumerate(pieces) if not isinstance(columns, tuple)]
+                columns = ray.get([got[i][j][2] for i, j in nested], timeout=OBJECT_GET_TIMEOUT_S)
             except Exception as exc:  # the object's node lost, or Ray gone
                 return _Lost(exc)
-            for k, got in zip(stored, pieces):
-                answer[k] = answer[k]._replace(pieces=got)
+            got = [list(pieces) for pieces in got]
+            for (i, j), value in zip(nested, columns):
+                position, count, _ = got[i][j]
+                got[i][j] = (position, count, value)
+            for k, pieces in zip(stored, got):
+                answer[k] = answer[k]._replace(pieces=tuple(pieces))
         landed = []
         for result in answer:
             task = worker.sent[result.ticket]
@@ -522,6 +535,8 @@ class RayPool(WorkerPool):
 
     @staticmethod
     def _resources(ray: Any) -> str:
+        if not ray.is_initialized():
+            return "no connection to this process any more"
         try:
             available, total = ray.available_resources(), ray.cluster_resources()
         except Exception as exc:
@@ -599,6 +614,84 @@ class RayPool(WorkerPool):
 
 
 _kept_in_child: List[Any] = []  # see RayPool.forget_after_fork
+
+
+def _start_local_ray(ray: Any) -> None:
+    """``ray.init()`` so that the Ray it starts lives as long as this process.
+
+    Ray's daemons die with the thread that started them (their parent-death
+    signal is tied to it, not to the process). ``start()`` may run in any
+    thread (a loader thread that ends once it has handed the data over), so
+    outside the main thread the call is made by one thread of the module's
+    that lives until the process ends, as the main thread would.
+    """
+    if threading.current_thread() is threading.main_thread():
+        ray.init()
+        return
+    with _keeper_lock:
+        if _keeper_requests is None:
+            _start_keeper()
+        assert _keeper_requests is not None
+        request = _InitRequest(ray)
+        _keeper_requests.append(request)
+        _keeper_wake.set()
+    request.done.wait()
+    if request.error is not None:
+        raise request.error
+
+
+class _InitRequest:
+    def __init__(self, ray: Any):
+        self.ray = ray
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+
+
+_keeper_lock = threading.Lock()
+_keeper_wake = threading.Event()
+_keeper_requests: Optional[Deque[_InitRequest]] = None
+
+
+def _start_keeper() -> None:
+    global _keeper_requests
+    _keeper_requests = requests = deque()
+
+    def keep() -> None:
+        while True:
+            _keeper_wake.wait()
+            _keeper_wake.clear()
+            while requests:
+                request = requests.popleft()
+                try:
+                    if not request.ray.is_initialized():
+                        request.ray.init()
+                except BaseException as exc:  # raised by start() in its caller's thread
+                    request.error = exc
+                request.done.set()
+
+    threading.Thread(target=keep, name="extsrc-ray-keeper", daemon=True).start()
+
+
+def _forget_keeper() -> None:
+    global _keeper_lock, _keeper_requests
+    _keeper_lock = threading.Lock()  # a forked child has no keeper thread: it starts its own
+    _keeper_requests = None
+    _keeper_wake.clear()
+
+
+os.register_at_fork(after_in_child=_forget_keeper)
+
+
+class RayGone(RuntimeError):
+    """This process is no longer connected to Ray (``ray.shutdown()``)."""
+
+
+def _connected(ray: Any) -> None:
+    """Raises :class:`RayGone` unless this process is connected to Ray. Checked before each
+    call of Ray from the I/O thread: after ``ray.shutdown()``, Ray's calls start a new local
+    Ray on their own, here in a thread whose end would take that Ray down with it."""
+    if not ray.is_initialized():
+        raise RayGone("ray.shutdown() was called, or the connection to the cluster was lost")
 
 
 def _running(pid: int) -> bool:

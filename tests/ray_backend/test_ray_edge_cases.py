@@ -1,5 +1,6 @@
-"""backend="ray" under attack: cases where Ray actors give other batches than worker processes,
-or fail otherwise than they do. Each test fails on the code it was written against.
+"""backend="ray" where Ray itself makes a difference: a callback refilling one large buffer (the
+actor must not send it after the next sample changed it), ray.shutdown() under a source (no new
+Ray started behind the user's back), a local Ray started from a thread that ends (it must live on).
 """
 
 from __future__ import annotations
