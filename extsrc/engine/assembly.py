@@ -177,8 +177,8 @@ def rebuild_exception(failure: TaskFailed, source_name: str) -> BaseException:
             error = None
     if error is None:
         error = CallbackError(f"{failure.type_name}: {failure.message}")
-    where = f" at {failure.where}" if failure.where is not None else ""
     if failure.in_callback:
+        where = f" at {failure.where}" if failure.where is not None else ""
         note = (
             f"raised by the callback of source {source_name} in extsrc worker "
             f"{failure.worker}{where}"

@@ -52,7 +52,7 @@ class PackedWrite:
     runner calls: ``add`` a chunk of samples, ``alloc`` room for an ``in_place`` callback (here a
     fresh array, returned with the others), ``describe`` a position."""
 
-    def __init__(self, checker: Any, num_outputs: int, describe: Callable[[int], str]):
+    def __init__(self, checker: Any, describe: Callable[[int], str]):
         self.checker = checker
         self.describe = describe
         # (position, count, packed columns, or their ObjectRef), none holding the callback's memory
@@ -103,13 +103,12 @@ class PackingWriter:
     """In place of the engine's :class:`~extsrc.shm.writer.TaskWriter`: a
     :class:`PackedWrite` per task, whatever its slot (the pool writes the slot)."""
 
-    def __init__(self, checker: Any, num_outputs: int):
+    def __init__(self, checker: Any):
         self.checker = checker
-        self.num_outputs = num_outputs
 
     def begin(self, slot_id: int, batch_seq: int, start: int, stop: int, region_bytes: int,
               regions: Any, describe: Callable[[int], str]) -> PackedWrite:
-        return PackedWrite(self.checker, self.num_outputs, describe)
+        return PackedWrite(self.checker, describe)
 
 
 class ActorRunner(SourceRunner):
@@ -117,7 +116,7 @@ class ActorRunner(SourceRunner):
 
     def __init__(self, setup: SourceSetup, callback: Any, worker: int):
         super().__init__(setup, callback, worker)
-        self.writer = PackingWriter(self.writer.checker, setup.num_outputs or 1)  # None: one output
+        self.writer = PackingWriter(self.writer.checker)
 
     def _done(self, task: Task, write: Any, count: int, stopped: bool, busy_ns: int,
               timed: Tuple[Tuple[int, int], ...]) -> Produced:

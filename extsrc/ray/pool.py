@@ -53,10 +53,12 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import queue
 import select
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
@@ -373,17 +375,14 @@ class RayPool(WorkerPool):
                 _connected(ray)
                 got = ray.get([answer[k].pieces for k in stored], timeout=OBJECT_GET_TIMEOUT_S)
                 # Pieces the actor stored as they came (see PackedWrite.add), in a second step.
-                nested = [(i, j) for i, pieces in enumerate(got)
-                          for j, (_, _, columns) in enumerate(pieces) if not isinstance(columns, tuple)]
-                columns = ray.get([got[i][j][2] for i, j in nested], timeout=OBJECT_GET_TIMEOUT_S)
+                nested = [c for pieces in got for _, _, c in pieces if not isinstance(c, tuple)]
+                fetched = iter(ray.get(nested, timeout=OBJECT_GET_TIMEOUT_S))
             except Exception as exc:  # the object's node lost, or Ray gone
                 return _Lost(exc)
-            got = [list(pieces) for pieces in got]
-            for (i, j), value in zip(nested, columns):
-                position, count, _ = got[i][j]
-                got[i][j] = (position, count, value)
             for k, pieces in zip(stored, got):
-                answer[k] = answer[k]._replace(pieces=tuple(pieces))
+                answer[k] = answer[k]._replace(pieces=tuple(
+                    (position, count, c if isinstance(c, tuple) else next(fetched))
+                    for position, count, c in pieces))
         landed = []
         for result in answer:
             task = worker.sent[result.ticket]
@@ -628,55 +627,38 @@ def _start_local_ray(ray: Any) -> None:
     if threading.current_thread() is threading.main_thread():
         ray.init()
         return
+    global _keeper
     with _keeper_lock:
-        if _keeper_requests is None:
-            _start_keeper()
-        assert _keeper_requests is not None
-        request = _InitRequest(ray)
-        _keeper_requests.append(request)
-        _keeper_wake.set()
-    request.done.wait()
-    if request.error is not None:
-        raise request.error
+        if _keeper is None:
+            _keeper = queue.SimpleQueue()
+            threading.Thread(target=_keep, args=(_keeper,), name="extsrc-ray-keeper", daemon=True).start()
+        requests = _keeper
+    outcome: Future = Future()
+    requests.put((ray, outcome))
+    outcome.result()  # ray.init()'s error, raised in the caller's thread
 
 
-class _InitRequest:
-    def __init__(self, ray: Any):
-        self.ray = ray
-        self.done = threading.Event()
-        self.error: Optional[BaseException] = None
+def _keep(requests: "queue.SimpleQueue[Tuple[Any, Future]]") -> None:
+    """The keeper thread: starts a local Ray when asked, and never ends (see _start_local_ray)."""
+    while True:
+        ray, outcome = requests.get()
+        try:
+            if not ray.is_initialized():
+                ray.init()
+        except BaseException as exc:  # handed to the thread that asked
+            outcome.set_exception(exc)
+        else:
+            outcome.set_result(None)
 
 
 _keeper_lock = threading.Lock()
-_keeper_wake = threading.Event()
-_keeper_requests: Optional[Deque[_InitRequest]] = None
-
-
-def _start_keeper() -> None:
-    global _keeper_requests
-    _keeper_requests = requests = deque()
-
-    def keep() -> None:
-        while True:
-            _keeper_wake.wait()
-            _keeper_wake.clear()
-            while requests:
-                request = requests.popleft()
-                try:
-                    if not request.ray.is_initialized():
-                        request.ray.init()
-                except BaseException as exc:  # raised by start() in its caller's thread
-                    request.error = exc
-                request.done.set()
-
-    threading.Thread(target=keep, name="extsrc-ray-keeper", daemon=True).start()
+_keeper: "Optional[queue.SimpleQueue[Tuple[Any, Future]]]" = None  # the keeper thread's requests
 
 
 def _forget_keeper() -> None:
-    global _keeper_lock, _keeper_requests
+    global _keeper, _keeper_lock
     _keeper_lock = threading.Lock()  # a forked child has no keeper thread: it starts its own
-    _keeper_requests = None
-    _keeper_wake.clear()
+    _keeper = None
 
 
 os.register_at_fork(after_in_child=_forget_keeper)
