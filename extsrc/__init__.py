@@ -16,6 +16,7 @@ from extsrc.batch import Batch
 from extsrc.errors import (
     CallbackError,
     EmptyEpochError,
+    EpochSupersededError,
     ExtsrcError,
     ForkedChildError,
     PoolClosedError,
@@ -23,6 +24,7 @@ from extsrc.errors import (
     SharedMemoryError,
     SourcePicklingError,
     SourceTimeoutError,
+    StateMismatchError,
     WorkerDiedError,
 )
 from extsrc.engine.pickling import pickle_by_value
@@ -38,6 +40,7 @@ __all__ = [
     "BatchInfo",
     "CallbackError",
     "EmptyEpochError",
+    "EpochSupersededError",
     "ExtsrcError",
     "ForkedChildError",
     "Order",
@@ -48,6 +51,7 @@ __all__ = [
     "SharedMemoryError",
     "SourcePicklingError",
     "SourceTimeoutError",
+    "StateMismatchError",
     "WorkerDiedError",
     "WorkerPool",
     "pickle_by_value",

@@ -73,6 +73,20 @@ class EmptyEpochError(ExtsrcError, ValueError):
     """
 
 
+class EpochSupersededError(ExtsrcError, RuntimeError):
+    """A loop over a source was ended by a newer ``iter()`` or ``set_state()`` before its end.
+
+    A source serves one loop at a time: two loops (or two loaders) over one
+    source would each get only some of the batches, so the older one raises
+    this at its next ``next()`` instead of ending quietly.
+    """
+
+
+class StateMismatchError(ExtsrcError, ValueError):
+    """``set_state()`` got a state saved by a source that would load other records (another
+    batch size, order, shard, or kind of source); the message says what differs."""
+
+
 class InternalError(ExtsrcError, RuntimeError):
     """A bug in extsrc itself; the message says where. The pool is shut down."""
 

@@ -188,12 +188,14 @@ class _Feeder:
         if position != self._expected or self._epoch is None:
             self._restart(position)
         try:
-            batch = next(self._epoch)
+            batch = self._epoch.__next__()  # not next(): see extsrc.engine.take
         except StopIteration:
             batch = self._after_end(position)
-        except BaseException:
+        except Exception:
             self._epoch, self._expected = None, None  # next call resumes at DALI's position
             raise
+        # An interrupt (KeyboardInterrupt) above leaves the engine's epoch holding the batch for
+        # the next call (extsrc.engine.take): nothing to restart.
         self._expected = (position[0], position[1] + 1)
         self._kept.append(batch)
         if self.source.num_outputs is None:
@@ -213,7 +215,7 @@ class _Feeder:
             # Rewind at once, invisibly to DALI: the next engine epoch continues this one.
             self._epoch = iter(self.source)
             try:
-                return next(self._epoch)
+                return self._epoch.__next__()
             except StopIteration:
                 self._epoch, self._expected = None, None
                 raise

@@ -5,10 +5,9 @@ The source is the consumer's side: it checks the arguments (once, in
 :class:`~extsrc.engine.pool.WorkerPool`, and hands out batches epoch by
 epoch. Production (dispatch, results, memory) is its
 :class:`~extsrc.engine.producer.Producer`'s, in the pool's I/O thread; the
-consumer thread only waits for a finished batch, takes it and moves its own
-cursor, all with the pool's lock held. That is why an interrupt
-(``KeyboardInterrupt``) anywhere in ``next()`` leaves the source
-consistent: the take is undone, and the next call returns the same batch.
+consumer thread only waits for a finished batch and takes it
+(:mod:`extsrc.engine.take`: a take that no interrupt can split, so every
+batch is handed over exactly once, whatever arrives during ``next()``).
 
 Life cycle of a batch: dispatched into a free slot (I/O thread) -> written
 by the workers -> every task reported back -> taken by ``next()``, which
@@ -19,7 +18,6 @@ consumer's arrays hold the lease -> freed when the last reference is gone
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import time
@@ -27,64 +25,14 @@ from typing import Any, Dict, Iterator, Optional
 
 import numpy as np
 
-from extsrc.batch import Batch
-from extsrc.engine.assembly import BatchOutput, PendingBatch
+from extsrc.engine.assembly import BatchOutput
 from extsrc.engine.pool import WorkerPool
-from extsrc.engine.producer import Producer, Run
+from extsrc.engine.producer import Producer
 from extsrc.engine.runner import BATCH_GENERATOR, BATCH_ITERABLE, classify
 from extsrc.engine.stats import SourceStats
-from extsrc.errors import EmptyEpochError, SampleError, SourceTimeoutError
+from extsrc.engine.take import EpochState, Taker
+from extsrc.errors import EmptyEpochError, StateMismatchError
 from extsrc.options import UNSET, SourceOptions
-from extsrc.shm.slots import SlotState
-
-
-class EpochState(enum.Enum):
-    RUNNING = "running"  # batches come
-    LAST_GIVEN = "last given"  # the final (short) batch was handed out; the next call ends it
-    ENDED = "ended"  # StopIteration was raised, or the epoch was superseded or closed
-
-
-class Epoch:
-    """The iterator of one epoch, what ``iter(source)`` returns.
-
-    States: RUNNING -> LAST_GIVEN -> ENDED, or RUNNING -> ENDED (the end of
-    the data, an error, a newer epoch, ``close()``).
-    """
-
-    def __init__(self, source: "ParallelSource", run: Run):
-        self.source = source
-        self.run = run
-        self.epoch_idx = run.epoch_idx
-        self.next_yield = run.first_iteration
-        self.state = EpochState.RUNNING
-
-    def __iter__(self) -> "Epoch":
-        return self
-
-    def __next__(self) -> BatchOutput:
-        # What a take has done so far, so that an exception arriving anywhere before the
-        # batch reaches the caller (a KeyboardInterrupt) undoes it: the next call returns
-        # the same batch.
-        take = _Take()
-        try:
-            return self.source._next_batch(self, take)
-        except BaseException:
-            if take.pending is not None:
-                self.source._undo(self, take)
-            raise
-
-
-class _Take:
-    """The steps of one take, recorded for :meth:`ParallelSource._undo`."""
-
-    __slots__ = ("pending", "lease", "lease_seq", "next_yield", "state")
-
-    def __init__(self) -> None:
-        self.pending: Optional[PendingBatch] = None
-        self.lease: Any = None  # held here, so the batch's memory cannot be returned before _undo
-        self.lease_seq = 0  # the lease seq the take makes
-        self.next_yield = 0
-        self.state = EpochState.RUNNING
 
 
 class ParallelSource:
@@ -132,8 +80,15 @@ class ParallelSource:
     created it, every method raises :class:`~extsrc.errors.ForkedChildError`.
 
     Threads: several threads may take batches from one epoch; each batch
-    goes to exactly one of them, whole. ``iter()`` in one thread ends the
-    epoch other threads iterate (they get ``StopIteration``).
+    goes to exactly one of them, whole. A source serves one loop at a time:
+    a newer ``iter()`` (or ``set_state()``) ends the running epoch, whose
+    next ``next()`` then raises :class:`~extsrc.errors.EpochSupersededError`
+    (two loops over one source would each get only some of the batches).
+
+    Interrupts: whatever exception arrives during ``next()`` (a
+    ``KeyboardInterrupt``, a second one, another signal handler's), every
+    batch is still handed over exactly once: the next call returns the batch
+    the interrupted one did not (see :mod:`extsrc.engine.take`).
 
     ``in_place=True`` (sample mode): the callback is called as
     ``source(info, buffers)`` and may write its sample straight into the
@@ -225,7 +180,8 @@ class ParallelSource:
         self._producer = Producer(source, kind, self.options, pool, name)
         self.name = self._producer.name
         self._last_report = time.monotonic()
-        self._epoch: Optional[Epoch] = None
+        self._taker = Taker(pool, self._producer, self.options, self.name,
+                            report=None if self.options.stats_every is None else self._maybe_report)
         self._next_epoch = 0
         self._resume_iteration = 0
         self._closed = False
@@ -300,9 +256,7 @@ class ParallelSource:
             return
         self._closed = True
         with self._pool.lock:
-            epoch, self._epoch = self._epoch, None
-            if epoch is not None:
-                epoch.state = EpochState.ENDED
+            self._taker.close()
             self._pool.notify()
         if self._owns_pool:
             self._pool.close()  # frees the memory of every source once the workers stopped
@@ -330,23 +284,24 @@ class ParallelSource:
     # -- epochs ----------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[BatchOutput]:
-        """Starts the next epoch (ending an unfinished one) and returns its iterator."""
+        """Starts the next epoch and returns its iterator (an :class:`~extsrc.engine.take.Epoch`).
+
+        An unfinished epoch is ended: its next ``next()`` raises
+        :class:`~extsrc.errors.EpochSupersededError`.
+        """
         self._check_open()
         self._pool.start()
         with self._pool.lock:
             self._pool.check_usable(self._producer.source_id)
-            previous = self._epoch
-            if previous is not None:
-                previous.state = EpochState.ENDED
             if self._producer.stats is not None and self._producer.stats.batches == 0:
                 self._producer.stats.reset()  # the window starts with the first epoch
             run = self._producer.request(self._next_epoch, self._resume_iteration)
             assert run is not None
-            self._epoch = Epoch(self, run)
+            epoch = self._taker.begin(run)
             self._next_epoch += 1
             self._resume_iteration = 0
             self._pool.notify()
-            return self._epoch
+            return epoch
 
     def __len__(self) -> int:
         """Batches per epoch; known with ``order=`` only (else the callback ends the epoch)."""
@@ -361,95 +316,98 @@ class ParallelSource:
     def get_state(self) -> Dict[str, Any]:
         """Where the source stands: the next batch it would hand out (JSON-able, small).
 
-        With an order, the state also records the order's settings, so that
-        :meth:`set_state` can refuse a state saved with another order.
+        The state records what resuming needs to be exact: the position
+        (``epoch_idx``, ``iteration``, and ``records``, the samples of the
+        epoch before it), ``batch_size``, whether the source is in batch mode,
+        and the order's settings, so that :meth:`set_state` refuses a state
+        that would load other records.
         """
         self._pool.check_owner()
         with self._pool.lock:
-            epoch = self._epoch
+            epoch = self._taker.current
             if epoch is not None and epoch.state is EpochState.RUNNING:
-                state: Dict[str, Any] = {"epoch_idx": epoch.epoch_idx, "iteration": epoch.next_yield}
+                epoch_idx, iteration = epoch.epoch_idx, epoch.position()
             else:
-                state = {"epoch_idx": self._next_epoch, "iteration": self._resume_iteration}
+                epoch_idx, iteration = self._next_epoch, self._resume_iteration
+        state: Dict[str, Any] = {
+            "epoch_idx": epoch_idx, "iteration": iteration,
+            "batch_size": self.options.batch_size, "records": iteration * self.options.batch_size,
+            "batch": self.options.batch,
+        }
         if self.options.order is not None:
             state["order"] = self.options.order.describe()
         return state
 
-    def set_state(self, state: Dict[str, int]) -> None:
-        """Makes the next ``iter()`` resume at ``state`` (from :meth:`get_state`).
+    def set_state(self, state: Dict[str, Any]) -> None:
+        """Makes the next ``iter()`` resume at ``state`` (from :meth:`get_state`), exactly.
 
-        Raises ``ValueError`` for a state not made by :meth:`get_state`, and
-        for resuming mid-epoch an iterable source (it cannot be rewound).
+        A state saved with another ``batch_size`` resumes at the same record
+        when the position falls on a batch boundary of this source (e.g. 48
+        records: batch 6 of 8, or 3 of 16); otherwise, or when it was saved
+        with another order or shard, in the other mode (batch/sample), or
+        without an order by a source that has one (or the reverse), it raises
+        :class:`~extsrc.errors.StateMismatchError` saying what differs. Raises
+        ``ValueError`` for a state not made by :meth:`get_state`, and for
+        resuming mid-epoch an iterable source (it cannot be rewound). A running
+        loop is ended (its next ``next()`` raises ``EpochSupersededError``).
         """
         epoch_idx, iteration = _parse_state(state)
-        order = self.options.order
-        saved = state.get("order")
-        if order is not None and saved is not None and saved != order.describe():
-            raise ValueError(
-                f"set_state: the state was saved with the order {saved}, and this source has "
-                f"{order.describe()}; resuming would load other records"
-            )
+        iteration = self._check_state(state, iteration)
         if iteration and self.kind in (BATCH_ITERABLE, BATCH_GENERATOR):
             raise ValueError("resuming in the middle of an epoch needs a callable source, not an iterable")
         self._check_open()
         with self._pool.lock:
-            if self._epoch is not None:
-                self._epoch.state = EpochState.ENDED
-                self._epoch = None
+            self._taker.supersede("set_state()")
             self._producer.request(None)
             self._next_epoch, self._resume_iteration = epoch_idx, iteration
 
-    def _end(self, epoch: Epoch) -> None:
-        """Ends ``epoch`` (lock held): production stops; the next iter() starts anew."""
-        epoch.state = EpochState.ENDED
-        if self._epoch is epoch:
-            self._producer.request(None)
-
-    # -- taking a batch --------------------------------------------------------------------------
-
-    def _next_batch(self, epoch: Epoch, take: "_Take") -> BatchOutput:
-        pool = self._pool
-        pool.check_owner()
-        producer = self._producer
-        stats = producer.stats
-        asked = time.perf_counter_ns() if stats is not None else 0
-        deadline = None if self.options.timeout is None else time.monotonic() + self.options.timeout
-        while True:
-            with pool.lock:
-                waiter = self._ready_or_waiter(epoch, deadline)  # or raises StopIteration, an error
-                if waiter is None:
-                    pending = producer.ready(epoch.run, epoch.next_yield)
-                    assert pending is not None
-                    decision = self._decide(epoch, pending)
-                    ready = producer.ready_count() - 1 if stats is not None else 0
-                    take.next_yield, take.state = epoch.next_yield, epoch.state
-                    take.lease_seq = pending.slot.lease_seq + 1
-                    take.pending = pending
-                    take.lease = producer.slots.take(pending.slot, pending.overflow_sizes(decision.size))
-                    producer.commit(pending)
-                    epoch.next_yield += 1
-                    if decision.ended:
-                        epoch.state = EpochState.LAST_GIVEN
-                    break
-            # Waiting happens outside the lock (see extsrc.engine.pool).
-            remaining = -1 if deadline is None else max(0.0, deadline - time.monotonic())
-            waiter.acquire(True, remaining)
-        # The arrays are made without the lock: the slot is the consumer's now, and its memory
-        # is reached only through the lease.
-        try:
-            outcome = pending.build(take.lease, decision.size, self.options.num_outputs)
-        except SampleError:
-            take.pending = None  # not undone: the batch is bad; its slot returns with the lease
-            with pool.lock:
-                self._end(epoch)
-            raise
-        outcome = self._finish(outcome)
-        if stats is not None:
-            stats.took(decision.size, _nbytes(outcome), time.perf_counter_ns() - asked, ready,
-                       take.next_yield == epoch.run.first_iteration)
-            if self.options.stats_every is not None:
-                self._maybe_report()
-        return outcome
+    def _check_state(self, state: Dict[str, Any], iteration: int) -> int:
+        """The iteration of this source at which ``state`` resumes exactly; raises
+        :class:`StateMismatchError` when there is none."""
+        order = self.options.order
+        saved_order = state.get("order")
+        if "batch_size" in state:  # a full state (bare {epoch_idx, iteration} are the layers' own)
+            if (saved_order is None) != (order is None):
+                raise StateMismatchError(
+                    "set_state: the state was saved by a source "
+                    + ("with the order " + str(saved_order) + ", and this one has none"
+                       if order is None else "without an order, and this one has " + repr(order))
+                    + "; resuming would load other records"
+                )
+            if bool(state.get("batch", self.options.batch)) != self.options.batch:
+                raise StateMismatchError(
+                    f"set_state: the state was saved by a source with batch={state.get('batch')}, and "
+                    f"this one has batch={self.options.batch}; its positions count other things"
+                )
+        if order is not None and saved_order is not None and saved_order != order.describe():
+            differs = [k for k in order.describe() if saved_order.get(k) != order.describe()[k]]
+            raise StateMismatchError(
+                f"set_state: the state was saved with the order {saved_order}, and this source has "
+                f"{order.describe()} (differing in {', '.join(differs)}); resuming would load "
+                "other records"
+            )
+        saved_size = state.get("batch_size")
+        batch_size = self.options.batch_size
+        if saved_size is None or saved_size == batch_size:
+            return iteration
+        if isinstance(saved_size, bool) or not isinstance(saved_size, int) or saved_size <= 0:
+            raise ValueError(f"set_state: batch_size must be an int > 0, got {saved_size!r}")
+        records = iteration * saved_size
+        if self.options.batch and iteration:
+            raise StateMismatchError(
+                f"set_state: the state was saved at batch {iteration} of a batch-mode source with "
+                f"batch_size={saved_size}, and this one has batch_size={batch_size}: the callback "
+                "makes whole batches, so there is no batch of this source to resume at"
+            )
+        if records % batch_size:
+            raise StateMismatchError(
+                f"set_state: the state was saved after {records} records (batch {iteration} of "
+                f"batch_size={saved_size}), which is not a batch boundary of this source's "
+                f"batch_size={batch_size}: resuming would skip or repeat "
+                f"{records % batch_size} records. Resume with batch_size={saved_size}, or one "
+                f"that divides {records}"
+            )
+        return records // batch_size
 
     # -- statistics ------------------------------------------------------------------------------
 
@@ -481,118 +439,6 @@ class ParallelSource:
         if now - self._last_report >= self.options.stats_every:
             self._last_report = now
             logging.getLogger("extsrc").info("%s", self.stats())
-
-    def _undo(self, epoch: Epoch, take: "_Take") -> None:
-        """Undoes an interrupted take (see :meth:`Epoch.__next__`): the next call returns the
-        same batch. Each step is checked, since the interrupt may have come before it."""
-        pending = take.pending
-        with self._pool.lock:
-            producer = self._producer
-            if epoch is not self._epoch or epoch.state is EpochState.ENDED:
-                return
-            epoch.next_yield = take.next_yield
-            epoch.state = take.state
-            if producer.run is not epoch.run:
-                return
-            if producer.slots.holds(pending.slot, pending.seq, take.lease_seq):
-                if pending.slot.state is SlotState.LEASED:
-                    producer.slots.untake(pending.slot, take.lease)
-                if pending.iteration not in producer.pending:
-                    producer.uncommit(pending)
-            else:
-                # The take was cut inside the slot pool and the batch's memory went back:
-                # produce the epoch again from this batch on.
-                epoch.run = producer.request(epoch.epoch_idx, take.next_yield)
-            self._pool.notify()
-
-    def _ready_or_waiter(self, epoch: Epoch, deadline: Optional[float]) -> Any:
-        """Lock held: ``None`` when the epoch's next batch is ready, else a waiter to wait on.
-
-        Raises ``StopIteration`` at the end of the epoch, the pool's fault, a
-        failed dispatch, or :class:`SourceTimeoutError` past ``deadline``.
-        """
-        pool, producer = self._pool, self._producer
-        if epoch.state is EpochState.LAST_GIVEN:
-            self._end(epoch)
-            raise StopIteration
-        if epoch.state is EpochState.ENDED or epoch is not self._epoch:
-            raise StopIteration  # superseded by a newer epoch, set_state() or close()
-        batches = self.options.batches_per_epoch
-        if batches is not None and epoch.next_yield >= batches:
-            self._end(epoch)
-            raise StopIteration  # the order's epoch is over
-        pool.check_usable(producer.source_id)
-        if producer.ready(epoch.run, epoch.next_yield) is not None:
-            return None
-        failure = producer.failure(epoch.run, epoch.next_yield)
-        if failure is not None:
-            self._end(epoch)
-            raise failure
-        if deadline is not None and deadline - time.monotonic() <= 0:
-            raise self._timed_out(epoch)
-        return pool.waiter()
-
-    def _decide(self, epoch: Epoch, pending: PendingBatch) -> Any:
-        """Lock held: what the ready batch becomes; raises at the end of the epoch or an error."""
-        decision = pending.decide(self.options.last_batch, self.name)
-        if decision.error is None and decision.size:
-            return decision
-        self._end(epoch)
-        if decision.error is not None:
-            raise decision.error
-        if decision.produced and epoch.next_yield == 0 and epoch.run.first_iteration == 0:
-            raise EmptyEpochError(
-                f"source {self.name}: epoch {epoch.epoch_idx} ended after {decision.produced} "
-                f"samples, fewer than batch_size={self.options.batch_size}, and "
-                "last_batch='drop' dropped them all, so the epoch has no batch. Use "
-                f"last_batch='partial', or a batch_size of at most {decision.produced}."
-            )
-        raise StopIteration
-
-    def _finish(self, outcome: BatchOutput) -> BatchOutput:
-        """Outputs that came uniform but spilled (the first batch) become one dense array."""
-        outputs = (outcome,) if self.options.num_outputs is None else outcome
-        if all(samples.is_dense or not samples for samples in outputs):
-            return outcome
-        finished = []
-        for samples in outputs:
-            if not samples.is_dense and samples and _uniform(samples):
-                samples = Batch(dense=np.stack(samples))  # a copy, for this batch only
-            finished.append(samples)
-        return finished[0] if self.options.num_outputs is None else tuple(finished)
-
-    def _timed_out(self, epoch: Epoch) -> SourceTimeoutError:
-        stuck = []
-        pending = self._producer.pending.get(epoch.next_yield)
-        rows = self._pool.running_tasks(self._producer.source_id)
-        # The batch's own tasks, and what the workers holding them are running instead.
-        holding = {worker for worker, _, task, _ in rows if pending is None or task.batch_seq == pending.seq}
-        for worker, described, task, running in rows:
-            if pending is None or task.batch_seq == pending.seq or (worker in holding and running):
-                state = f"running for {running:.1f} s" if running else "queued behind another task"
-                stuck.append(f"{described}: {self._producer.describe_task(task)}, {state}")
-        error = SourceTimeoutError(
-            f"batch {epoch.next_yield} of epoch {epoch.epoch_idx} of source {self.name} was not "
-            f"ready after timeout={self.options.timeout} s. Stuck: "
-            + ("; ".join(stuck) if stuck else "no task was running")
-            + ". The workers were shut down."
-        )
-        self._pool.fail(error)
-        self._pool.check_usable(self._producer.source_id)  # marks it as reported
-        return error
-
-
-def _nbytes(outcome: BatchOutput) -> int:
-    outputs = outcome if isinstance(outcome, tuple) else (outcome,)
-    total = 0
-    for samples in outputs:
-        total += samples.as_array().nbytes if samples.is_dense else sum(s.nbytes for s in samples)
-    return total
-
-
-def _uniform(samples: Batch) -> bool:
-    first = samples[0]
-    return all(s.shape == first.shape and s.dtype == first.dtype for s in samples)
 
 
 def _parse_state(state: Any) -> tuple:

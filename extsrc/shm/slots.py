@@ -8,11 +8,11 @@ change goes through it and is checked.
 
 Slot states::
 
-                 acquire()                 all tasks reported             take()
+                 acquire()                 all tasks reported            commit()
       FREE ─────────────────► FILLING ───────────────────────► READY ───────────► LEASED
-       ▲  ▲                      │                               │  ▲                 │
-       │  │        drained       │ abandon()          abandon()  │  │ untake()        │ last array
-       │  └──────── DRAINING ◄───┘                               │  └─────────────────┤ of the batch
+       ▲  ▲                      │                               │                    │
+       │  │        drained       │ abandon()          abandon()  │                    │ last array
+       │  └──────── DRAINING ◄───┘                               │                    │ of the batch
        │                                                         │                    │ is gone
        └─────────────────────────────────────────────────────────┴────────────────────┘
       FREE ──► RETIRED: trim() (more slots than needed), a fork while leased, close()
@@ -261,13 +261,16 @@ class SlotPool:
         elif slot.state is SlotState.FILLING:
             self._move(slot, SlotState.DRAINING)
 
-    def take(self, slot: Slot, overflow_sizes: Dict[int, int]) -> Lease:
-        """READY -> LEASED: a new lease over the slot's memory, for the consumer.
+    def lease(self, slot: Slot, overflow_sizes: Dict[int, int]) -> Lease:
+        """A lease over the READY slot's memory, for its next take; the slot's state is unchanged.
 
         ``overflow_sizes`` gives, per worker that wrote overflow, the bytes to
-        map of its overflow segment. The lease starts holding the memory in
-        forked children too (see :mod:`extsrc.forking`).
+        map of its overflow segment (mapped once, then kept with the slot).
+        The lease holds the slot only once :meth:`commit` ran for it; a lease
+        that dies before is ignored. Raises ``InternalError`` unless READY.
         """
+        if slot.state is not SlotState.READY:
+            raise InternalError(f"{self.label}: slot {slot.slot_id} leased while {slot.state.value}")
         overflow: Dict[int, Mapping] = {}
         for worker, size in overflow_sizes.items():
             current = slot.overflow_maps[worker]
@@ -275,36 +278,41 @@ class SlotPool:
                 current = self._watched(slot.overflow[worker].map(size))
                 slot.overflow_maps[worker] = current
             overflow[worker] = current
-        if slot.state is not SlotState.READY:
-            raise InternalError(f"{self.label}: slot {slot.slot_id} taken while {slot.state.value}")
         lease = Lease(slot.slot_id, slot.lease_seq + 1, slot.region_map, overflow)
-        lease.ref = ref = weakref.ref(lease, self.returns.append)
-        self.leases[id(ref)] = (slot.slot_id, lease.seq, ref)
+        lease.ref = weakref.ref(lease, self.returns.append)
+        return lease
+
+    def holds(self, slot: Slot, batch_seq: int, lease: Lease) -> bool:
+        """Whether ``slot`` holds batch ``batch_seq`` for ``lease``: READY with ``lease`` its next
+        lease (a commit would take it), or LEASED to ``lease`` already (a commit was applied)."""
+        if slot.batch_seq != batch_seq or self.slots.get(slot.slot_id) is not slot:
+            return False
+        if slot.state is SlotState.READY:
+            return slot.lease_seq in (lease.seq - 1, lease.seq)  # the second: a commit cut short
+        return slot.state is SlotState.LEASED and slot.lease_seq == lease.seq
+
+    def commit(self, slot: Slot, lease: Lease) -> None:
+        """READY -> LEASED to ``lease`` (from :meth:`lease`; only if :meth:`holds`).
+
+        Idempotent, and safe to run again after an interrupt anywhere in it:
+        every step is an assignment, and the state changes last. The lease
+        starts holding the memory in forked children too (see :mod:`extsrc.forking`).
+        """
+        if slot.state is SlotState.LEASED and slot.lease_seq == lease.seq:
+            return
+        self.leases[id(lease.ref)] = (slot.slot_id, lease.seq, lease.ref)
         for mapping in lease.mappings:
             mapping.leased = True
         slot.lease_generation = forking.generation()
-        slot.lease_seq += 1
+        slot.lease_seq = lease.seq
         self._move(slot, SlotState.LEASED)
+
+    def take(self, slot: Slot, overflow_sizes: Dict[int, int]) -> Lease:
+        """:meth:`lease` and :meth:`commit` in one (READY -> LEASED), where nothing can interrupt
+        in between that matters (tests, tools)."""
+        lease = self.lease(slot, overflow_sizes)
+        self.commit(slot, lease)
         return lease
-
-    def holds(self, slot: Slot, batch_seq: int, lease_seq: int) -> bool:
-        """Whether ``slot`` still holds batch ``batch_seq``, READY or LEASED by lease
-        ``lease_seq`` (not yet returned): after an interrupted take, whether it can be undone."""
-        if slot.batch_seq != batch_seq or slot.slot_id not in self.slots:
-            return False
-        if slot.state is SlotState.READY:
-            return True
-        return slot.state is SlotState.LEASED and slot.lease_seq == lease_seq
-
-    def untake(self, slot: Slot, lease: Optional[Lease]) -> None:
-        """LEASED -> READY: the take was interrupted before the consumer got the batch.
-
-        ``lease`` is ``None`` when :meth:`take` itself was interrupted after its last step.
-        """
-        if lease is not None:
-            self.leases.pop(id(lease.ref), None)
-        slot.lease_seq += 1  # a return of whatever lease was made is now stale
-        self._move(slot, SlotState.READY)
 
     def process_returns(self) -> None:
         """Applies the leases that ended since the last call: LEASED -> FREE (or retired)."""
@@ -312,7 +320,7 @@ class SlotPool:
             slot_id, seq, _ref = self.leases.pop(id(self.returns.popleft()), (-1, -1, None))
             slot = self.slots.get(slot_id)
             if slot is None or slot.state is not SlotState.LEASED or slot.lease_seq != seq:
-                continue  # retired, or a stale return of an interrupted take
+                continue  # retired, or the lease of a take that was never applied
             self._move(slot, SlotState.FREE)
             if slot.lease_generation != forking.generation() or slot.retire_when_free:
                 # A child forked while it was held may still read it; or it holds overflow

@@ -293,7 +293,9 @@ class _Epoch:
         raises StopIteration at the end of the epoch. The caller clears ``_taken`` once the
         batch is handed on."""
         if self._taken is None:
-            self._taken = next(self.batches)
+            # __next__() rather than next(): the builtin returns into C, where an interrupt can
+            # discard the batch it took (see extsrc.engine.take).
+            self._taken = self.batches.__next__()
         try:
             return self.loader._tensors(self._taken)
         except Exception:

@@ -210,3 +210,32 @@ def test_an_interrupt_while_a_batch_becomes_tensors_loses_no_batch(monkeypatch):
             records += ids[:, 0].tolist()
     assert interrupts == 1
     assert records == list(range(24))  # the interrupted batch came with the next call
+
+
+def test_two_loaders_on_one_source_raise_instead_of_sharing_its_batches():
+    with ParallelSource(stamped, 4, num_outputs=2, num_workers=2, order=Order(40)) as source:
+        a, b = TorchLoader(source), TorchLoader(source)
+        loop_a = iter(a)
+        first_a = next(loop_a)
+        loop_b = iter(b)
+        next(loop_b)
+        with pytest.raises(RuntimeError, match="one loop at a time"):
+            next(loop_a)  # before: a silently short epoch for A
+        assert int(first_a[0][0, 0]) == 0
+
+
+def test_a_state_dict_of_another_batch_size_resumes_exactly_or_is_refused():
+    with ParallelSource(stamped, 4, num_outputs=2, num_workers=2, order=Order(40)) as source:
+        loader = TorchLoader(source)
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        state = loader.state_dict()  # after 12 records
+    with ParallelSource(stamped, 6, num_outputs=2, num_workers=2, order=Order(40)) as source:
+        resumed = TorchLoader(source)
+        resumed.load_state_dict(state)
+        ids, _ = next(iter(resumed))
+        assert ids[:, 0].tolist() == list(range(12, 18))
+    with ParallelSource(stamped, 8, num_outputs=2, num_workers=2, order=Order(40)) as source:
+        with pytest.raises(ValueError, match="not a batch boundary"):
+            TorchLoader(source).load_state_dict(state)

@@ -1,0 +1,355 @@
+"""The take: how ``next()`` hands a finished batch to exactly one caller, whatever interrupts it.
+
+An exception can arrive at almost any point of ``next()``: a
+``KeyboardInterrupt`` (a first or a second Ctrl-C), the exception of any
+other signal's handler, a profiler's or a timeout's periodic signal. The take
+is built so that there is nothing to undo when that happens. Its steps, in
+the consumer's thread:
+
+1. **Find** (pool lock held): the epoch's next batch is READY in its slot;
+   decide what it becomes (a batch, a shorter last one, the end, an error).
+2. **Prepare**: a :class:`~extsrc.shm.slots.Lease` over the slot's memory
+   (lock held) and the batch's arrays over the lease (no lock). Nothing
+   anyone else reads changes: an interrupt here drops what was prepared, and
+   the batch is still READY for the next call.
+3. **Commit** (lock held): checks that nothing moved meanwhile (the epoch,
+   the slot and its lease sequence), then stores a :class:`Taken` record in
+   the epoch. That one assignment is the commit point: from then on the batch
+   belongs to the epoch's next hand-over, whoever does it.
+4. **Apply** (lock held): the slot becomes LEASED to the record's lease, the
+   producer forgets the batch, the epoch's cursor moves past it. Every step is
+   an assignment made again when re-run, so a call that finds a record not yet
+   handed over applies it again before anything else (:meth:`Taker.next`).
+5. **Hand over**: the record is swapped out of the epoch and its batch
+   returned.
+
+Why steps 3 and 5 cannot be split: CPython runs signal handlers (and
+switches threads) only at a function's start, a backward jump, or right after
+a call into C. The commit point is a single store, and the hand-over
+(``taken = epoch.taken; epoch.taken = None; return taken.outcome``) holds no
+call, so a ``KeyboardInterrupt`` lands before it (the record stays, and the
+next call returns it) or after the caller has the batch. Calling
+``epoch.__next__()`` from a ``for`` loop keeps that promise up to the loop
+variable; ``x = next(epoch)`` does not (the builtin ``next`` returns into C,
+where an interrupt can discard its result), which is why extsrc's own layers
+call ``__next__()``.
+
+Threads: any consumer thread may apply or hand over a record; the swap in
+step 5 gives it to exactly one of them.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING, Callable, Optional
+
+import numpy as np
+
+from extsrc.batch import Batch
+from extsrc.engine.assembly import BatchOutput, Decision, PendingBatch
+from extsrc.errors import EmptyEpochError, EpochSupersededError, SampleError, SourceTimeoutError
+from extsrc.shm.slots import Lease
+
+if TYPE_CHECKING:  # pragma: no cover
+    from extsrc.engine.pool import WorkerPool, Waiter
+    from extsrc.engine.producer import Producer, Run
+    from extsrc.options import SourceOptions
+
+
+class EpochState(enum.Enum):
+    """Where an epoch stands.
+
+    ::
+
+        RUNNING ──last batch handed over──► LAST_GIVEN ──next call──► ENDED
+           │                                                           ▲
+           └── end of data, an error, close() ─────────────────────────┤
+           └── a newer iter() or set_state() ──► SUPERSEDED ───────────┘ (raises on next())
+    """
+
+    RUNNING = "running"  # batches come
+    LAST_GIVEN = "last given"  # the final (short) batch was handed out; the next call ends it
+    SUPERSEDED = "superseded"  # a newer iter() or set_state() took the source over
+    ENDED = "ended"  # StopIteration was raised, or the source was closed
+
+
+class Taken:
+    """A committed take (step 3): the batch, its lease and where the epoch goes after it."""
+
+    __slots__ = ("pending", "lease", "outcome", "iteration", "ends_epoch", "size", "asked_ns",
+                 "ready_ahead")
+
+    def __init__(self, pending: PendingBatch, lease: Lease, outcome: BatchOutput, size: int,
+                 ends_epoch: bool, asked_ns: int, ready_ahead: int):
+        self.pending = pending
+        self.lease = lease
+        self.outcome = outcome
+        self.iteration = pending.iteration
+        self.ends_epoch = ends_epoch
+        self.size = size
+        self.asked_ns = asked_ns
+        self.ready_ahead = ready_ahead
+
+
+class Epoch:
+    """The iterator of one epoch of a source, what ``iter(source)`` returns.
+
+    Its state (:class:`EpochState`) and cursor change only with the pool's
+    lock held, through the :class:`Taker` of its source. ``taken`` is a batch
+    committed and not yet handed over (see the module doc).
+    """
+
+    def __init__(self, taker: "Taker", run: "Run"):
+        self.taker = taker
+        self.run = run
+        self.epoch_idx = run.epoch_idx
+        self.next_yield = run.first_iteration
+        self.state = EpochState.RUNNING
+        self.superseded_by = ""
+        self.taken: Optional[Taken] = None
+
+    def __iter__(self) -> "Epoch":
+        return self
+
+    def __next__(self) -> BatchOutput:
+        return self.taker.next(self)
+
+    def position(self) -> int:
+        """The iteration of the next batch this epoch hands over (lock held)."""
+        taken = self.taken
+        return self.next_yield if taken is None else taken.iteration
+
+
+class Taker:
+    """The consumer's side of one source: takes its batches epoch by epoch (see the module doc).
+
+    Called from consumer threads only; every state change happens with the
+    pool's lock held. ``name`` names the source in errors.
+    """
+
+    def __init__(self, pool: "WorkerPool", producer: "Producer", options: "SourceOptions", name: str,
+                 report: Optional[Callable[[], None]] = None):
+        self.pool = pool
+        self.report = report  # called after each batch counted in the statistics (stats_every=)
+        self.producer = producer
+        self.options = options
+        self.name = name
+        self.current: Optional[Epoch] = None
+
+    # -- epochs (lock held) ----------------------------------------------------------------------
+
+    def begin(self, run: "Run") -> Epoch:
+        """A new epoch producing ``run``; the running one (if any) is superseded."""
+        self.supersede("a newer iter() on the same source")
+        epoch = Epoch(self, run)
+        self.current = epoch
+        return epoch
+
+    def supersede(self, why: str) -> None:
+        """Ends the running epoch for good: its next ``next()`` raises
+        :class:`~extsrc.errors.EpochSupersededError` naming ``why``."""
+        epoch, self.current = self.current, None
+        if epoch is not None and epoch.state in (EpochState.RUNNING, EpochState.LAST_GIVEN):
+            epoch.superseded_by = why
+            epoch.state = EpochState.SUPERSEDED
+        if epoch is not None:
+            epoch.taken = None  # its lease returns the slot when dropped
+
+    def close(self) -> None:
+        """Ends the running epoch quietly (``close()``): its next ``next()`` raises StopIteration."""
+        epoch, self.current = self.current, None
+        if epoch is not None:
+            epoch.state = EpochState.ENDED
+            epoch.taken = None
+
+    def end(self, epoch: Epoch) -> None:
+        """Ends ``epoch`` (its data is over, or an error): production stops."""
+        epoch.state = EpochState.ENDED
+        if self.current is epoch:
+            self.producer.request(None)
+
+    # -- the take ----------------------------------------------------------------------------------
+
+    def next(self, epoch: Epoch) -> BatchOutput:
+        """The epoch's next batch (see the module doc for the steps); raises StopIteration at
+        its end, the batch's error, :class:`~extsrc.errors.SourceTimeoutError`, or
+        :class:`~extsrc.errors.EpochSupersededError` when another loop took the source over."""
+        pool, producer = self.pool, self.producer
+        pool.check_owner()
+        stats = producer.stats
+        asked = time.perf_counter_ns() if stats is not None else 0
+        timeout = self.options.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            lease: Optional[Lease] = None
+            waiter: Optional["Waiter"] = None
+            # 1. Find (or apply a record committed by a call that did not get to hand it over).
+            with pool.lock:
+                if epoch.taken is not None:
+                    self._apply(epoch)
+                else:
+                    waiter = self._ready_or_waiter(epoch, deadline)
+                    if waiter is None:
+                        pending = producer.ready(epoch.run, epoch.next_yield)
+                        assert pending is not None
+                        decision = self._decide(epoch, pending)
+                        ready = producer.ready_count() - 1 if stats is not None else 0
+                        # 2. Prepare (the lease; the arrays below, without the lock).
+                        lease = producer.slots.lease(pending.slot, pending.overflow_sizes(decision.size))
+            if waiter is not None:
+                # Waiting happens outside the lock (see extsrc.engine.pool).
+                remaining = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+                waiter.acquire(True, remaining)
+                continue
+            if lease is None:
+                # 5. Hand over a record committed before: no call from the swap to the return.
+                taken = epoch.taken
+                epoch.taken = None
+                if taken is None:
+                    continue  # another thread handed it over, or it was dropped
+                return taken.outcome
+            assert lease is not None
+            try:
+                outcome = self._finish(pending.build(lease, decision.size, self.options.num_outputs))
+            except SampleError:
+                with pool.lock:
+                    if epoch.state is EpochState.RUNNING and epoch.next_yield == pending.iteration:
+                        self.end(epoch)  # the batch is bad: the epoch ends with its error
+                raise
+            record = Taken(pending, lease, outcome, decision.size, decision.ended, asked, ready)
+            with pool.lock:
+                # 3. Commit, if nothing moved since step 1; else find again.
+                if (epoch.state is not EpochState.RUNNING or epoch.taken is not None
+                        or epoch.next_yield != pending.iteration or producer.run is not epoch.run
+                        or not producer.slots.holds(pending.slot, pending.seq, lease)):
+                    continue
+                epoch.taken = record
+                # 4. Apply.
+                self._apply(epoch)
+            if stats is not None:
+                stats.took(record.size, _nbytes(outcome), time.perf_counter_ns() - record.asked_ns,
+                           record.ready_ahead, record.iteration == epoch.run.first_iteration)
+                if self.report is not None:
+                    self.report()
+            # 5. Hand over: no call from the swap to the return.
+            taken = epoch.taken
+            epoch.taken = None
+            if taken is None:
+                continue  # another thread handed it over while this one counted it
+            return taken.outcome
+
+    def _apply(self, epoch: Epoch) -> None:
+        """Step 4 for ``epoch.taken`` (lock held); idempotent. A record whose slot no longer holds
+        its batch (the epoch was superseded meanwhile) is dropped."""
+        taken = epoch.taken
+        if taken is None:
+            return
+        pending, producer = taken.pending, self.producer
+        if not producer.slots.holds(pending.slot, pending.seq, taken.lease):
+            epoch.taken = None
+            return
+        producer.slots.commit(pending.slot, taken.lease)
+        producer.commit(pending)
+        epoch.next_yield = taken.iteration + 1
+        if taken.ends_epoch:
+            epoch.state = EpochState.LAST_GIVEN
+
+    # -- finding the batch (lock held) -------------------------------------------------------------
+
+    def _ready_or_waiter(self, epoch: Epoch, deadline: Optional[float]) -> Optional["Waiter"]:
+        """``None`` when the epoch's next batch is ready, else a waiter to wait on.
+
+        Raises ``StopIteration`` at the end of the epoch, the pool's fault, a
+        failed dispatch, :class:`SourceTimeoutError` past ``deadline``.
+        """
+        pool, producer = self.pool, self.producer
+        if epoch.state is EpochState.SUPERSEDED:
+            raise EpochSupersededError(
+                f"this loop over source {self.name} (epoch {epoch.epoch_idx}) was ended by "
+                f"{epoch.superseded_by} before its end: a source serves one loop at a time, and "
+                "two loops (or loaders) over one source would each get only some of the batches. "
+                "Finish or leave a loop before starting the next, or make a source per loop"
+            )
+        if epoch.state is EpochState.LAST_GIVEN:
+            self.end(epoch)
+            raise StopIteration
+        if epoch.state is EpochState.ENDED or epoch is not self.current:
+            raise StopIteration  # closed
+        batches = self.options.batches_per_epoch
+        if batches is not None and epoch.next_yield >= batches:
+            self.end(epoch)
+            raise StopIteration  # the order's epoch is over
+        pool.check_usable(producer.source_id)
+        if producer.ready(epoch.run, epoch.next_yield) is not None:
+            return None
+        failure = producer.failure(epoch.run, epoch.next_yield)
+        if failure is not None:
+            self.end(epoch)
+            raise failure
+        if deadline is not None and deadline - time.monotonic() <= 0:
+            raise self._timed_out(epoch)
+        return pool.waiter()
+
+    def _decide(self, epoch: Epoch, pending: PendingBatch) -> Decision:
+        """What the ready batch becomes; raises at the end of the epoch or an error."""
+        decision = pending.decide(self.options.last_batch, self.name)
+        if decision.error is None and decision.size:
+            return decision
+        self.end(epoch)
+        if decision.error is not None:
+            raise decision.error
+        if decision.produced and epoch.next_yield == 0 and epoch.run.first_iteration == 0:
+            raise EmptyEpochError(
+                f"source {self.name}: epoch {epoch.epoch_idx} ended after {decision.produced} "
+                f"samples, fewer than batch_size={self.options.batch_size}, and "
+                "last_batch='drop' dropped them all, so the epoch has no batch. Use "
+                f"last_batch='partial', or a batch_size of at most {decision.produced}."
+            )
+        raise StopIteration
+
+    def _finish(self, outcome: BatchOutput) -> BatchOutput:
+        """Outputs that came uniform but spilled (the first batch) become one dense array."""
+        outputs = (outcome,) if self.options.num_outputs is None else outcome
+        if all(samples.is_dense or not samples for samples in outputs):
+            return outcome
+        finished = []
+        for samples in outputs:
+            if not samples.is_dense and samples and _uniform(samples):
+                samples = Batch(dense=np.stack(samples))  # a copy, for this batch only
+            finished.append(samples)
+        return finished[0] if self.options.num_outputs is None else tuple(finished)
+
+    def _timed_out(self, epoch: Epoch) -> SourceTimeoutError:
+        producer, pool = self.producer, self.pool
+        stuck = []
+        pending = producer.pending.get(epoch.next_yield)
+        rows = pool.running_tasks(producer.source_id)
+        # The batch's own tasks, and what the workers holding them are running instead.
+        holding = {worker for worker, _, task, _ in rows if pending is None or task.batch_seq == pending.seq}
+        for worker, described, task, running in rows:
+            if pending is None or task.batch_seq == pending.seq or (worker in holding and running):
+                state = f"running for {running:.1f} s" if running else "queued behind another task"
+                stuck.append(f"{described}: {producer.describe_task(task)}, {state}")
+        error = SourceTimeoutError(
+            f"batch {epoch.next_yield} of epoch {epoch.epoch_idx} of source {self.name} was not "
+            f"ready after timeout={self.options.timeout} s. Stuck: "
+            + ("; ".join(stuck) if stuck else "no task was running")
+            + ". The workers were shut down."
+        )
+        pool.fail(error)
+        pool.check_usable(producer.source_id)  # marks it as reported
+        return error
+
+
+def _nbytes(outcome: BatchOutput) -> int:
+    outputs = outcome if isinstance(outcome, tuple) else (outcome,)
+    total = 0
+    for samples in outputs:
+        total += samples.as_array().nbytes if samples.is_dense else sum(s.nbytes for s in samples)
+    return total
+
+
+def _uniform(samples: Batch) -> bool:
+    first = samples[0]
+    return all(s.shape == first.shape and s.dtype == first.dtype for s in samples)
