@@ -99,3 +99,39 @@ def test_stats_can_be_turned_off_and_then_say_so():
             src.stats()
     with pytest.raises(ValueError, match="stats_every logs the statistics, which stats=False turns off"):
         ParallelSource(fast_callback, 4, stats=False, stats_every=1)
+
+
+STATS_EVERY_SCRIPT = '''
+import logging, sys, time
+import numpy as np
+from extsrc import ParallelSource
+
+def fast(info):
+    return np.zeros(16, np.uint8)
+
+if sys.argv[1:] == ["configured"]:
+    logging.basicConfig(level=logging.WARNING)  # the user set logging up, and wants it quiet
+with ParallelSource(fast, 4, stats_every=0.05) as src:
+    it = iter(src)
+    for _ in range(20):
+        next(it)
+        time.sleep(0.01)
+print("done")
+'''
+
+
+def test_stats_every_reaches_stderr_without_any_logging_configuration():
+    from faultkit import run_isolated
+
+    out = run_isolated(STATS_EVERY_SCRIPT, timeout=120)
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr[-2000:]
+    assert "extsrc source #0:" in out.stderr and "diagnosis:" in out.stderr
+
+
+def test_stats_every_follows_the_logging_the_user_configured():
+    from faultkit import run_isolated
+
+    script = STATS_EVERY_SCRIPT.replace('sys.argv[1:] == ["configured"]', "True")
+    out = run_isolated(script, timeout=120)
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr[-2000:]
+    assert "extsrc source" not in out.stderr  # INFO below the WARNING level the user chose

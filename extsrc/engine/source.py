@@ -20,7 +20,6 @@ consumer's arrays hold the lease -> freed when the last reference is gone
 from __future__ import annotations
 
 import enum
-import logging
 import os
 import time
 from typing import Any, Dict, Iterator, Optional
@@ -32,7 +31,7 @@ from extsrc.engine.assembly import BatchOutput, PendingBatch
 from extsrc.engine.pool import WorkerPool
 from extsrc.engine.producer import Producer, Run
 from extsrc.engine.runner import BATCH_GENERATOR, BATCH_ITERABLE, classify
-from extsrc.engine.stats import SourceStats
+from extsrc.engine.stats import SourceStats, publish
 from extsrc.errors import EmptyEpochError, SampleError, SourceTimeoutError
 from extsrc.options import UNSET, SourceOptions
 from extsrc.shm.slots import SlotState
@@ -141,7 +140,8 @@ class ParallelSource:
     :class:`~extsrc.engine.runner.SampleBuffers`), so that it is written once.
 
     :meth:`stats` tells where the time goes (and what to change);
-    ``stats_every=seconds`` also logs it to the ``extsrc`` logger that often;
+    ``stats_every=seconds`` also reports it that often: to the ``extsrc``
+    logger (INFO) when logging is configured, else to stderr;
     ``stats=False`` turns the collection off.
 
     ``dtype``/``ndim`` (one value, or one per output) declare what samples
@@ -480,7 +480,7 @@ class ParallelSource:
         now = time.monotonic()
         if now - self._last_report >= self.options.stats_every:
             self._last_report = now
-            logging.getLogger("extsrc").info("%s", self.stats())
+            publish(self.stats())
 
     def _undo(self, epoch: Epoch, take: "_Take") -> None:
         """Undoes an interrupted take (see :meth:`Epoch.__next__`): the next call returns the

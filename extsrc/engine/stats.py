@@ -17,7 +17,9 @@ whose ``str()`` is a short report ending in a diagnosis from the figures.
 
 from __future__ import annotations
 
+import logging
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -210,6 +212,21 @@ class StatsCollector:
             ready_now=ready_now, shared_memory_bytes=shared_memory, num_workers=self.num_workers,
             prefetch=prefetch, batch_size=batch_size,
         )
+
+
+def publish(stats: SourceStats) -> None:
+    """Shows a periodic report (``stats_every=``) to the user.
+
+    To the ``extsrc`` logger at INFO when logging is set up (a handler on it
+    or on an ancestor: the user's configuration decides, also to keep it
+    quiet); else straight to stderr, since an unconfigured logger would drop
+    INFO records and the report would reach nobody.
+    """
+    logger = logging.getLogger("extsrc")
+    if logger.hasHandlers():
+        logger.info("%s", stats)
+    else:
+        print(stats, file=sys.stderr, flush=True)
 
 
 def _weighted_percentiles(values: np.ndarray, weights: np.ndarray,
