@@ -16,6 +16,7 @@ from extsrc.batch import Batch
 from extsrc.errors import (
     CallbackError,
     EmptyEpochError,
+    EpochLengthError,
     ExtsrcError,
     ForkedChildError,
     PoolClosedError,
@@ -38,6 +39,7 @@ __all__ = [
     "BatchInfo",
     "CallbackError",
     "EmptyEpochError",
+    "EpochLengthError",
     "ExtsrcError",
     "ForkedChildError",
     "Order",

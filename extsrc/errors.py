@@ -73,6 +73,15 @@ class EmptyEpochError(ExtsrcError, ValueError):
     """
 
 
+class EpochLengthError(ExtsrcError, ValueError):
+    """With ``order=``, the callback ended an epoch (``StopIteration``) before the order did.
+
+    The order decides how long an epoch is (``len(source)``); a callback that
+    runs out earlier means the two disagree about the data. The message names
+    the sample (its ``SampleInfo``, record included) and the order's length.
+    """
+
+
 class InternalError(ExtsrcError, RuntimeError):
     """A bug in extsrc itself; the message says where. The pool is shut down."""
 

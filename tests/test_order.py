@@ -235,3 +235,28 @@ def test_shard_auto_under_torchrun_two_ranks_disjoint_equal_and_resumable(tmp_pa
     assert not records[0] & records[1]  # disjoint
     assert reports[0]["batches"] == reports[1]["batches"] > 0  # equal: no rank waits at an all-reduce
     assert all(r["resumed_same"] for r in reports)
+
+
+def stops_at_40(info):
+    if info.record >= 40:
+        raise StopIteration
+    return np.array([info.record], np.int64)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_callback_ending_the_epoch_before_its_order_is_an_error_not_a_shorter_epoch(shuffle):
+    from extsrc import EpochLengthError
+
+    with ParallelSource(stops_at_40, 8, num_workers=2, order=Order(100, shuffle=shuffle)) as src:
+        assert len(src) == 12
+        taken = 0
+        with pytest.raises(EpochLengthError) as caught:
+            for _ in src:
+                taken += 1
+    message = str(caught.value)
+    assert taken < 12  # no silent stop after 5 batches: the batch with the StopIteration raises
+    assert "raised StopIteration at sample SampleInfo(" in message
+    assert "Order(100" in message and "an epoch of 100 samples" in message
+    assert "len(source) == 12 batches of 8" in message
+    record = int(message.split("(record ")[1].split(")")[0])
+    assert record >= 40  # the sample named is one the callback refused

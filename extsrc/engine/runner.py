@@ -21,7 +21,7 @@ import numpy as np
 
 from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.samples import SampleChecker, at
-from extsrc.errors import ExtsrcError, SampleError, SharedMemoryError
+from extsrc.errors import EpochLengthError, ExtsrcError, SampleError, SharedMemoryError
 from extsrc.order import RecordCache
 from extsrc.shm.writer import TaskWriter
 from extsrc.sample_info import BatchInfo, SampleInfo
@@ -187,7 +187,12 @@ class SourceRunner:
             for position, record in positions:
                 append(produce(make(SampleInfo, (base + position, position, iteration, epoch_idx,
                                                  record, seed))))
-        except StopIteration:
+        except StopIteration as exc:
+            if self.setup.order is not None:
+                error = self._stopped_before_the_order(task, position)
+                error.__cause__ = exc
+                return self._failed(task, position, self._info(task, position), error,
+                                    from_callback=False)
             stopped = True
         except SampleError as exc:
             return self._failed(task, getattr(exc, "position", position), None, exc, from_callback=False)
@@ -205,6 +210,22 @@ class SourceRunner:
             return self._done(task, write, count, stopped, clock() - began, tuple(timed))
         except Exception as exc:
             return self._write_failed(task, chunk_start, exc)
+
+    def _stopped_before_the_order(self, task: Task, position: int) -> EpochLengthError:
+        """The error for a callback that raised ``StopIteration`` at ``position`` under an order:
+        the order sets the epoch's length, so the two must not silently disagree."""
+        order, batch_size = self.setup.order, self.setup.batch_size
+        length = len(order)
+        batches = length // batch_size if self.setup.last_batch == "drop" else -(-length // batch_size)
+        info = self._info(task, position)
+        return EpochLengthError(
+            f"source {self.setup.name}: the callback raised StopIteration at sample {info!r} "
+            f"(record {info.record}), but its order {order!r} makes an epoch of {length} samples "
+            f"(len(source) == {batches} batches of {batch_size}). With order=, the order decides "
+            f"where an epoch ends: give it the number of records the callback can load "
+            f"(extsrc.Order({info.idx_in_epoch}, ...) if the data ends there), or do not raise "
+            "StopIteration for a record of the order."
+        )
 
     def _flush(self, write: Any, waiting: List[Any], chunk_start: int) -> None:
         if waiting:
