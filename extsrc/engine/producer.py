@@ -123,7 +123,7 @@ class Producer:
             pickled=pickled, batch_size=o.batch_size, num_outputs=o.num_outputs,
             batch_info=o.batch_info, dtypes=tuple(None if d is None else d.str for d in o.dtypes),
             ndims=o.ndims, order=o.order, last_batch=o.last_batch, in_place=o.in_place,
-            timed=o.stats,
+            timed=o.stats, slots_kept=o.prefetch + o.batches_held,
         )
 
     def on_result(self, message: Any) -> bool:

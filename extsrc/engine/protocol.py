@@ -137,6 +137,8 @@ class SourceSetup:
     last_batch: str = "drop"
     in_place: bool = False  # the callback gets SampleBuffers to write its samples into
     timed: bool = True  # report how long the callback takes (extsrc.engine.stats)
+    slots_kept: int = 0  # batches of memory the source keeps (prefetch + batches_held), for the
+    # memory check at the first sample (extsrc.shm.limits.check_source_need); 0: not known
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,7 @@ class SourceRunner:
         self.worker = worker
         self.callback = callback
         checker = SampleChecker(setup.num_outputs, setup.dtypes, setup.ndims)
-        self.writer = TaskWriter(f"source {setup.name}", checker, setup.batch_size)
+        self.writer = TaskWriter(f"source {setup.name}", checker, setup.batch_size, setup.slots_kept)
         self.iterator: Any = None
         self.iterator_epoch = -1
         self.one_pass_ended = False  # the source is its own iterator, and it ran out

@@ -38,7 +38,8 @@ class ResultWriter:
         checker = SampleChecker(setup.num_outputs, setup.dtypes, setup.ndims)
         self.name = setup.name
         self.writers: List[TaskWriter] = [
-            TaskWriter(f"source {setup.name}", checker, setup.batch_size) for _ in range(num_workers)
+            TaskWriter(f"source {setup.name}", checker, setup.batch_size, setup.slots_kept)
+            for _ in range(num_workers)
         ]
         self.drops: Deque[int] = deque()  # slots to drop, by the I/O thread, in order
 
