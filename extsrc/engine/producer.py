@@ -69,7 +69,9 @@ class Producer:
         self._runs = itertools.count(1)
         self._closed = False
         self._range_cache: Optional[List[Tuple[int, int]]] = None
-        self.stats = StatsCollector(pool.num_workers) if options.stats else None
+        local = pool.backend == "processes"  # Ray actors may run on other hosts: no /proc of theirs
+        self.stats = (StatsCollector(pool.num_workers, pool.worker_pids if local else None)
+                      if options.stats else None)
 
     # -- consumer thread, lock held ----------------------------------------------------------
 
