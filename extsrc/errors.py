@@ -82,6 +82,16 @@ class EpochLengthError(ExtsrcError, ValueError):
     """
 
 
+class OrderWarning(UserWarning):
+    """The callback seems to ignore the source's order (``order=``).
+
+    Warned once per source when, under an order that moves records (shuffled
+    or sharded), the callback reads ``SampleInfo.idx_in_epoch`` (the position)
+    and never ``SampleInfo.record`` (the record the order puts there): it then
+    loads the positions in order, unshuffled.
+    """
+
+
 class InternalError(ExtsrcError, RuntimeError):
     """A bug in extsrc itself; the message says where. The pool is shut down."""
 

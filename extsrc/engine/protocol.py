@@ -84,6 +84,7 @@ class TaskDone(NamedTuple):
     overflow_bytes: int
     busy_ns: int = 0  # the task's time in the worker
     timed: Tuple[Tuple[int, int], ...] = ()  # (samples, ns the callback took for them), per group
+    notes: Tuple[str, ...] = ()  # warnings for the user, raised once by the consumer
 
 
 class TaskFailed(NamedTuple):

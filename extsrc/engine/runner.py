@@ -24,7 +24,7 @@ from extsrc.engine.samples import SampleChecker, at
 from extsrc.errors import EpochLengthError, ExtsrcError, SampleError, SharedMemoryError
 from extsrc.order import RecordCache
 from extsrc.shm.writer import TaskWriter
-from extsrc.sample_info import BatchInfo, SampleInfo
+from extsrc.sample_info import BatchInfo, SampleInfo, noting_sample_info
 
 SAMPLE, BATCH_CALLABLE, BATCH_ITERABLE, BATCH_GENERATOR = "sample", "callable", "iterable", "generator"
 
@@ -120,6 +120,13 @@ class SourceRunner:
         self.seed = 0 if setup.order is None else setup.order.seed
         self.buffers = SampleBuffers() if setup.in_place else None
         self.clock = time.perf_counter_ns if setup.timed else _no_clock
+        # Under an order that moves records, whether the callback reads idx_in_epoch but never
+        # record: noted until it reads record or was warned about (then plain SampleInfo again).
+        self.info_class: Any = SampleInfo
+        self.reads: Optional[List[bool]] = None
+        if setup.kind == SAMPLE and setup.order is not None and (
+                setup.order.shuffle or setup.order.shard != (0, 1)):
+            self.info_class, self.reads = noting_sample_info()
 
     def run(self, task: Task) -> Result:
         """Runs one task; returns a :class:`TaskDone` or :class:`TaskFailed`."""
@@ -136,6 +143,7 @@ class SourceRunner:
         records, stopped = self._records(task.epoch_idx, first, last)
         seed = self.seed
         make = tuple.__new__
+        info_class = self.info_class
 
         def describe(pos: int) -> str:
             return f"sample {self._info(task, pos)}"
@@ -168,7 +176,7 @@ class SourceRunner:
         writing = False  # whether an exception comes from writing samples, not from the callback
         try:
             for position, record in positions:
-                value = produce(make(SampleInfo, (base + position, position, iteration, epoch_idx,
+                value = produce(make(info_class, (base + position, position, iteration, epoch_idx,
                                                   record, seed)))
                 waiting.append(value)
                 waiting_bytes += _nbytes(value)
@@ -185,7 +193,7 @@ class SourceRunner:
                     break  # samples like the first one: the rest go without counting bytes
             append = waiting.append
             for position, record in positions:
-                append(produce(make(SampleInfo, (base + position, position, iteration, epoch_idx,
+                append(produce(make(info_class, (base + position, position, iteration, epoch_idx,
                                                  record, seed))))
         except StopIteration as exc:
             if self.setup.order is not None:
@@ -320,7 +328,24 @@ class SourceRunner:
         return them, see :mod:`extsrc.ray.actor`). Raises what the writer raises."""
         spilled, overflow = write.finish()
         return TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow,
-                        busy_ns, timed)
+                        busy_ns, timed, self._notes())
+
+    def _notes(self) -> Tuple[str, ...]:
+        """Warnings for the user after a task: once, a callback that reads ``idx_in_epoch`` and
+        not ``record`` under an order that moves records."""
+        reads = self.reads
+        if reads is None or not reads[0] and not reads[1]:
+            return ()
+        self.info_class, self.reads = SampleInfo, None  # decided: no more noting
+        if reads[1]:
+            return ()
+        return (
+            f"source {self.setup.name}: the callback reads SampleInfo.idx_in_epoch (the position "
+            f"in the epoch) and never SampleInfo.record, under order={self.setup.order!r}, which "
+            "puts another record at each position (shuffled or sharded): it loads the positions "
+            "in order and the order is lost. Load info.record instead (the DALI tutorials' "
+            "info.idx_in_epoch is the position, not the record).",
+        )
 
     def _iterator_for(self, epoch_idx: int):
         if self.iterator_epoch != epoch_idx:
