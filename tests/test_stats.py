@@ -178,7 +178,12 @@ print(stats)
 
 
 def test_beside_cpu_hogs_the_diagnosis_names_the_busy_machine_not_the_consumer():
+    import os
+
     from faultkit import run_isolated
+
+    if not os.path.exists("/proc/self/schedstat"):
+        pytest.skip("the kernel keeps no scheduler statistics here (CONFIG_SCHED_INFO)")
 
     out = run_isolated(HOG_SCRIPT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
