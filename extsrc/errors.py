@@ -87,6 +87,25 @@ class StateMismatchError(ExtsrcError, ValueError):
     batch size, order, shard, or kind of source); the message says what differs."""
 
 
+class EpochLengthError(ExtsrcError, ValueError):
+    """With ``order=``, the callback ended an epoch (``StopIteration``) before the order did.
+
+    The order decides how long an epoch is (``len(source)``); a callback that
+    runs out earlier means the two disagree about the data. The message names
+    the sample (its ``SampleInfo``, record included) and the order's length.
+    """
+
+
+class OrderWarning(UserWarning):
+    """The callback seems to ignore the source's order (``order=``).
+
+    Warned once per source when, under an order that moves records (shuffled
+    or sharded), the callback reads ``SampleInfo.idx_in_epoch`` (the position)
+    and never ``SampleInfo.record`` (the record the order puts there): it then
+    loads the positions in order, unshuffled.
+    """
+
+
 class InternalError(ExtsrcError, RuntimeError):
     """A bug in extsrc itself; the message says where. The pool is shut down."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional, Tuple, Type
 
 _SampleInfoFields = collections.namedtuple(
     "SampleInfo", ["idx_in_epoch", "idx_in_batch", "iteration", "epoch_idx", "record", "seed"]
@@ -51,6 +51,36 @@ class SampleInfo(_SampleInfoFields):
 
     def __reduce__(self):
         return (SampleInfo, tuple(self))  # without the cached generator
+
+
+class _NotingSampleInfo(SampleInfo):
+    """A :class:`SampleInfo` that notes whether ``idx_in_epoch`` and ``record`` were read."""
+
+    __slots__ = ()
+    _reads: List[bool]  # [idx_in_epoch read, record read], one list per class (see below)
+
+    @property
+    def idx_in_epoch(self) -> int:  # type: ignore[override]
+        self._reads[0] = True
+        return tuple.__getitem__(self, 0)
+
+    @property
+    def record(self) -> int:  # type: ignore[override]
+        self._reads[1] = True
+        return tuple.__getitem__(self, 4)
+
+
+def noting_sample_info() -> Tuple[Type[SampleInfo], List[bool]]:
+    """A ``SampleInfo`` class whose instances note reads of ``idx_in_epoch`` and ``record`` in
+    the returned list (``[idx_in_epoch read, record read]``), for one source in one worker.
+
+    Its instances are ``SampleInfo`` in every other way (and pickle as one); a read through
+    indexing or unpacking is not noted.
+    """
+    reads = [False, False]
+    cls = type("SampleInfo", (_NotingSampleInfo,), {"__slots__": (), "_reads": reads,
+                                                  "__module__": __name__})
+    return cls, reads
 
 
 class BatchInfo(NamedTuple):

@@ -235,3 +235,73 @@ def test_shard_auto_under_torchrun_two_ranks_disjoint_equal_and_resumable(tmp_pa
     assert not records[0] & records[1]  # disjoint
     assert reports[0]["batches"] == reports[1]["batches"] > 0  # equal: no rank waits at an all-reduce
     assert all(r["resumed_same"] for r in reports)
+
+
+def stops_at_40(info):
+    if info.record >= 40:
+        raise StopIteration
+    return np.array([info.record], np.int64)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_callback_ending_the_epoch_before_its_order_is_an_error_not_a_shorter_epoch(shuffle):
+    from extsrc import EpochLengthError
+
+    with ParallelSource(stops_at_40, 8, num_workers=2, order=Order(100, shuffle=shuffle)) as src:
+        assert len(src) == 12
+        taken = 0
+        with pytest.raises(EpochLengthError) as caught:
+            for _ in src:
+                taken += 1
+    message = str(caught.value)
+    assert taken < 12  # no silent stop after 5 batches: the batch with the StopIteration raises
+    assert "raised StopIteration at sample SampleInfo(" in message
+    assert "Order(100" in message and "an epoch of 100 samples" in message
+    assert "len(source) == 12 batches of 8" in message
+    record = int(message.split("(record ")[1].split(")")[0])
+    assert record >= 40  # the sample named is one the callback refused
+
+
+def by_position(info):
+    return np.array([info.idx_in_epoch], np.int64)  # as DALI's tutorials do: the position
+
+
+def by_record(info):
+    return np.array([info.record, info.idx_in_epoch], np.int64)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_reading_idx_in_epoch_under_a_shuffled_order_is_warned_once(method):
+    import warnings
+
+    from extsrc import OrderWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ParallelSource(by_position, 8, num_workers=2, start_method=method,
+                            order=Order(64, shuffle=True, seed=3)) as src:
+            for _ in range(2):
+                batches = [b.as_array().ravel().tolist() for b in src]
+    notes = [w for w in caught if issubclass(w.category, OrderWarning)]
+    assert batches[0] == list(range(8))  # what the callback loads: unshuffled, hence the warning
+    assert 1 <= len(notes) <= 1, [str(w.message) for w in notes]
+    message = str(notes[0].message)
+    assert "idx_in_epoch" in message and "info.record" in message and "Order(64, shuffle=True" in message
+
+
+@pytest.mark.parametrize("source, order", [
+    (by_record, Order(64, shuffle=True)),  # reads record: follows the order
+    (by_position, Order(64)),  # an order that moves nothing: position and record agree
+    (by_position, None),  # no order
+])
+def test_no_order_warning_where_the_callback_follows_the_order(source, order):
+    import warnings
+
+    from extsrc import OrderWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OrderWarning)
+        with ParallelSource(source, 8, num_workers=2, order=order) as src:
+            it = iter(src)
+            for _ in range(8):  # an epoch of an order; without one, as many batches
+                next(it)

@@ -40,8 +40,11 @@ def test_a_slow_callback_is_diagnosed_as_input_bound():
             next(it)
         stats = src.stats()
     assert stats.wait_fraction > 0.6
-    assert stats.input_bound and stats.diagnosis().startswith("Input-bound")
-    assert "add workers" in stats.diagnosis()
+    # On a machine loaded by other programs the figures say so first (see test_diagnosis.py).
+    assert stats.kind in ("input-bound", "machine busy"), str(stats)
+    if stats.kind == "input-bound":
+        assert stats.input_bound and stats.diagnosis().startswith("Input-bound")
+        assert "add workers" in stats.diagnosis()
     assert 0.009 < stats.callback_median_s < 0.05 and stats.callback_max_s >= stats.callback_median_s
     assert stats.mean_worker_busy > 0.6
 
@@ -56,7 +59,10 @@ def test_a_slow_consumer_is_diagnosed_as_consumer_bound():
             time.sleep(0.02)  # the training step
         stats = src.stats()
     assert stats.wait_fraction < 0.1
-    assert not stats.input_bound and stats.diagnosis().startswith("Consumer-bound")
+    assert not stats.input_bound
+    assert stats.kind in ("consumer-bound", "machine busy"), str(stats)
+    if stats.kind == "consumer-bound":
+        assert stats.diagnosis().startswith("Consumer-bound")
     assert stats.ready_ahead >= 1 and stats.mean_worker_busy < 0.9
 
 
@@ -67,7 +73,7 @@ def test_the_report_is_short_and_ends_in_the_diagnosis():
             next(it)
         report = str(src.stats())
     lines = report.splitlines()
-    assert len(lines) <= 8 and lines[-1].startswith("  diagnosis: Input-bound")
+    assert len(lines) <= 8 and lines[-1].startswith(("  diagnosis: Input-bound", "  diagnosis: Machine busy"))
     assert "consumer waited" in report and "workers busy" in report and "callback per sample" in report
 
 
@@ -99,3 +105,88 @@ def test_stats_can_be_turned_off_and_then_say_so():
             src.stats()
     with pytest.raises(ValueError, match="stats_every logs the statistics, which stats=False turns off"):
         ParallelSource(fast_callback, 4, stats=False, stats_every=1)
+
+
+STATS_EVERY_SCRIPT = '''
+import logging, sys, time
+import numpy as np
+from extsrc import ParallelSource
+
+def fast(info):
+    return np.zeros(16, np.uint8)
+
+if sys.argv[1:] == ["configured"]:
+    logging.basicConfig(level=logging.WARNING)  # the user set logging up, and wants it quiet
+with ParallelSource(fast, 4, stats_every=0.05) as src:
+    it = iter(src)
+    for _ in range(20):
+        next(it)
+        time.sleep(0.01)
+print("done")
+'''
+
+
+def test_stats_every_reaches_stderr_without_any_logging_configuration():
+    from faultkit import run_isolated
+
+    out = run_isolated(STATS_EVERY_SCRIPT, timeout=120)
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr[-2000:]
+    assert "extsrc source #0:" in out.stderr and "diagnosis:" in out.stderr
+
+
+def test_stats_every_follows_the_logging_the_user_configured():
+    from faultkit import run_isolated
+
+    script = STATS_EVERY_SCRIPT.replace('sys.argv[1:] == ["configured"]', "True")
+    out = run_isolated(script, timeout=120)
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr[-2000:]
+    assert "extsrc source" not in out.stderr  # INFO below the WARNING level the user chose
+
+
+HOG_SCRIPT = '''
+import os, subprocess, sys, time
+import numpy as np
+from extsrc import ParallelSource
+
+HOGS = 3  # busy loops sharing the one core with the source: other programs loading the machine
+
+def spin(info):
+    end = time.perf_counter() + 0.002
+    while time.perf_counter() < end:
+        pass
+    return np.zeros(16, np.uint8)
+
+cpu = min(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {cpu})  # the source, its workers and the hogs on one core
+hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(HOGS)]
+try:
+    with ParallelSource(spin, 8, num_workers=2) as src:
+        it = iter(src)
+        next(it)
+        src.stats(reset=True)  # leave the start-up out
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            next(it)
+        stats = src.stats()
+finally:
+    for hog in hogs:
+        hog.kill()
+        hog.wait()
+print("KIND", stats.kind)
+print(stats)
+'''
+
+
+def test_beside_cpu_hogs_the_diagnosis_names_the_busy_machine_not_the_consumer():
+    import os
+
+    from faultkit import run_isolated
+
+    if not os.path.exists("/proc/self/schedstat"):
+        pytest.skip("the kernel keeps no scheduler statistics here (CONFIG_SCHED_INFO)")
+
+    out = run_isolated(HOG_SCRIPT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "KIND machine busy" in out.stdout, out.stdout
+    assert "diagnosis: Machine busy: other programs use the cores" in out.stdout
+    assert "Take larger batches" not in out.stdout and "Consumer-bound" not in out.stdout

@@ -68,10 +68,9 @@ def _cuda_devices() -> str:
 def needed_bytes(workers: int, batch_size: int, sample_bytes: int, outputs: int,
                  prefetch: int, batches_held: int) -> int:
     """Shared memory a source needs: a batch per slot kept (prefetch + batches_held), plus the
-    first batch, which is written to overflow before the sample shapes are known."""
-    slots = prefetch + batches_held
-    batch = batch_size * sample_bytes * outputs
-    return slots * batch + batch
+    first batch, which is written to overflow before the sample shapes are known; what the source
+    itself checks at its first sample (:func:`extsrc.shm.limits.source_need`)."""
+    return limits.source_need(batch_size * sample_bytes * outputs, prefetch + batches_held)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from extsrc.engine.assembly import PendingBatch
 from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.runner import BATCH_GENERATOR, BATCH_ITERABLE, SAMPLE
 from extsrc.engine.stats import StatsCollector
-from extsrc.errors import SharedMemoryError
+from extsrc.errors import OrderWarning, SharedMemoryError
 from extsrc.options import SourceOptions
 from extsrc.shm import limits
 from extsrc.shm.layout import LayoutPlan
@@ -69,7 +70,11 @@ class Producer:
         self._runs = itertools.count(1)
         self._closed = False
         self._range_cache: Optional[List[Tuple[int, int]]] = None
-        self.stats = StatsCollector(pool.num_workers) if options.stats else None
+        local = pool.backend == "processes"  # Ray actors may run on other hosts: no /proc of theirs
+        self.notes: List[str] = []  # warnings from the workers, raised by the consumer (commit)
+        self._noted: set = set()  # each once
+        self.stats = (StatsCollector(pool.num_workers, pool.worker_pids if local else None)
+                      if options.stats else None)
 
     # -- consumer thread, lock held ----------------------------------------------------------
 
@@ -98,13 +103,19 @@ class Producer:
         return self.slots.ready
 
     def commit(self, pending: PendingBatch) -> None:
-        """The consumer took ``pending`` (its slot is LEASED)."""
+        """The consumer took ``pending`` (its slot is LEASED). Raises the workers' warnings
+        (:class:`~extsrc.errors.OrderWarning`), each once."""
         self.pending.pop(pending.iteration, None)
         if pending.spilled and all(r is not None for r in self.layout.regions()[0]):
             # Its overflow held the samples of a layout learned since (the first batch):
             # give that memory back once the batch is dropped.
             pending.slot.retire_when_free = True
         self.pool.wake()  # one batch fewer ahead: dispatch the next
+        while self.notes:
+            note = self.notes.pop(0)
+            if note not in self._noted:
+                self._noted.add(note)
+                warnings.warn(note, OrderWarning, stacklevel=2)
 
     def uncommit(self, pending: PendingBatch) -> None:
         """Undoes :meth:`commit` (the take was interrupted)."""
@@ -123,7 +134,7 @@ class Producer:
             pickled=pickled, batch_size=o.batch_size, num_outputs=o.num_outputs,
             batch_info=o.batch_info, dtypes=tuple(None if d is None else d.str for d in o.dtypes),
             ndims=o.ndims, order=o.order, last_batch=o.last_batch, in_place=o.in_place,
-            timed=o.stats,
+            timed=o.stats, slots_kept=o.prefetch + o.batches_held,
         )
 
     def on_result(self, message: Any) -> bool:
@@ -136,6 +147,8 @@ class Producer:
         if isinstance(message, TaskDone):
             if self.stats is not None:
                 self.stats.task_done(message.worker, message.busy_ns, message.timed)
+            if message.notes:
+                self.notes.extend(message.notes)
             if message.count:
                 self._learn(pending, message)
             if message.stopped and self.run is not None and pending is self.pending.get(pending.iteration):

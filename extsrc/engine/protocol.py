@@ -84,6 +84,7 @@ class TaskDone(NamedTuple):
     overflow_bytes: int
     busy_ns: int = 0  # the task's time in the worker
     timed: Tuple[Tuple[int, int], ...] = ()  # (samples, ns the callback took for them), per group
+    notes: Tuple[str, ...] = ()  # warnings for the user, raised once by the consumer
 
 
 class TaskFailed(NamedTuple):
@@ -137,6 +138,8 @@ class SourceSetup:
     last_batch: str = "drop"
     in_place: bool = False  # the callback gets SampleBuffers to write its samples into
     timed: bool = True  # report how long the callback takes (extsrc.engine.stats)
+    slots_kept: int = 0  # batches of memory the source keeps (prefetch + batches_held), for the
+    # memory check at the first sample (extsrc.shm.limits.check_source_need); 0: not known
 
 
 @dataclass(frozen=True)

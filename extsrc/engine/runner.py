@@ -21,10 +21,10 @@ import numpy as np
 
 from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.samples import SampleChecker, at
-from extsrc.errors import ExtsrcError, SampleError, SharedMemoryError
+from extsrc.errors import EpochLengthError, ExtsrcError, SampleError, SharedMemoryError
 from extsrc.order import RecordCache
 from extsrc.shm.writer import TaskWriter
-from extsrc.sample_info import BatchInfo, SampleInfo
+from extsrc.sample_info import BatchInfo, SampleInfo, noting_sample_info
 
 SAMPLE, BATCH_CALLABLE, BATCH_ITERABLE, BATCH_GENERATOR = "sample", "callable", "iterable", "generator"
 
@@ -112,7 +112,7 @@ class SourceRunner:
         self.worker = worker
         self.callback = callback
         checker = SampleChecker(setup.num_outputs, setup.dtypes, setup.ndims)
-        self.writer = TaskWriter(f"source {setup.name}", checker, setup.batch_size)
+        self.writer = TaskWriter(f"source {setup.name}", checker, setup.batch_size, setup.slots_kept)
         self.iterator: Any = None
         self.iterator_epoch = -1
         self.one_pass_ended = False  # the source is its own iterator, and it ran out
@@ -120,6 +120,13 @@ class SourceRunner:
         self.seed = 0 if setup.order is None else setup.order.seed
         self.buffers = SampleBuffers() if setup.in_place else None
         self.clock = time.perf_counter_ns if setup.timed else _no_clock
+        # Under an order that moves records, whether the callback reads idx_in_epoch but never
+        # record: noted until it reads record or was warned about (then plain SampleInfo again).
+        self.info_class: Any = SampleInfo
+        self.reads: Optional[List[bool]] = None
+        if setup.kind == SAMPLE and setup.order is not None and (
+                setup.order.shuffle or setup.order.shard != (0, 1)):
+            self.info_class, self.reads = noting_sample_info()
 
     def run(self, task: Task) -> Result:
         """Runs one task; returns a :class:`TaskDone` or :class:`TaskFailed`."""
@@ -136,6 +143,7 @@ class SourceRunner:
         records, stopped = self._records(task.epoch_idx, first, last)
         seed = self.seed
         make = tuple.__new__
+        info_class = self.info_class
 
         def describe(pos: int) -> str:
             return f"sample {self._info(task, pos)}"
@@ -168,7 +176,7 @@ class SourceRunner:
         writing = False  # whether an exception comes from writing samples, not from the callback
         try:
             for position, record in positions:
-                value = produce(make(SampleInfo, (base + position, position, iteration, epoch_idx,
+                value = produce(make(info_class, (base + position, position, iteration, epoch_idx,
                                                   record, seed)))
                 waiting.append(value)
                 waiting_bytes += _nbytes(value)
@@ -185,9 +193,14 @@ class SourceRunner:
                     break  # samples like the first one: the rest go without counting bytes
             append = waiting.append
             for position, record in positions:
-                append(produce(make(SampleInfo, (base + position, position, iteration, epoch_idx,
+                append(produce(make(info_class, (base + position, position, iteration, epoch_idx,
                                                  record, seed))))
-        except StopIteration:
+        except StopIteration as exc:
+            if self.setup.order is not None:
+                error = self._stopped_before_the_order(task, position)
+                error.__cause__ = exc
+                return self._failed(task, position, self._info(task, position), error,
+                                    from_callback=False)
             stopped = True
         except SampleError as exc:
             return self._failed(task, getattr(exc, "position", position), None, exc, from_callback=False)
@@ -205,6 +218,22 @@ class SourceRunner:
             return self._done(task, write, count, stopped, clock() - began, tuple(timed))
         except Exception as exc:
             return self._write_failed(task, chunk_start, exc)
+
+    def _stopped_before_the_order(self, task: Task, position: int) -> EpochLengthError:
+        """The error for a callback that raised ``StopIteration`` at ``position`` under an order:
+        the order sets the epoch's length, so the two must not silently disagree."""
+        order, batch_size = self.setup.order, self.setup.batch_size
+        length = len(order)
+        batches = length // batch_size if self.setup.last_batch == "drop" else -(-length // batch_size)
+        info = self._info(task, position)
+        return EpochLengthError(
+            f"source {self.setup.name}: the callback raised StopIteration at sample {info!r} "
+            f"(record {info.record}), but its order {order!r} makes an epoch of {length} samples "
+            f"(len(source) == {batches} batches of {batch_size}). With order=, the order decides "
+            f"where an epoch ends: give it the number of records the callback can load "
+            f"(extsrc.Order({info.idx_in_epoch}, ...) if the data ends there), or do not raise "
+            "StopIteration for a record of the order."
+        )
 
     def _flush(self, write: Any, waiting: List[Any], chunk_start: int) -> None:
         if waiting:
@@ -299,7 +328,24 @@ class SourceRunner:
         return them, see :mod:`extsrc.ray.actor`). Raises what the writer raises."""
         spilled, overflow = write.finish()
         return TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow,
-                        busy_ns, timed)
+                        busy_ns, timed, self._notes())
+
+    def _notes(self) -> Tuple[str, ...]:
+        """Warnings for the user after a task: once, a callback that reads ``idx_in_epoch`` and
+        not ``record`` under an order that moves records."""
+        reads = self.reads
+        if reads is None or not reads[0] and not reads[1]:
+            return ()
+        self.info_class, self.reads = SampleInfo, None  # decided: no more noting
+        if reads[1]:
+            return ()
+        return (
+            f"source {self.setup.name}: the callback reads SampleInfo.idx_in_epoch (the position "
+            f"in the epoch) and never SampleInfo.record, under order={self.setup.order!r}, which "
+            "puts another record at each position (shuffled or sharded): it loads the positions "
+            "in order and the order is lost. Load info.record instead (the DALI tutorials' "
+            "info.idx_in_epoch is the position, not the record).",
+        )
 
     def _iterator_for(self, epoch_idx: int):
         if self.iterator_epoch != epoch_idx:

@@ -18,7 +18,6 @@ consumer's arrays hold the lease -> freed when the last reference is gone
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from typing import Any, Dict, Iterator, Optional
@@ -29,7 +28,7 @@ from extsrc.engine.assembly import BatchOutput
 from extsrc.engine.pool import WorkerPool
 from extsrc.engine.producer import Producer
 from extsrc.engine.runner import BATCH_GENERATOR, BATCH_ITERABLE, classify
-from extsrc.engine.stats import SourceStats
+from extsrc.engine.stats import SourceStats, publish
 from extsrc.engine.take import EpochState, Taker
 from extsrc.errors import EmptyEpochError, StateMismatchError
 from extsrc.options import UNSET, SourceOptions
@@ -96,7 +95,8 @@ class ParallelSource:
     :class:`~extsrc.engine.runner.SampleBuffers`), so that it is written once.
 
     :meth:`stats` tells where the time goes (and what to change);
-    ``stats_every=seconds`` also logs it to the ``extsrc`` logger that often;
+    ``stats_every=seconds`` also reports it that often: to the ``extsrc``
+    logger (INFO) when logging is configured, else to stderr;
     ``stats=False`` turns the collection off.
 
     ``dtype``/``ndim`` (one value, or one per output) declare what samples
@@ -438,7 +438,7 @@ class ParallelSource:
         now = time.monotonic()
         if now - self._last_report >= self.options.stats_every:
             self._last_report = now
-            logging.getLogger("extsrc").info("%s", self.stats())
+            publish(self.stats())
 
 
 def _parse_state(state: Any) -> tuple:

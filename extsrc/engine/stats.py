@@ -9,7 +9,13 @@
   they are small, so that timing costs nothing per sample);
 * the pool's I/O thread (:meth:`StatsCollector.task_done`), lock held;
 * the consumer thread (:meth:`StatsCollector.took`), lock held: the time it
-  waited in ``next()`` for a batch, and how many batches were ready then.
+  waited in ``next()`` for a batch, and how many batches were ready then;
+* the kernel's scheduler statistics (``/proc/<pid>/task/<tid>/schedstat``),
+  read at the start and end of a window: the CPU time the workers and the
+  consumer got, and how long they were runnable but waiting for a CPU. On a
+  machine loaded by other programs the other figures (the time spent in
+  ``next()``, the workers' busy time) include that wait, and the diagnosis
+  says so instead of blaming either side.
 
 :meth:`StatsCollector.snapshot` makes a :class:`SourceStats`, a frozen record
 whose ``str()`` is a short report ending in a diagnosis from the figures.
@@ -17,10 +23,14 @@ whose ``str()`` is a short report ending in a diagnosis from the figures.
 
 from __future__ import annotations
 
+import logging
 import math
+import sys
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+import os
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -33,6 +43,13 @@ TIMINGS_KEPT = 4096
 INPUT_BOUND_WAIT = 0.10
 # Workers busy this fraction of the wall time or more: they are at their limit.
 WORKERS_SATURATED = 0.85
+# The workers (on average) or the consumer thread runnable but waiting for a CPU this fraction of
+# the wall time or more: the CPU they needed was not there, and the other figures are skewed by it.
+CPU_WAIT_BUSY = 0.10
+# While they waited, other programs used at least this fraction of the cores the process may run
+# on (the cores minus what the source's own processes used): the machine is busy, rather than the
+# workers and the consumer crowding each other out.
+OTHERS_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -64,6 +81,11 @@ class SourceStats:
     num_workers: int
     prefetch: int
     batch_size: int
+    # From the scheduler (None/empty where it cannot be read, e.g. Ray actors on other hosts):
+    workers_cpu_wait: Tuple[float, ...] = ()  # per worker: runnable but not running, of the time
+    consumer_cpu_wait: Optional[float] = None  # the same for the thread taking the batches
+    own_cpu_cores: Optional[float] = None  # cores used by this process and its workers, on average
+    cores: int = 0  # cores this process may run on
 
     @property
     def wait_fraction(self) -> float:
@@ -87,20 +109,72 @@ class SourceStats:
 
     @property
     def input_bound(self) -> bool:
-        """Whether the consumer waits for the input (else the consumer is the bottleneck)."""
-        return self.steady_wait_fraction >= INPUT_BOUND_WAIT
+        """Whether the consumer waits for the input: it spends time in ``next()`` and batches
+        were seldom ready when it came (time in ``next()`` while batches were ready is the cost
+        of taking them, or a consumer thread without a CPU, not a wait for the workers)."""
+        return self.steady_wait_fraction >= INPUT_BOUND_WAIT and self.ready_ahead < 1
+
+    @property
+    def mean_worker_cpu_wait(self) -> Optional[float]:
+        if not self.workers_cpu_wait:
+            return None
+        return sum(self.workers_cpu_wait) / len(self.workers_cpu_wait)
+
+    @property
+    def machine_busy(self) -> bool:
+        """Whether the workers or the consumer waited for a CPU (:data:`CPU_WAIT_BUSY`) while
+        other programs took the cores (:data:`OTHERS_SHARE`): the figures then tell about the
+        machine, not about the source."""
+        waits = [w for w in (self.mean_worker_cpu_wait, self.consumer_cpu_wait) if w is not None]
+        if not waits or max(waits) < CPU_WAIT_BUSY or self.own_cpu_cores is None or not self.cores:
+            return False
+        return self.cores - self.own_cpu_cores >= OTHERS_SHARE * self.cores
+
+    @property
+    def kind(self) -> str:
+        """The diagnosis in one word: ``"none"`` (no batch yet), ``"machine busy"``,
+        ``"input-bound"``, ``"per-batch cost"``, ``"consumer-bound"`` or ``"balanced"``."""
+        if self.batches == 0:
+            return "none"
+        if self.machine_busy:
+            return "machine busy"
+        if self.input_bound:
+            return "input-bound"
+        if self.steady_wait_fraction >= INPUT_BOUND_WAIT:
+            return "per-batch cost"
+        if self.ready_ahead >= 1:
+            return "consumer-bound"
+        return "balanced"
 
     def diagnosis(self) -> str:
-        """Which side is the bottleneck, and what to change, in plain words, from the figures."""
-        wait, busy = self.steady_wait_fraction, self.mean_worker_busy
-        if self.batches == 0:
+        """Which side is the bottleneck, and what to change, in plain words, from the figures.
+
+        Never advises a setting the source already has.
+        """
+        wait, busy, kind = self.steady_wait_fraction, self.mean_worker_busy, self.kind
+        workers = "The worker is" if self.num_workers == 1 else f"The {self.num_workers} workers are"
+        if kind == "none":
             return "No batch was taken yet: nothing to tell."
-        if self.input_bound:
-            head = (f"Input-bound: the consumer waited {wait:.0%} of the time for batches. ")
+        if kind == "machine busy":
+            waited = []
+            if self.mean_worker_cpu_wait is not None:
+                waited.append(f"the workers {self.mean_worker_cpu_wait:.0%}")
+            if self.consumer_cpu_wait is not None:
+                waited.append(f"the consumer {self.consumer_cpu_wait:.0%}")
+            assert self.own_cpu_cores is not None
+            return (
+                f"Machine busy: other programs use the cores. Ready to run, {' and '.join(waited)} "
+                f"of the time waited for a CPU, while this source's processes used "
+                f"{self.own_cpu_cores:.1f} of the {_cores_text(self.cores)} they may run on. The waits and "
+                "busy times above include that lost CPU time, so they blame neither the workers "
+                "nor the consumer; no setting of the source fixes it. Run on free cores (fewer "
+                "other jobs, taskset/cpuset), then look again."
+            )
+        if kind == "input-bound":
+            head = f"Input-bound: the consumer waited {wait:.0%} of the time for batches. "
             if busy >= WORKERS_SATURATED:
                 per_worker = 1 / self.callback_median_s if self.callback_median_s else None
                 rate = f" (about {per_worker:,.0f} samples/s per worker)" if per_worker else ""
-                workers = "The worker is" if self.num_workers == 1 else f"The {self.num_workers} workers are"
                 return head + (
                     f"{workers} busy {busy:.0%} of the time{rate}: add "
                     f"workers (num_workers={self.num_workers + max(1, self.num_workers // 2)}) "
@@ -111,18 +185,28 @@ class SourceStats:
                 f"cost per batch on the consumer's side dominates. Take larger batches "
                 f"(batch_size={self.batch_size * 2}) or keep more ahead (prefetch={self.prefetch * 2})."
             )
-        if self.ready_ahead >= 1:
+        if kind == "per-batch cost":
             return (
+                f"Per-batch cost: batches were ready when taken ({self.ready_ahead:.1f} on "
+                f"average), so the input keeps up, yet taking them (next()) was {wait:.0%} of the "
+                f"time: the consumer's loop does little per batch. Take larger batches "
+                f"(batch_size={self.batch_size * 2}) so that the cost of a batch is paid less often."
+            )
+        if kind == "consumer-bound":
+            text = (
                 f"Consumer-bound: batches were ready ahead ({self.ready_ahead:.1f} on average) and "
                 f"the consumer waited only {wait:.0%} of the time: the time goes into the consumer's "
-                f"own work. The input keeps up with {busy:.0%} busy workers; fewer workers "
-                f"(num_workers={max(1, math.ceil(self.num_workers * busy / WORKERS_SATURATED))}) "
-                "would do."
+                f"own work. The input keeps up with {busy:.0%} busy workers"
             )
+            enough = max(1, math.ceil(self.num_workers * busy / WORKERS_SATURATED))
+            if enough < self.num_workers:
+                return text + f"; fewer workers (num_workers={enough}) would do."
+            return text + "; more workers would not help, only a faster consumer."
         return (
             f"Balanced: the consumer waited {wait:.0%} of the time and batches were seldom ready "
-            f"ahead ({self.ready_ahead:.1f} on average); raise prefetch (now {self.prefetch}) to "
-            "absorb jitter, or add a worker to get ahead."
+            f"ahead ({self.ready_ahead:.1f} on average); raise prefetch (now {self.prefetch}, try "
+            f"prefetch={self.prefetch * 2}) to absorb jitter, or add a worker "
+            f"(num_workers={self.num_workers + 1}) to get ahead."
         )
 
     def __str__(self) -> str:
@@ -145,20 +229,122 @@ class SourceStats:
             f"  callback per sample: median {ms(self.callback_median_s)}, p95 "
             f"{ms(self.callback_p95_s)}, max {ms(self.callback_max_s)}",
             f"  shared memory: {format_bytes(self.shared_memory_bytes)}",
-            f"  diagnosis: {self.diagnosis()}",
         ]
+        if self.own_cpu_cores is not None:
+            waits = ", ".join(f"{w:.0%}" for w in self.workers_cpu_wait) or "n/a"
+            consumer = "n/a" if self.consumer_cpu_wait is None else f"{self.consumer_cpu_wait:.0%}"
+            lines.append(
+                f"  CPU: {self.own_cpu_cores:.1f} of {_cores_text(self.cores)} used by the consumer and "
+                f"workers; waiting for a CPU while runnable: workers {waits}, consumer {consumer}"
+            )
+        lines.append(f"  diagnosis: {self.diagnosis()}")
         return "\n".join(lines)
 
 
-class StatsCollector:
-    """The figures of one source as they come (see the module docstring)."""
+def _cores_text(cores: int) -> str:
+    return "1 core" if cores == 1 else f"{cores} cores"
 
-    def __init__(self, num_workers: int):
+
+Sched = Tuple[int, int]  # (ns on a CPU, ns runnable but waiting for one), from schedstat
+
+
+def _read_sched(path: str) -> Optional[Sched]:
+    try:
+        with open(path) as f:
+            fields = f.read().split()
+        return int(fields[0]), int(fields[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _process_sched(pid: int) -> Optional[Sched]:
+    """The CPU time and run-queue wait of all threads of process ``pid`` (None: unreadable)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    cpu = delay = 0
+    found = False
+    for tid in tids:
+        figures = _read_sched(f"/proc/{pid}/task/{tid}/schedstat")
+        if figures is not None:
+            cpu, delay, found = cpu + figures[0], delay + figures[1], True
+    return (cpu, delay) if found else None
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class SchedWindow:
+    """What the scheduler says about the source's processes over a window (Linux ``schedstat``).
+
+    Read at the start of the window (:meth:`start`) and when figures are
+    asked for (:meth:`figures`): per worker, the process's CPU time and
+    run-queue wait (all its threads); for the consumer, the wait of the
+    thread that takes the batches and the CPU time of the whole process.
+    Processes or threads that came or went during the window are left out.
+    """
+
+    def __init__(self, worker_pids: Optional[Callable[[], List[int]]]):
+        self.worker_pids = worker_pids
+        self.consumer_tid = threading.get_native_id()
+        self._base: Dict[object, Sched] = {}
+
+    def _now(self) -> Dict[object, Sched]:
+        now: Dict[object, Sched] = {}
+        pid = os.getpid()
+        for key, figures in (("process", _process_sched(pid)),
+                             ("consumer", _read_sched(f"/proc/{pid}/task/{self.consumer_tid}/schedstat"))):
+            if figures is not None:
+                now[key] = figures
+        for index, worker in enumerate(self.worker_pids() if self.worker_pids is not None else ()):
+            figures = _process_sched(worker)
+            if figures is not None:
+                now[("worker", index, worker)] = figures
+        return now
+
+    def start(self) -> None:
+        self.consumer_tid = threading.get_native_id()
+        self._base = self._now()
+
+    def figures(self, seconds: float, num_workers: int
+                ) -> Tuple[Tuple[float, ...], Optional[float], Optional[float], int]:
+        """``(workers' wait, consumer's wait, cores used, cores)``: waits as fractions of
+        ``seconds``; ``((), None, None, cores)`` where the scheduler cannot be read."""
+        now, base = self._now(), self._base
+        delta = {key: (now[key][0] - base[key][0], now[key][1] - base[key][1])
+                 for key in now if key in base}
+        cores = _cores()
+        if "process" not in delta:
+            return (), None, None, cores
+        workers = sorted((key, figures) for key, figures in delta.items()
+                         if isinstance(key, tuple))
+        waits = tuple(min(1.0, d * 1e-9 / seconds) for _, (_, d) in workers)
+        used = (delta["process"][0] + sum(c for _, (c, _) in workers)) * 1e-9 / seconds
+        consumer = delta.get("consumer")
+        return (waits if len(waits) == num_workers else (),
+                None if consumer is None else min(1.0, consumer[1] * 1e-9 / seconds), used, cores)
+
+
+class StatsCollector:
+    """The figures of one source as they come (see the module docstring).
+
+    ``worker_pids``: the pids of the workers, by worker index, for the
+    scheduler's figures (``None``: workers not on this host).
+    """
+
+    def __init__(self, num_workers: int, worker_pids: Optional[Callable[[], List[int]]] = None):
         self.num_workers = num_workers
+        self.sched = SchedWindow(worker_pids)
         self.reset()
 
     def reset(self) -> None:
-        """Starts a new window: every figure from zero."""
+        """Starts a new window: every figure from zero. Called by the consumer thread."""
+        self.sched.start()
         self.started = time.monotonic()
         self.batches = 0
         self.samples = 0
@@ -197,6 +383,7 @@ class StatsCollector:
     def snapshot(self, name: str, ready_now: int, shared_memory: int, prefetch: int,
                  batch_size: int) -> SourceStats:
         seconds = max(time.monotonic() - self.started, 1e-9)
+        workers_wait, consumer_wait, used, cores = self.sched.figures(seconds, self.num_workers)
         kept = min(self.timed, TIMINGS_KEPT)
         median, p95 = _weighted_percentiles(self.per_sample[:kept], self.weight[:kept], (0.5, 0.95))
         return SourceStats(
@@ -208,8 +395,24 @@ class StatsCollector:
             callback_max_s=self.longest if self.timed else None,
             ready_ahead=self.ready_sum / self.batches if self.batches else 0.0,
             ready_now=ready_now, shared_memory_bytes=shared_memory, num_workers=self.num_workers,
-            prefetch=prefetch, batch_size=batch_size,
+            prefetch=prefetch, batch_size=batch_size, workers_cpu_wait=workers_wait,
+            consumer_cpu_wait=consumer_wait, own_cpu_cores=used, cores=cores,
         )
+
+
+def publish(stats: SourceStats) -> None:
+    """Shows a periodic report (``stats_every=``) to the user.
+
+    To the ``extsrc`` logger at INFO when logging is set up (a handler on it
+    or on an ancestor: the user's configuration decides, also to keep it
+    quiet); else straight to stderr, since an unconfigured logger would drop
+    INFO records and the report would reach nobody.
+    """
+    logger = logging.getLogger("extsrc")
+    if logger.hasHandlers():
+        logger.info("%s", stats)
+    else:
+        print(stats, file=sys.stderr, flush=True)
 
 
 def _weighted_percentiles(values: np.ndarray, weights: np.ndarray,

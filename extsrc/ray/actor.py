@@ -122,7 +122,7 @@ class ActorRunner(SourceRunner):
               timed: Tuple[Tuple[int, int], ...]) -> Produced:
         start = task.start if self.setup.kind == SAMPLE else 0
         return Produced(task.source_id, task.ticket, start, count, stopped, write.answer(), busy_ns,
-                        timed)
+                        timed, self._notes())
 
 
 def _copy(column: Any) -> Any:

@@ -44,6 +44,7 @@ class Produced(NamedTuple):
     pieces: Any  # Tuple[Tuple[int, int, Tuple[PieceColumns, ...]], ...], or its ObjectRef
     busy_ns: int = 0  # the actor's time on the task, and the callback's per group of samples
     timed: Tuple[Tuple[int, int], ...] = ()  # (samples, ns), as in TaskDone (statistics)
+    notes: Tuple[str, ...] = ()  # warnings for the user, as in TaskDone
 
 
 class Piece(NamedTuple):

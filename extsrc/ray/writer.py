@@ -38,7 +38,8 @@ class ResultWriter:
         checker = SampleChecker(setup.num_outputs, setup.dtypes, setup.ndims)
         self.name = setup.name
         self.writers: List[TaskWriter] = [
-            TaskWriter(f"source {setup.name}", checker, setup.batch_size) for _ in range(num_workers)
+            TaskWriter(f"source {setup.name}", checker, setup.batch_size, setup.slots_kept)
+            for _ in range(num_workers)
         ]
         self.drops: Deque[int] = deque()  # slots to drop, by the I/O thread, in order
 
@@ -87,7 +88,7 @@ class ResultWriter:
             return failure(task, worker, getattr(exc, "position", produced.start), None, exc,
                            from_callback=False)
         return TaskDone(task.source_id, task.ticket, worker, produced.count, produced.stopped,
-                        spilled, overflow, produced.busy_ns, produced.timed)
+                        spilled, overflow, produced.busy_ns, produced.timed, produced.notes)
 
     def close(self) -> None:
         """I/O thread (or once it is gone): unmaps and closes every slot."""

@@ -215,6 +215,59 @@ def tightest(limits: List[Limit]) -> Optional[Limit]:
 # -- checks --------------------------------------------------------------------------------
 
 
+def source_need(batch_bytes: int, slots_kept: int) -> int:
+    """Shared memory a source needs at most, in bytes: a batch in each slot it keeps
+    (``prefetch + batches_held``), plus the first batch, which goes to the workers' overflow
+    segments before the layout of the samples is known."""
+    return (slots_kept + 1) * batch_bytes
+
+
+DEV_SHM = "/dev/shm (its size: Docker's --shm-size)"
+
+
+def _dev_shm_limit() -> Optional[Limit]:
+    usage = dev_shm_usage()
+    if usage is None:
+        return None
+    total, free = usage
+    return Limit(DEV_SHM, total, total - free)
+
+
+def check_source_need(need: int, what: str, kind: str, detail: str) -> None:
+    """Raises :class:`SharedMemoryError` if a source needing ``need`` bytes in all cannot have them.
+
+    Called before any of it is reserved (at the first sample, when its size
+    is known), so that a request no limit allows fails at once, with nothing
+    taken, instead of after reserving as much as the limits allow. Compared
+    with every limit: the memory cgroups, ``MemAvailable``, ``RLIMIT_AS``
+    and, for ``kind == "devshm"``, the free space of /dev/shm. ``what``
+    names the source, ``detail`` says how ``need`` was counted.
+    """
+    found = memory_limits()
+    for extra in (_address_space(), _dev_shm_limit() if kind == "devshm" else None):
+        if extra is not None:
+            found.append(extra)
+    limit = tightest(found)
+    if limit is None or need + HEADROOM <= limit.room:
+        return
+    found_text = f"{limit.describe()}, so {format_bytes(limit.room)} is left"
+    if limit.name == DEV_SHM:
+        found_text = (f"/dev/shm has {format_bytes(limit.limit)} in all, {format_bytes(limit.room)} "
+                      "free (its size: Docker's --shm-size)")
+        advice = shortage_advice("devshm", need)
+    elif "RLIMIT_AS" in limit.name:
+        advice = (f" Raise the limit (ulimit -v unlimited), or lower prefetch or the batch size, "
+                  "or hold fewer batches.")
+    else:
+        advice = shortage_advice("memfd", need, limit)  # memory, wherever the segments live
+    raise SharedMemoryError(
+        errno.ENOMEM,
+        f"{what} needs about {format_bytes(need)} of shared memory ({detail}), and "
+        f"{found_text}, of which extsrc keeps {format_bytes(HEADROOM)} for everything else. "
+        f"Nothing was reserved.{advice}",
+    )
+
+
 def check_reserve(nbytes: int, what: str, current: int, kind: str,
                   total_needed: Optional[int] = None) -> None:
     """Raises :class:`SharedMemoryError` if reserving ``nbytes`` more would break a limit.

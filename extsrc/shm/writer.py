@@ -10,7 +10,11 @@ another dtype) is *spilled*: appended to the worker's overflow segment of the
 slot, which grows (x2) as needed and starts over at each new batch.
 
 Samples are checked (:class:`~extsrc.engine.samples.SampleChecker`) before
-they are written.
+they are written. The first sample a writer sees tells the size of a batch:
+before it is written, the memory the whole source will need is compared
+with the limits (:func:`extsrc.shm.limits.check_source_need`), so that an
+impossible request fails at once rather than after reserving what the limits
+allow.
 """
 
 from __future__ import annotations
@@ -98,13 +102,35 @@ class WorkerSlot:
 
 
 class TaskWriter:
-    """Writes the samples a worker produced for the tasks of one source."""
+    """Writes the samples a worker produced for the tasks of one source.
 
-    def __init__(self, label: str, checker: Checker, batch_size: int):
+    ``slots_kept``: batches of memory the source keeps (``prefetch +
+    batches_held``); with it, the first sample is followed by a check of the
+    source's whole need against the limits (0: no such check).
+    """
+
+    def __init__(self, label: str, checker: Checker, batch_size: int, slots_kept: int = 0):
         self.label = label
         self.checker = checker
         self.batch_size = batch_size
+        self.slots_kept = slots_kept
+        self.need_checked = slots_kept <= 0
         self.slots: Dict[int, WorkerSlot] = {}
+
+    def check_need(self, sample_bytes: int) -> None:
+        """Once, at the first sample (``sample_bytes``, all outputs): raises
+        :class:`~extsrc.errors.SharedMemoryError` if the source's batches cannot fit the limits."""
+        if self.need_checked or sample_bytes <= 0:
+            return
+        self.need_checked = True
+        batch = sample_bytes * self.batch_size
+        kind = next(iter(self.slots.values())).region.kind if self.slots else "memfd"
+        limits.check_source_need(
+            limits.source_need(batch, self.slots_kept), self.label, kind,
+            f"batches of {self.batch_size} samples of {limits.format_bytes(sample_bytes)}, "
+            f"{limits.format_bytes(batch)} each: one in each of the {self.slots_kept} slots it keeps "
+            "(prefetch + batches_held) and the first batch",
+        )
 
     def add_slot(self, slot_id: int, region_fd: int, overflow_fd: int, kind: str, worker: int) -> None:
         self.slots[slot_id] = WorkerSlot(
@@ -189,6 +215,8 @@ class TaskWrite:
         checker = self.writer.checker
         probe = np.empty((0,) * len(shape), dtype)  # checks dtype and ndim as a sample would be
         checker.check(probe, output, position, self.describe(position), None, "")
+        if not self.writer.need_checked:
+            self.writer.check_need(dtype.itemsize * int(np.prod(shape, dtype=np.int64)))
         rows = self._region_rows(output)
         region = self.regions[output]
         if rows is not None and region is not None and dtype.str == region.dtype and shape == region.shape:
@@ -207,6 +235,8 @@ class TaskWrite:
         """Writes ``columns[j][k]`` (output ``j``, sample ``position + k``)."""
         if not count:
             return
+        if not self.writer.need_checked:
+            self.writer.check_need(sum(_sample_bytes(column[0]) for column in columns))
         try:
             for j, column in enumerate(columns):
                 self._add_output(j, column, position, count)
@@ -260,6 +290,18 @@ class TaskWrite:
     def finish(self) -> Tuple[Tuple[Tuple[Spilled, ...], ...], int]:
         """Per output, the samples spilled to overflow; and the bytes of overflow in use."""
         return tuple(tuple(s) for s in self.spilled), self.slot.overflow.used
+
+
+def _sample_bytes(value: object) -> int:
+    """The bytes of one sample as the callback returned it (0 when it is no array: the
+    checker then says what is wrong with it)."""
+    nbytes = getattr(value, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    try:
+        return int(np.asarray(value).nbytes)
+    except Exception:
+        return 0
 
 
 def _is_in_place(column: Sequence[object], destination: np.ndarray) -> bool:

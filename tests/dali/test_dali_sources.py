@@ -234,4 +234,4 @@ def test_a_pipeline_reports_the_statistics_of_each_parallel_source():
             p.run()
         stats = p.extsrc_stats()
     assert list(stats) == ["images"]
-    assert stats["images"].samples >= 24 and stats["images"].diagnosis().startswith("Input-bound")
+    assert stats["images"].samples >= 24 and stats["images"].diagnosis().startswith(("Input-bound", "Machine busy"))

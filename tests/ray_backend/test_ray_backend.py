@@ -344,3 +344,22 @@ def test_ray_options_reach_the_actors_and_ray_refuses_bad_ones_at_once():
     pool.close()
     with pytest.raises(ValueError, match="Ray refused them: .*num_cpus"):
         WorkerPool(2, backend="ray", ray_options={"resources": {"CPU": 2}})
+
+
+def _by_position(info):
+    return np.array([info.idx_in_epoch], np.int64)
+
+
+def test_reading_idx_in_epoch_under_a_shuffled_order_is_warned_once_with_ray_actors():
+    import warnings
+
+    from extsrc import OrderWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ParallelSource(_by_position, 8, backend="ray", num_workers=2,
+                            order=Order(32, shuffle=True)) as src:
+            for _ in src:
+                pass
+    notes = [w for w in caught if issubclass(w.category, OrderWarning)]
+    assert len(notes) == 1 and "idx_in_epoch" in str(notes[0].message)

@@ -1,0 +1,72 @@
+"""The statistics' diagnosis from given figures: the side it names, and advice that changes something."""
+
+import itertools
+import re
+
+from extsrc.engine.stats import SourceStats
+
+
+def figures(**changes):
+    base = dict(
+        name="#0", seconds=10.0, batches=100, samples=3200, bytes=3200 << 10, wait_seconds=0.0,
+        start_wait_seconds=0.0, worker_busy=(0.5, 0.5), callback_median_s=1e-3,
+        callback_p95_s=2e-3, callback_max_s=3e-3, ready_ahead=0.0, ready_now=0,
+        shared_memory_bytes=1 << 20, num_workers=2, prefetch=4, batch_size=32,
+    )
+    base.update(changes)
+    return SourceStats(**base)
+
+
+def test_a_loaded_machine_is_named_and_neither_side_is_blamed():
+    # What a run beside CPU hogs looks like: 30% of the time in next() though 1.8 batches were
+    # ready, workers half busy, and both sides runnable without a CPU much of the time while
+    # this source used 0.6 of 2 cores.
+    stats = figures(wait_seconds=3.0, ready_ahead=1.8, worker_busy=(0.5, 0.45),
+                    workers_cpu_wait=(0.4, 0.45), consumer_cpu_wait=0.3, own_cpu_cores=0.6, cores=2)
+    text = stats.diagnosis()
+    assert stats.kind == "machine busy" and text.startswith("Machine busy")
+    assert "other programs" in text and "0.6 of the 2 cores" in text
+    assert "Take larger batches" not in text and "Consumer-bound" not in text
+    assert "add workers" not in text and "fewer workers" not in text
+
+
+def test_workers_crowding_each_other_out_are_not_a_busy_machine():
+    # Waiting for a CPU, but the source's own processes used every core: no other program.
+    stats = figures(wait_seconds=3.0, worker_busy=(0.95, 0.95), workers_cpu_wait=(0.3, 0.3),
+                    consumer_cpu_wait=0.2, own_cpu_cores=1.95, cores=2)
+    assert stats.kind == "input-bound"
+
+
+def test_batches_ready_when_taken_are_not_a_wait_for_the_workers():
+    stats = figures(wait_seconds=3.0, ready_ahead=1.8, worker_busy=(0.9, 0.9))
+    assert not stats.input_bound and stats.kind == "per-batch cost"
+    assert "add workers" not in stats.diagnosis() and "Input-bound" not in stats.diagnosis()
+
+
+def test_without_scheduler_figures_the_diagnosis_stays_as_before():
+    assert figures(wait_seconds=5.0, worker_busy=(0.95, 0.9)).kind == "input-bound"
+    assert figures(wait_seconds=0.1, ready_ahead=2.5).kind == "consumer-bound"
+    assert figures(wait_seconds=0.1, ready_ahead=0.3).kind == "balanced"
+    assert figures(batches=0).kind == "none"
+
+
+def test_the_advice_never_is_the_current_setting():
+    advised = re.compile(r"\b(num_workers|prefetch|batch_size)=(\d+)")
+    checked = 0
+    for workers, busy, wait, ready, prefetch, batch_size in itertools.product(
+        (1, 2, 3, 4, 8), (0.0, 0.3, 0.6, 0.8, 0.85, 0.9, 1.0), (0.0, 0.05, 0.5),
+        (0.0, 0.5, 1.0, 1.8), (1, 2, 4), (1, 32),
+    ):
+        stats = figures(num_workers=workers, worker_busy=(busy,) * workers, wait_seconds=10 * wait,
+                        ready_ahead=ready, prefetch=prefetch, batch_size=batch_size)
+        current = {"num_workers": workers, "prefetch": prefetch, "batch_size": batch_size}
+        for name, value in advised.findall(stats.diagnosis()):
+            checked += 1
+            assert int(value) != current[name], (current, stats.diagnosis())
+    assert checked > 100
+
+
+def test_consumer_bound_at_two_busy_workers_does_not_advise_two_workers():
+    stats = figures(wait_seconds=0.1, ready_ahead=1.5, worker_busy=(0.85, 0.85))
+    assert stats.kind == "consumer-bound"
+    assert "num_workers=2" not in stats.diagnosis() and "would not help" in stats.diagnosis()
