@@ -22,11 +22,11 @@ import itertools
 import math
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
-from extsrc.engine.assembly import PendingBatch
+from extsrc.engine.assembly import PendingBatch, rebuild_exception
 from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.runner import BATCH_GENERATOR, BATCH_ITERABLE, SAMPLE
 from extsrc.engine.stats import StatsCollector
-from extsrc.errors import SharedMemoryError
+from extsrc.errors import SharedMemoryError, SourceTimeoutError
 from extsrc.options import SourceOptions
 from extsrc.shm import limits
 from extsrc.shm.layout import LayoutPlan
@@ -123,7 +123,7 @@ class Producer:
             pickled=pickled, batch_size=o.batch_size, num_outputs=o.num_outputs,
             batch_info=o.batch_info, dtypes=tuple(None if d is None else d.str for d in o.dtypes),
             ndims=o.ndims, order=o.order, last_batch=o.last_batch, in_place=o.in_place,
-            timed=o.stats,
+            timed=o.stats, concurrency=o.concurrency, timeout=o.timeout,
         )
 
     def on_result(self, message: Any) -> bool:
@@ -140,6 +140,12 @@ class Producer:
                 self._learn(pending, message)
             if message.stopped and self.run is not None and pending is self.pending.get(pending.iteration):
                 self.end_at = pending.iteration if self.end_at is None else min(self.end_at, pending.iteration)
+        elif isinstance(message, TaskFailed) and message.type_name == SourceTimeoutError.__qualname__ \
+                and not self.pool.broken and pending is self.pending.get(pending.iteration):
+            # A sample hung past the timeout (samples in flight together): as for a batch the
+            # consumer found too slow, the workers are shut down (a hung thread cannot be stopped).
+            self.pool.fail(rebuild_exception(message, self.name))
+            return True
         elif isinstance(message, TaskFailed) and pending is self.pending.get(pending.iteration):
             self.end_at = pending.iteration if self.end_at is None else min(self.end_at, pending.iteration)
         return pending.complete

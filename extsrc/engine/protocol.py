@@ -84,6 +84,8 @@ class TaskDone(NamedTuple):
     overflow_bytes: int
     busy_ns: int = 0  # the task's time in the worker
     timed: Tuple[Tuple[int, int], ...] = ()  # (samples, ns the callback took for them), per group
+    waited_ns: int = 0  # the sum over its samples of their time in flight (busy_ns one at a time)
+    cpu_ns: int = -1  # CPU time of the worker process during the task (-1: not measured)
 
 
 class TaskFailed(NamedTuple):
@@ -137,6 +139,8 @@ class SourceSetup:
     last_batch: str = "drop"
     in_place: bool = False  # the callback gets SampleBuffers to write its samples into
     timed: bool = True  # report how long the callback takes (extsrc.engine.stats)
+    concurrency: int = 1  # samples in flight at once per worker (extsrc.engine.concurrent)
+    timeout: Optional[float] = None  # a sample in flight longer fails its batch (concurrency > 1)
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,10 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from extsrc.engine.concurrent import AsyncEngine, Hung, ThreadEngine, is_async
 from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.samples import SampleChecker, at
-from extsrc.errors import ExtsrcError, SampleError, SharedMemoryError
+from extsrc.errors import ExtsrcError, SampleError, SharedMemoryError, SourceTimeoutError
 from extsrc.order import RecordCache
 from extsrc.shm.writer import TaskWriter
 from extsrc.sample_info import BatchInfo, SampleInfo
@@ -77,6 +78,10 @@ def _no_clock() -> int:
     return 0
 
 
+def _cpu_clock() -> int:
+    return time.process_time_ns()
+
+
 class SampleBuffers:
     """What an ``in_place=True`` callback gets as its second argument: room in shared memory.
 
@@ -120,12 +125,88 @@ class SourceRunner:
         self.seed = 0 if setup.order is None else setup.order.seed
         self.buffers = SampleBuffers() if setup.in_place else None
         self.clock = time.perf_counter_ns if setup.timed else _no_clock
+        self.cpu_clock = _cpu_clock if setup.timed else _no_clock
+        self.cpu_began = 0
+        # Samples in flight together (concurrency > 1, or an async def callback): the worker's
+        # event loop or threads, made on first use (after the fork). None: one at a time.
+        self.engine: Any = None
+        self.call_batch = callback
+        if is_async(callback):
+            self.engine = AsyncEngine(callback, setup.concurrency)
+            self.call_batch = self.engine.call
+        elif setup.kind == SAMPLE and setup.concurrency > 1:
+            self.engine = ThreadEngine(callback, setup.concurrency)
 
     def run(self, task: Task) -> Result:
         """Runs one task; returns a :class:`TaskDone` or :class:`TaskFailed`."""
+        self.cpu_began = self.cpu_clock()
         if self.setup.kind == SAMPLE:
+            if self.engine is not None:
+                return self._run_concurrent(task)
             return self._run_samples(task)
         return self._run_batch(task)
+
+    # -- sample mode, samples in flight together -------------------------------------------------
+
+    def _run_concurrent(self, task: Task) -> Result:
+        """Up to ``concurrency`` samples of the task in flight (see :mod:`extsrc.engine.concurrent`);
+        each is written as soon as it is back; the outcome is that of a sequential run."""
+        base = task.iteration * self.setup.batch_size
+        records, stopped = self._records(task.epoch_idx, base + task.start, base + task.stop)
+        seed, iteration, epoch_idx = self.seed, task.iteration, task.epoch_idx
+        make = tuple.__new__
+
+        def describe(pos: int) -> str:
+            return f"sample {self._info(task, pos)}"
+
+        write = self.writer.begin(task.slot_id, task.batch_seq, task.start, task.stop,
+                                  task.region_bytes, task.regions, describe)
+        columns = self._columns_of_samples
+
+        def deliver(position: int, value: Any) -> None:
+            write.add(columns([value], position, describe), position, 1)
+
+        jobs = ((position, make(SampleInfo, (base + position, position, iteration, epoch_idx,
+                                             record, seed)))
+                for position, record in zip(range(task.start, task.stop), records))
+        began = self.clock()
+        try:
+            outcome = self.engine.run(jobs, deliver, self.setup.timeout)
+        except BaseException as exc:  # a bug in the engine: fail the task rather than the worker
+            return self._failed(task, task.start, None, exc, from_callback=False)
+        busy = self.clock() - began
+        count = len(records)
+        event = outcome.event
+        if event is not None:
+            error, position = event.error, event.position
+            if isinstance(error, Hung):
+                return self._hung(task, position, error)
+            if not isinstance(error, StopIteration):
+                if event.in_callback:
+                    return self._failed(task, position, self._info(task, position), error)
+                return self._write_failed(task, position, error)
+            count, stopped = position - task.start, True
+        timed = tuple((1, ns) for ns in outcome.in_flight_ns) if self.setup.timed else ()
+        try:
+            done = self._done(task, write, count, stopped, busy, timed)
+        except Exception as exc:
+            return self._write_failed(task, task.start, exc)
+        end = task.start + count  # samples written past a StopIteration are not the batch's
+        spilled = tuple(tuple(s for s in out if s.position < end) for out in done.spilled)
+        return done._replace(spilled=spilled, waited_ns=sum(outcome.in_flight_ns))
+
+    def _hung(self, task: Task, position: int, hung: Hung) -> TaskFailed:
+        info = self._info(task, position)
+        message = (
+            f"sample {info} of source {self.setup.name} was in flight for {hung.seconds:.1f} s, "
+            f"longer than timeout={self.setup.timeout} s (a request that hangs?); worker "
+            f"{self.worker} ran up to concurrency={self.setup.concurrency} samples at once. "
+            "The workers were shut down."
+        )
+        error = SourceTimeoutError(message)
+        return TaskFailed(task.source_id, task.ticket, self.worker, position, info,
+                          pickle.dumps(error), type(error).__qualname__, message,
+                          f"Where the call was waiting:\n{hung.stack}", True)
 
     # -- sample mode ---------------------------------------------------------------------------
 
@@ -264,7 +345,7 @@ class SourceRunner:
         began = self.clock()
         try:
             if setup.kind == BATCH_CALLABLE:
-                batch = self.callback(info if setup.batch_info else task.iteration)
+                batch = self.call_batch(info if setup.batch_info else task.iteration)
             else:
                 batch = next(self._iterator_for(task.epoch_idx))
         except StopIteration:
@@ -299,7 +380,7 @@ class SourceRunner:
         return them, see :mod:`extsrc.ray.actor`). Raises what the writer raises."""
         spilled, overflow = write.finish()
         return TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow,
-                        busy_ns, timed)
+                        busy_ns, timed, busy_ns, self.cpu_clock() - self.cpu_began)
 
     def _iterator_for(self, epoch_idx: int):
         if self.iterator_epoch != epoch_idx:
@@ -374,6 +455,8 @@ class SourceRunner:
         return self._failed(task, chunk_start, self._info(task, chunk_start), exc, from_callback=False)
 
     def close(self) -> None:
+        if isinstance(self.engine, ThreadEngine):
+            self.engine.close()
         self.writer.close()
 
 
