@@ -66,6 +66,13 @@ STREAM_BYTES = 1 << 20
 SMALL_TASK_FACTOR = 2
 
 
+# With samples in flight together, a sample in flight longer than this share of the source's
+# timeout fails its batch in the worker, which knows which sample hangs and where it waits. The
+# consumer's clock for a batch starts when it asks for the batch, often before the batch's samples
+# start: with the whole timeout the consumer would nearly always give up first, naming only a task.
+SAMPLE_TIMEOUT_SHARE = 0.8
+
+
 def _nbytes(value: Any) -> int:
     if isinstance(value, np.ndarray):
         return value.nbytes
@@ -131,6 +138,7 @@ class SourceRunner:
         # event loop or threads, made on first use (after the fork). None: one at a time.
         self.engine: Any = None
         self.call_batch = callback
+        self.sample_limit_s = None if setup.timeout is None else setup.timeout * SAMPLE_TIMEOUT_SHARE
         if is_async(callback):
             self.engine = AsyncEngine(callback, setup.concurrency)
             self.call_batch = self.engine.call
@@ -171,7 +179,7 @@ class SourceRunner:
                 for position, record in zip(range(task.start, task.stop), records))
         began = self.clock()
         try:
-            outcome = self.engine.run(jobs, deliver, self.setup.timeout)
+            outcome = self.engine.run(jobs, deliver, self.sample_limit_s)
         except BaseException as exc:  # a bug in the engine: fail the task rather than the worker
             return self._failed(task, task.start, None, exc, from_callback=False)
         busy = self.clock() - began
@@ -199,7 +207,8 @@ class SourceRunner:
         info = self._info(task, position)
         message = (
             f"sample {info} of source {self.setup.name} was in flight for {hung.seconds:.1f} s, "
-            f"longer than timeout={self.setup.timeout} s (a request that hangs?); worker "
+            f"longer than {SAMPLE_TIMEOUT_SHARE} x timeout={self.setup.timeout} s (a request that "
+            f"hangs?); worker "
             f"{self.worker} ran up to concurrency={self.setup.concurrency} samples at once. "
             "The workers were shut down."
         )

@@ -155,7 +155,9 @@ class ParallelSource:
     StopIteration or an exception is that of the first sample (by position)
     to raise it. With ``timeout``, a sample in flight longer than it fails
     its batch with a :class:`~extsrc.errors.SourceTimeoutError` naming the
-    sample and where it waited (then the workers are shut down).
+    sample and where it waited (then the workers are shut down); that
+    happens at 0.8 x ``timeout`` in flight, so that the worker, which knows
+    the sample, reports before the consumer's own deadline for the batch.
 
     ``dtype``/``ndim`` (one value, or one per output) declare what samples
     must be. Workers start on first use or at ``start()``; ``close()`` (or
