@@ -69,7 +69,7 @@ class Producer:
         self._runs = itertools.count(1)
         self._closed = False
         self._range_cache: Optional[List[Tuple[int, int]]] = None
-        self.stats = StatsCollector(pool.num_workers) if options.stats else None
+        self.stats = StatsCollector(pool.num_workers, options.concurrency) if options.stats else None
 
     # -- consumer thread, lock held ----------------------------------------------------------
 
@@ -135,7 +135,8 @@ class Producer:
             self.slots.filled(pending.slot)
         if isinstance(message, TaskDone):
             if self.stats is not None:
-                self.stats.task_done(message.worker, message.busy_ns, message.timed)
+                self.stats.task_done(message.worker, message.busy_ns, message.timed,
+                                     message.waited_ns, message.cpu_ns, message.runq_ns)
             if message.count:
                 self._learn(pending, message)
             if message.stopped and self.run is not None and pending is self.pending.get(pending.iteration):

@@ -12,6 +12,7 @@ the worker carries on.
 from __future__ import annotations
 
 import inspect
+import os
 import pickle
 import time
 import traceback
@@ -85,8 +86,36 @@ def _no_clock() -> int:
     return 0
 
 
-def _cpu_clock() -> int:
-    return time.process_time_ns()
+class CpuClock:
+    """This worker's CPU time and its main thread's time waiting for a CPU, both cumulative (ns).
+
+    Read once per task (a few microseconds): the statistics take differences, and tell a
+    callback that waits on I/O (neither) from one starved of CPU (waiting for a CPU).
+    """
+
+    def __init__(self) -> None:
+        try:
+            self.fd: Optional[int] = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self.fd = None
+
+    def read(self) -> Tuple[int, int]:
+        runq = 0
+        if self.fd is not None:
+            try:
+                runq = int(os.pread(self.fd, 128, 0).split()[1])
+            except (OSError, ValueError, IndexError):
+                runq = 0
+        return time.process_time_ns(), runq
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _no_cpu_clock() -> Tuple[int, int]:
+    return -1, -1
 
 
 class SampleBuffers:
@@ -132,8 +161,8 @@ class SourceRunner:
         self.seed = 0 if setup.order is None else setup.order.seed
         self.buffers = SampleBuffers() if setup.in_place else None
         self.clock = time.perf_counter_ns if setup.timed else _no_clock
-        self.cpu_clock = _cpu_clock if setup.timed else _no_clock
-        self.cpu_began = 0
+        self.cpu = CpuClock() if setup.timed else None
+        self.cpu_clock = self.cpu.read if self.cpu is not None else _no_cpu_clock
         # Samples in flight together (concurrency > 1, or an async def callback): the worker's
         # event loop or threads, made on first use (after the fork). None: one at a time.
         self.engine: Any = None
@@ -147,7 +176,6 @@ class SourceRunner:
 
     def run(self, task: Task) -> Result:
         """Runs one task; returns a :class:`TaskDone` or :class:`TaskFailed`."""
-        self.cpu_began = self.cpu_clock()
         if self.setup.kind == SAMPLE:
             if self.engine is not None:
                 return self._run_concurrent(task)
@@ -389,7 +417,7 @@ class SourceRunner:
         return them, see :mod:`extsrc.ray.actor`). Raises what the writer raises."""
         spilled, overflow = write.finish()
         return TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow,
-                        busy_ns, timed, busy_ns, self.cpu_clock() - self.cpu_began)
+                        busy_ns, timed, busy_ns, *self.cpu_clock())
 
     def _iterator_for(self, epoch_idx: int):
         if self.iterator_epoch != epoch_idx:
@@ -466,6 +494,8 @@ class SourceRunner:
     def close(self) -> None:
         if isinstance(self.engine, ThreadEngine):
             self.engine.close()
+        if self.cpu is not None:
+            self.cpu.close()
         self.writer.close()
 
 
