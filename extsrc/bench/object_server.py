@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 PATTERN_BYTES = 1 << 22  # objects are windows of one pseudo-random block (no work per request)
-CHUNK_BYTES = 64 << 10  # bandwidth is paced per chunk of this size
+CHUNK_BYTES = 256 << 10  # bandwidth is paced per chunk of this size (smaller: the server spends its CPU pacing)
 STARTUP_S = 30.0  # a server that is not listening after this long failed to start
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 

@@ -34,7 +34,8 @@ class _Base:
         if self.count is not None and info.idx_in_epoch >= self.count:
             raise StopIteration
         query = "" if self.size is None else f"?size={self.size}"
-        return f"{self.url}/{self.path}/{info.record}{query}"
+        record = getattr(info, "record", info.idx_in_epoch)  # DALI's SampleInfo has no record
+        return f"{self.url}/{self.path}/{record}{query}"
 
     def __getstate__(self) -> Dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
@@ -58,6 +59,12 @@ class AsyncHttpObjects(_Base):
         except aiohttp.ClientConnectionError as exc:
             raise ConnectionError(f"{target}: the server cannot be reached ({exc})") from None
         return np.frombuffer(data, np.uint8)
+
+    async def aclose(self) -> None:
+        """Closes this process's session (a worker's ends with the worker)."""
+        session = self.__dict__.pop("_session", None)
+        if session is not None:
+            await session.close()
 
     def _session_for_loop(self) -> Any:
         import asyncio

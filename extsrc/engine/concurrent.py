@@ -146,6 +146,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         run = _Run(deliver)
         flying: Dict["asyncio.Task[Any]", Tuple[int, float]] = {}  # task -> (position, started)
+        finished: "asyncio.Queue[asyncio.Task[Any]]" = asyncio.Queue()
         exhausted = False
         try:
             while True:
@@ -155,31 +156,26 @@ class AsyncEngine:
                         exhausted = True
                         break
                     position, argument = job
-                    flying[loop.create_task(self._one(argument))] = (position, loop.time())
+                    task = loop.create_task(self._one(argument))
+                    task.add_done_callback(finished.put_nowait)  # O(1) per sample, unlike wait()
+                    flying[task] = (position, loop.time())
                 if not flying:
                     return run.outcome()
-                timeout = None
-                if limit_s is not None:
+                if finished.empty() and limit_s is not None:
                     timeout = max(0.0, min(s for _, s in flying.values()) + limit_s - loop.time())
-                done, _ = await asyncio.wait(flying, timeout=timeout,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                    try:
+                        await asyncio.wait_for(finished.get(), timeout)  # a hang is rare: costs little
+                    except asyncio.TimeoutError:
+                        self._cut_hung(run, flying, limit_s, loop.time())
+                    else:
+                        pass
+                    done = self._drain(finished, flying, first=None)
+                else:
+                    first = await finished.get() if finished.empty() else None
+                    done = self._drain(finished, flying, first)
                 for task in sorted(done, key=lambda t: flying[t][0]):
                     position, _ = flying.pop(task)
-                    error = asyncio.CancelledError() if task.cancelled() else task.exception()
-                    if error is not None:
-                        run.finished(position, False, error, 0)
-                        continue
-                    value, ns = task.result()
-                    if value is _ENDED:
-                        run.finished(position, False, StopIteration(), ns)
-                    else:
-                        run.finished(position, True, value, ns)
-                if not done and limit_s is not None:
-                    now = loop.time()
-                    for task, (position, started) in sorted(flying.items(), key=lambda r: r[1][0]):
-                        if now - started >= limit_s and run.wanted(position):
-                            run.cut(Event(position, Hung(now - started, _task_stack(task)), True))
-                            break
+                    self._report(run, task, position)
                 for task, (position, _) in list(flying.items()):
                     if not run.wanted(position):
                         task.cancel()
@@ -189,6 +185,32 @@ class AsyncEngine:
                 task.cancel()
             if flying:
                 await asyncio.wait(flying)
+
+    @staticmethod
+    def _drain(finished: "asyncio.Queue[Any]", flying: Dict[Any, Any], first: Any) -> List[Any]:
+        done = [] if first is None else [first]
+        while not finished.empty():
+            done.append(finished.get_nowait())
+        return [task for task in done if task in flying]  # cancelled ones were dropped already
+
+    @staticmethod
+    def _report(run: _Run, task: "asyncio.Task[Any]", position: int) -> None:
+        error = asyncio.CancelledError() if task.cancelled() else task.exception()
+        if error is not None:
+            run.finished(position, False, error, 0)
+            return
+        value, ns = task.result()
+        if value is _ENDED:
+            run.finished(position, False, StopIteration(), ns)
+        else:
+            run.finished(position, True, value, ns)
+
+    @staticmethod
+    def _cut_hung(run: _Run, flying: Dict[Any, Tuple[int, float]], limit_s: float, now: float) -> None:
+        for task, (position, started) in sorted(flying.items(), key=lambda r: r[1][0]):
+            if now - started >= limit_s and run.wanted(position) and not task.done():
+                run.cut(Event(position, Hung(now - started, _task_stack(task)), True))
+                return
 
 
 def _task_stack(task: "asyncio.Task[Any]") -> str:
