@@ -77,11 +77,13 @@ def test_same_batches_for_any_concurrency_async_and_threads(server, order):
     assert sum(len(b) for b in reference) == RECORDS
     flat = [s for b in reference for s in b]
     assert all(np.array_equal(s, expected(r)) for s, r in zip(flat, records))
-    for callback, concurrency in ((AsyncHttpObjects(server.url, count), 64),
-                                  (SlowFirst(AsyncHttpObjects(server.url, count)), 64),
-                                  (AsyncHttpObjects(server.url, count), 1),
-                                  (BlockingHttpObjects(server.url, count), 8)):
-        assert same(run(callback, concurrency, **kwargs), reference), (callback, concurrency)
+    for callback, concurrency, timeout in ((AsyncHttpObjects(server.url, count), 64, None),
+                                           (SlowFirst(AsyncHttpObjects(server.url, count)), 64, 60),
+                                           (AsyncHttpObjects(server.url, count), 1, None),
+                                           (BlockingHttpObjects(server.url, count), 8, None),
+                                           (BlockingHttpObjects(server.url, count), 8, 60)):
+        got = run(callback, concurrency, timeout=timeout, **kwargs)
+        assert same(got, reference), (callback, concurrency, timeout)
 
 
 def test_batch_mode_async_callback_gathers_its_requests(server):

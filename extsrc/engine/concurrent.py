@@ -163,13 +163,12 @@ class AsyncEngine:
                     return run.outcome()
                 if finished.empty() and limit_s is not None:
                     timeout = max(0.0, min(s for _, s in flying.values()) + limit_s - loop.time())
+                    first = None
                     try:
-                        await asyncio.wait_for(finished.get(), timeout)  # a hang is rare: costs little
+                        first = await asyncio.wait_for(finished.get(), timeout)
                     except asyncio.TimeoutError:
                         self._cut_hung(run, flying, limit_s, loop.time())
-                    else:
-                        pass
-                    done = self._drain(finished, flying, first=None)
+                    done = self._drain(finished, flying, first)
                 else:
                     first = await finished.get() if finished.empty() else None
                     done = self._drain(finished, flying, first)
