@@ -24,6 +24,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from typing import Optional, Sequence
 
 import numpy as np
@@ -129,7 +130,10 @@ class ObjectServer:
             command += ["--missing", ",".join(str(m) for m in missing)]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        # Its errors (clients that went away mid-object) go to a file: a pipe nobody reads
+        # would fill up and stop the server.
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log,
                                         text=True, env=env, start_new_session=True)
         self.url = self._wait_ready()
 
@@ -147,12 +151,17 @@ class ObjectServer:
                 selector.close()
                 return found.group(1)
         selector.close()
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait()
+        output = self._rest()
         self.stop()
-        raise RuntimeError(f"the object server did not start: {seen}{self._rest()}")
+        raise RuntimeError(f"the object server did not start: {seen}{output}")
 
     def _rest(self) -> str:
         try:
-            return self.process.communicate(timeout=STOP_GRACE_S)[0] or ""
+            self._log.seek(0)
+            return self._log.read()[-4000:]
         except Exception:
             return ""
 
@@ -170,6 +179,7 @@ class ObjectServer:
                 self.process.wait()
         if self.process.stdout is not None:
             self.process.stdout.close()
+        self._log.close()
 
     def __enter__(self) -> "ObjectServer":
         return self
