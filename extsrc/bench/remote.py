@@ -276,6 +276,11 @@ def run(args: argparse.Namespace, seconds: float, warmup_s: float, repeat: int) 
         print(table(row, runs))
         print()
     print("targets:\n" + TARGETS_TEXT)
+    if getattr(args, "json", None):
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({f"{row}/{loader}": results for (row, loader), results in runs.items()}, f, indent=1)
     for failure in failures:
         print(f"  failed: {failure}", file=sys.stderr)
     return 1 if failures else 0

@@ -37,6 +37,8 @@ WORKERS_SATURATED = 0.85
 # for one mostly wait on storage or the network: more samples in flight per worker is the fix,
 # not more workers (which a machine short of CPU would not run anyway).
 WAITING_SHARE = 0.5
+# ... provided the workers have work most of the time (else they wait for tasks, not storage).
+WAITING_BUSY = 0.5
 # The concurrency the diagnosis suggests grows by at most this factor at a time (the CPU share
 # is a coarse figure, and a server has its own limit).
 CONCURRENCY_STEP_MAX = 16
@@ -150,7 +152,7 @@ class SourceStats:
     def _waiting_advice(self) -> Optional[str]:
         """When busy workers mostly wait rather than compute: more concurrency is the fix."""
         busy, waiting = self.mean_worker_busy, self.waiting_share
-        if waiting is None or busy < WORKERS_SATURATED or waiting < WAITING_SHARE:
+        if waiting is None or busy < WAITING_BUSY or waiting < WAITING_SHARE:
             return None
         step = min(CONCURRENCY_STEP_MAX, max(2, math.ceil(1 / max(1 - waiting, 1e-3))))
         suggested = self.concurrency * step
