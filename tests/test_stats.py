@@ -25,9 +25,7 @@ def test_samples_and_bytes_add_up_exactly_dense_and_ragged():
 
 
 def slow_callback(info):
-    end = time.perf_counter() + 0.01  # on the CPU: a callback that waits gets other advice
-    while time.perf_counter() < end:
-        pass
+    time.sleep(0.01)
     return np.zeros(16, np.uint8)
 
 
@@ -43,7 +41,7 @@ def test_a_slow_callback_is_diagnosed_as_input_bound():
         stats = src.stats()
     assert stats.wait_fraction > 0.6
     assert stats.input_bound and stats.diagnosis().startswith("Input-bound")
-    assert "add workers" in stats.diagnosis()
+    assert "concurrency=" in stats.diagnosis()  # a callback that sleeps waits: more in flight, not more workers
     assert 0.009 < stats.callback_median_s < 0.05 and stats.callback_max_s >= stats.callback_median_s
     assert stats.mean_worker_busy > 0.6
 

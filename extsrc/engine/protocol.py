@@ -85,7 +85,7 @@ class TaskDone(NamedTuple):
     busy_ns: int = 0  # the task's time in the worker
     timed: Tuple[Tuple[int, int], ...] = ()  # (samples, ns the callback took for them), per group
     waited_ns: int = 0  # the sum over its samples of their time in flight (busy_ns one at a time)
-    cpu_ns: int = -1  # the worker's CPU time so far, cumulative (-1: not measured)
+    cpu_ns: int = -1  # the worker's CPU time so far, cumulative (-1: not read with this task)
     runq_ns: int = -1  # its main thread's time waiting for a CPU so far, cumulative (-1: unknown)
 
 

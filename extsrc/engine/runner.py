@@ -86,11 +86,17 @@ def _no_clock() -> int:
     return 0
 
 
+# The worker's CPU counters are read at most this often (a read costs a few microseconds, up to
+# ~10 under load: per task it would show on small samples); they are cumulative, so nothing is lost.
+CPU_READ_PERIOD_NS = 50_000_000
+
+
 class CpuClock:
     """This worker's CPU time and its main thread's time waiting for a CPU, both cumulative (ns).
 
-    Read once per task (a few microseconds): the statistics take differences, and tell a
-    callback that waits on I/O (neither) from one starved of CPU (waiting for a CPU).
+    :meth:`read` returns them at most every :data:`CPU_READ_PERIOD_NS`, else ``(-1, -1)``: the
+    statistics take differences between readings, and tell a callback that waits on I/O
+    (neither) from one starved of CPU (waiting for a CPU).
     """
 
     def __init__(self) -> None:
@@ -98,8 +104,13 @@ class CpuClock:
             self.fd: Optional[int] = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             self.fd = None
+        self.last = -CPU_READ_PERIOD_NS
 
     def read(self) -> Tuple[int, int]:
+        now = time.perf_counter_ns()
+        if now - self.last < CPU_READ_PERIOD_NS:
+            return -1, -1
+        self.last = now
         runq = 0
         if self.fd is not None:
             try:

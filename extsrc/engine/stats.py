@@ -227,20 +227,23 @@ class StatsCollector:
         self.runq_ns = 0  # their time waiting for a CPU
         self.cpu_busy_ns = 0  # the busy time of those tasks
         self.last_cpu: List[Optional[Tuple[int, int]]] = [None] * self.num_workers  # cumulative
+        self.busy_since_cpu: List[int] = [0] * self.num_workers  # busy ns since that reading
 
     def task_done(self, worker: int, busy_ns: int, timed: Tuple[Tuple[int, int], ...],
                   waited_ns: int = 0, cpu_ns: int = -1, runq_ns: int = -1) -> None:
         """A task of the source reported back (I/O thread, lock held); ``cpu_ns``/``runq_ns``
-        are the worker's cumulative counters (-1: not measured)."""
+        are the worker's cumulative counters (-1: not read with this task)."""
         self.busy_ns[worker] += busy_ns
         self.waited_ns += waited_ns
-        if cpu_ns >= 0:
+        self.busy_since_cpu[worker] += busy_ns
+        if cpu_ns >= 0:  # a reading (workers read their counters every so often, not per task)
             last = self.last_cpu[worker]
-            if last is not None:  # the window counts from the second task of each worker on
+            if last is not None:  # the window counts from a worker's second reading on
                 self.cpu_ns += cpu_ns - last[0]
                 self.runq_ns += max(0, runq_ns - last[1])
-                self.cpu_busy_ns += busy_ns
+                self.cpu_busy_ns += self.busy_since_cpu[worker]
             self.last_cpu[worker] = (cpu_ns, runq_ns)
+            self.busy_since_cpu[worker] = 0
         for samples, ns in timed:
             per_sample = ns / samples * 1e-9
             k = self.timed % TIMINGS_KEPT
