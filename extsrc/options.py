@@ -216,6 +216,7 @@ class SourceOptions:
     in_place: bool = False  # the callback gets a second argument to write samples into
     stats: bool = True  # collect the figures of ParallelSource.stats()
     stats_every: Optional[float] = None  # log them every this many seconds
+    concurrency: int = 1  # samples in flight at once per worker (extsrc.engine.concurrent)
 
     @property
     def batches_per_epoch(self) -> Optional[int]:
@@ -252,6 +253,7 @@ class SourceOptions:
         in_place: Any = False,
         stats: Any = True,
         stats_every: Any = None,
+        concurrency: Any = 1,
     ) -> "SourceOptions":
         batch_size = positive_int("batch_size", batch_size)
         num_outputs = optional_positive_int("num_outputs", num_outputs)
@@ -284,6 +286,16 @@ class SourceOptions:
                 "last_batch='pad' fills the last batch with records from the start of the epoch's "
                 "order, so it needs order= (an extsrc.Order)"
             )
+        concurrency = positive_int("concurrency", concurrency)
+        if concurrency > 1 and batch:
+            raise ValueError(
+                f"concurrency={concurrency} keeps several samples in flight per worker: it needs "
+                "sample mode (batch=False). A batch callback makes the whole batch: let it gather "
+                "its requests itself (an async def callback runs on the worker's event loop)"
+            )
+        if concurrency > 1 and in_place:
+            raise ValueError(f"in_place=True hands the callback room for one sample at a time; it "
+                             f"cannot be combined with concurrency={concurrency}")
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0
         ):
@@ -307,4 +319,5 @@ class SourceOptions:
             in_place=bool(in_place),
             stats=bool(stats),
             stats_every=stats_every,
+            concurrency=concurrency,
         )

@@ -36,9 +36,11 @@ EXTSRC_ONLY = {
     "13_data_parallel_torchrun.py": "uses extsrc.Order, which DALI does not have",
     "14_find_the_bottleneck.py": "uses pipe.extsrc_stats(), which DALI does not have",
     "15_ray_cluster.py": "uses py_backend='ray', which DALI does not have",
+    "16_train_from_a_bucket.py": "uses an async def source and concurrency=, which DALI refuses",
 }
 NEEDS_TORCH = {"13_data_parallel_torchrun.py"}
 NEEDS_RAY = {"15_ray_cluster.py"}
+NEEDS_S3 = {"16_train_from_a_bucket.py"}  # moto's server, boto3, aiobotocore
 
 _REWRITES = [
     (re.compile(r"^from extsrc import fn, pipeline_def$", re.M), "from nvidia.dali import fn, pipeline_def"),
@@ -81,6 +83,9 @@ def extsrc_outputs(tmp_path_factory):
             pytest.importorskip("torch")
         if name in NEEDS_RAY:
             pytest.importorskip("ray")
+        if name in NEEDS_S3:
+            for package in ("moto", "boto3", "aiobotocore"):
+                pytest.importorskip(package)
         if name not in cache:
             with run_script(ROOT / "tutorials" / name, tmp_path_factory.mktemp("extsrc")) as saved:
                 cache[name] = dict(saved)

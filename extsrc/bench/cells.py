@@ -121,6 +121,10 @@ def cell_main(argv: Sequence[str]) -> int:
         from extsrc.bench.transfer import transfer_cell
 
         result = transfer_cell({k: v for k, v in spec.items() if k != "kind"})
+    elif spec.get("kind") == "remote":
+        from extsrc.bench.remote import remote_cell
+
+        result = remote_cell(spec)
     elif spec.get("kind") == "memory":
         result = _memory_cell(spec["loader"], spec["workload"], spec["seconds"], spec["warmup_s"])
     else:

@@ -49,6 +49,12 @@ from extsrc.bench.tables import (
 )
 from extsrc.bench.workloads import WORKLOADS
 
+def _remote_targets() -> str:
+    from extsrc.bench.remote import TARGETS_TEXT
+
+    return TARGETS_TEXT
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m extsrc bench",
@@ -65,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
             "(whether or not the targets were met), 1 when a cell failed.",
             79,
         ),
-        epilog=targets_text() + "\n" + images.targets_text(),
+        epilog=targets_text() + "\n" + images.targets_text() + "\n" + _remote_targets(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--dali", action="store_true",
@@ -80,6 +86,12 @@ def _parser() -> argparse.ArgumentParser:
                              "actors) with worker processes on the three workloads, and run the "
                              "cpu workload on a local two-node cluster (1 CPU, 1 actor per node), "
                              "instead of the PyTorch comparison (needs extsrc[ray])")
+    parser.add_argument("--remote", action="store_true",
+                        help="instead of the synthetic workloads: objects from an HTTP object "
+                             "server on loopback (20 ms to first byte; a row of 100 KiB objects and "
+                             "one of 1 MiB objects with a bandwidth cap per connection), extsrc "
+                             "with concurrency= against DataLoader (2 and 32 workers), DALI and "
+                             "the server's ceiling (needs extsrc[remote])")
     parser.add_argument("--torch-api", action="store_true",
                         help="also compare extsrc.torch.from_dataset with DataLoader on the same "
                              "Dataset and arguments (needs PyTorch)")
@@ -123,6 +135,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return images.run(args, seconds, warmup_s, repeat)
     if args.h2d:
         return transfer.run(args, seconds, warmup_s, repeat)
+    if args.remote:
+        from extsrc.bench import remote
+
+        return remote.run(args, seconds, warmup_s, repeat)
 
     tables: List[Table] = []
     if args.backend == "ray":

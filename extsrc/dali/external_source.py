@@ -279,6 +279,7 @@ def external_source(
     order: Any = None,
     in_place: bool = False,
     stats_every: Optional[float] = None,
+    concurrency: int = 1,
     **kwargs: Any,
 ):
     """DALI's ``fn.external_source``; with ``parallel=True`` the source runs on extsrc workers.
@@ -317,7 +318,10 @@ def external_source(
     ``source(sample_info, buffers)`` so that it can write each sample straight
     into shared memory (``buffers.array(shape, dtype)``): written once;
     ``stats_every`` (seconds) logs the source's statistics (see
-    ``Pipeline.extsrc_stats()``) to the ``extsrc`` logger that often.
+    ``Pipeline.extsrc_stats()``) to the ``extsrc`` logger that often;
+    ``concurrency=N`` keeps up to ``N`` samples in flight per worker (an
+    ``async def`` source on the worker's event loop, a plain one on threads;
+    see :class:`extsrc.ParallelSource`).
 
     Errors of the source (its exceptions, with their type and message, dead
     workers, invalid samples) are raised from the pipeline's ``run()``.
@@ -325,9 +329,10 @@ def external_source(
     of ``num_outputs`` of them.
     """
     if not parallel:
-        if last_batch != "drop" or timeout is not None or order is not None or in_place or stats_every:
+        if (last_batch != "drop" or timeout is not None or order is not None or in_place or stats_every
+                or concurrency != 1):
             raise ValueError(
-                "`last_batch`, `timeout`, `order`, `in_place` and `stats_every` are extsrc options "
+                "`last_batch`, `timeout`, `order`, `in_place`, `stats_every` and `concurrency` are extsrc options "
                 "for parallel external sources; set parallel=True to use them"
             )
         return _dali_fn.external_source(
@@ -461,6 +466,7 @@ def external_source(
         order=order,
         in_place=in_place,
         stats_every=stats_every,
+        concurrency=concurrency,
         dtype=engine_dtype,
         ndim=engine_ndim,
         timeout=timeout,

@@ -23,11 +23,11 @@ import math
 import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
-from extsrc.engine.assembly import PendingBatch
+from extsrc.engine.assembly import PendingBatch, rebuild_exception
 from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.runner import BATCH_GENERATOR, BATCH_ITERABLE, SAMPLE
 from extsrc.engine.stats import StatsCollector
-from extsrc.errors import OrderWarning, SharedMemoryError
+from extsrc.errors import OrderWarning, SharedMemoryError, SourceTimeoutError
 from extsrc.options import SourceOptions
 from extsrc.shm import limits
 from extsrc.shm.layout import LayoutPlan
@@ -73,7 +73,8 @@ class Producer:
         local = pool.backend == "processes"  # Ray actors may run on other hosts: no /proc of theirs
         self.notes: List[str] = []  # warnings from the workers, raised by the consumer (commit)
         self._noted: set = set()  # each once
-        self.stats = (StatsCollector(pool.num_workers, pool.worker_pids if local else None)
+        self.stats = (StatsCollector(pool.num_workers, pool.worker_pids if local else None,
+                                     options.concurrency)
                       if options.stats else None)
 
     # -- consumer thread, lock held ----------------------------------------------------------
@@ -135,6 +136,7 @@ class Producer:
             batch_info=o.batch_info, dtypes=tuple(None if d is None else d.str for d in o.dtypes),
             ndims=o.ndims, order=o.order, last_batch=o.last_batch, in_place=o.in_place,
             timed=o.stats, slots_kept=o.prefetch + o.batches_held,
+            concurrency=o.concurrency, timeout=o.timeout,
         )
 
     def on_result(self, message: Any) -> bool:
@@ -146,13 +148,20 @@ class Producer:
             self.slots.filled(pending.slot)
         if isinstance(message, TaskDone):
             if self.stats is not None:
-                self.stats.task_done(message.worker, message.busy_ns, message.timed)
+                self.stats.task_done(message.worker, message.busy_ns, message.timed,
+                                     message.waited_ns, message.cpu_ns, message.runq_ns)
             if message.notes:
                 self.notes.extend(message.notes)
             if message.count:
                 self._learn(pending, message)
             if message.stopped and self.run is not None and pending is self.pending.get(pending.iteration):
                 self.end_at = pending.iteration if self.end_at is None else min(self.end_at, pending.iteration)
+        elif isinstance(message, TaskFailed) and message.type_name == SourceTimeoutError.__qualname__ \
+                and not self.pool.broken and pending is self.pending.get(pending.iteration):
+            # A sample hung past the timeout (samples in flight together): as for a batch the
+            # consumer found too slow, the workers are shut down (a hung thread cannot be stopped).
+            self.pool.fail(rebuild_exception(message, self.name))
+            return True
         elif isinstance(message, TaskFailed) and pending is self.pending.get(pending.iteration):
             self.end_at = pending.iteration if self.end_at is None else min(self.end_at, pending.iteration)
         return pending.complete

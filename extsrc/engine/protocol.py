@@ -84,6 +84,9 @@ class TaskDone(NamedTuple):
     overflow_bytes: int
     busy_ns: int = 0  # the task's time in the worker
     timed: Tuple[Tuple[int, int], ...] = ()  # (samples, ns the callback took for them), per group
+    waited_ns: int = 0  # the sum over its samples of their time in flight (busy_ns one at a time)
+    cpu_ns: int = -1  # the worker's CPU time so far, cumulative (-1: not read with this task)
+    runq_ns: int = -1  # its main thread's time waiting for a CPU so far, cumulative (-1: unknown)
     notes: Tuple[str, ...] = ()  # warnings for the user, raised once by the consumer
 
 
@@ -138,6 +141,8 @@ class SourceSetup:
     last_batch: str = "drop"
     in_place: bool = False  # the callback gets SampleBuffers to write its samples into
     timed: bool = True  # report how long the callback takes (extsrc.engine.stats)
+    concurrency: int = 1  # samples in flight at once per worker (extsrc.engine.concurrent)
+    timeout: Optional[float] = None  # a sample in flight longer fails its batch (concurrency > 1)
     slots_kept: int = 0  # batches of memory the source keeps (prefetch + batches_held), for the
     # memory check at the first sample (extsrc.shm.limits.check_source_need); 0: not known
 

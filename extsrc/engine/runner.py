@@ -12,6 +12,7 @@ the worker carries on.
 from __future__ import annotations
 
 import inspect
+import os
 import pickle
 import time
 import traceback
@@ -19,9 +20,10 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from extsrc.engine.concurrent import AsyncEngine, Hung, ThreadEngine, is_async
 from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.samples import SampleChecker, at
-from extsrc.errors import EpochLengthError, ExtsrcError, SampleError, SharedMemoryError
+from extsrc.errors import EpochLengthError, ExtsrcError, SampleError, SharedMemoryError, SourceTimeoutError
 from extsrc.order import RecordCache
 from extsrc.shm.writer import TaskWriter
 from extsrc.sample_info import BatchInfo, SampleInfo, noting_sample_info
@@ -65,6 +67,13 @@ STREAM_BYTES = 1 << 20
 SMALL_TASK_FACTOR = 2
 
 
+# With samples in flight together, a sample in flight longer than this share of the source's
+# timeout fails its batch in the worker, which knows which sample hangs and where it waits. The
+# consumer's clock for a batch starts when it asks for the batch, often before the batch's samples
+# start: with the whole timeout the consumer would nearly always give up first, naming only a task.
+SAMPLE_TIMEOUT_SHARE = 0.8
+
+
 def _nbytes(value: Any) -> int:
     if isinstance(value, np.ndarray):
         return value.nbytes
@@ -75,6 +84,49 @@ def _nbytes(value: Any) -> int:
 
 def _no_clock() -> int:
     return 0
+
+
+# The worker's CPU counters are read at most this often (a read costs a few microseconds, up to
+# ~10 under load: per task it would show on small samples); they are cumulative, so nothing is lost.
+CPU_READ_PERIOD_NS = 50_000_000
+
+
+class CpuClock:
+    """This worker's CPU time and its main thread's time waiting for a CPU, both cumulative (ns).
+
+    :meth:`read` returns them at most every :data:`CPU_READ_PERIOD_NS`, else ``(-1, -1)``: the
+    statistics take differences between readings, and tell a callback that waits on I/O
+    (neither) from one starved of CPU (waiting for a CPU).
+    """
+
+    def __init__(self) -> None:
+        try:
+            self.fd: Optional[int] = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self.fd = None
+        self.last = -CPU_READ_PERIOD_NS
+
+    def read(self) -> Tuple[int, int]:
+        now = time.perf_counter_ns()
+        if now - self.last < CPU_READ_PERIOD_NS:
+            return -1, -1
+        self.last = now
+        runq = 0
+        if self.fd is not None:
+            try:
+                runq = int(os.pread(self.fd, 128, 0).split()[1])
+            except (OSError, ValueError, IndexError):
+                runq = 0
+        return time.process_time_ns(), runq
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _no_cpu_clock() -> Tuple[int, int]:
+    return -1, -1
 
 
 class SampleBuffers:
@@ -127,12 +179,95 @@ class SourceRunner:
         if setup.kind == SAMPLE and setup.order is not None and (
                 setup.order.shuffle or setup.order.shard != (0, 1)):
             self.info_class, self.reads = noting_sample_info()
+        self.cpu = CpuClock() if setup.timed else None
+        self.cpu_clock = self.cpu.read if self.cpu is not None else _no_cpu_clock
+        # Samples in flight together (concurrency > 1, or an async def callback): the worker's
+        # event loop or threads, made on first use (after the fork). None: one at a time.
+        self.engine: Any = None
+        self.call_batch = callback
+        self.sample_limit_s = None if setup.timeout is None else setup.timeout * SAMPLE_TIMEOUT_SHARE
+        if is_async(callback):
+            self.engine = AsyncEngine(callback, setup.concurrency)
+            self.call_batch = self.engine.call
+        elif setup.kind == SAMPLE and setup.concurrency > 1:
+            self.engine = ThreadEngine(callback, setup.concurrency)
 
     def run(self, task: Task) -> Result:
         """Runs one task; returns a :class:`TaskDone` or :class:`TaskFailed`."""
         if self.setup.kind == SAMPLE:
+            if self.engine is not None:
+                return self._run_concurrent(task)
             return self._run_samples(task)
         return self._run_batch(task)
+
+    # -- sample mode, samples in flight together -------------------------------------------------
+
+    def _run_concurrent(self, task: Task) -> Result:
+        """Up to ``concurrency`` samples of the task in flight (see :mod:`extsrc.engine.concurrent`);
+        each is written as soon as it is back; the outcome is that of a sequential run."""
+        base = task.iteration * self.setup.batch_size
+        records, stopped = self._records(task.epoch_idx, base + task.start, base + task.stop)
+        seed, iteration, epoch_idx = self.seed, task.iteration, task.epoch_idx
+        make = tuple.__new__
+
+        def describe(pos: int) -> str:
+            return f"sample {self._info(task, pos)}"
+
+        write = self.writer.begin(task.slot_id, task.batch_seq, task.start, task.stop,
+                                  task.region_bytes, task.regions, describe)
+        columns = self._columns_of_samples
+
+        def deliver(position: int, value: Any) -> None:
+            write.add(columns([value], position, describe), position, 1)
+
+        info_class = self.info_class
+        jobs = ((position, make(info_class, (base + position, position, iteration, epoch_idx,
+                                             record, seed)))
+                for position, record in zip(range(task.start, task.stop), records))
+        began = self.clock()
+        try:
+            outcome = self.engine.run(jobs, deliver, self.sample_limit_s)
+        except BaseException as exc:  # a bug in the engine: fail the task rather than the worker
+            return self._failed(task, task.start, None, exc, from_callback=False)
+        busy = self.clock() - began
+        count = len(records)
+        event = outcome.event
+        if event is not None:
+            error, position = event.error, event.position
+            if isinstance(error, Hung):
+                return self._hung(task, position, error)
+            if not isinstance(error, StopIteration):
+                if event.in_callback:
+                    return self._failed(task, position, self._info(task, position), error)
+                return self._write_failed(task, position, error)
+            if self.setup.order is not None:
+                stop_error = self._stopped_before_the_order(task, position)
+                stop_error.__cause__ = error
+                return self._failed(task, position, self._info(task, position), stop_error,
+                                    from_callback=False)
+            count, stopped = position - task.start, True
+        timed = tuple((1, ns) for ns in outcome.in_flight_ns) if self.setup.timed else ()
+        try:
+            done = self._done(task, write, count, stopped, busy, timed)
+        except Exception as exc:
+            return self._write_failed(task, task.start, exc)
+        end = task.start + count  # samples written past a StopIteration are not the batch's
+        spilled = tuple(tuple(s for s in out if s.position < end) for out in done.spilled)
+        return done._replace(spilled=spilled, waited_ns=sum(outcome.in_flight_ns))
+
+    def _hung(self, task: Task, position: int, hung: Hung) -> TaskFailed:
+        info = self._info(task, position)
+        message = (
+            f"sample {info} of source {self.setup.name} was in flight for {hung.seconds:.1f} s, "
+            f"longer than {SAMPLE_TIMEOUT_SHARE} x timeout={self.setup.timeout} s (a request that "
+            f"hangs?); worker "
+            f"{self.worker} ran up to concurrency={self.setup.concurrency} samples at once. "
+            "The workers were shut down."
+        )
+        error = SourceTimeoutError(message)
+        return TaskFailed(task.source_id, task.ticket, self.worker, position, info,
+                          pickle.dumps(error), type(error).__qualname__, message,
+                          f"Where the call was waiting:\n{hung.stack}", True)
 
     # -- sample mode ---------------------------------------------------------------------------
 
@@ -293,7 +428,7 @@ class SourceRunner:
         began = self.clock()
         try:
             if setup.kind == BATCH_CALLABLE:
-                batch = self.callback(info if setup.batch_info else task.iteration)
+                batch = self.call_batch(info if setup.batch_info else task.iteration)
             else:
                 batch = next(self._iterator_for(task.epoch_idx))
         except StopIteration:
@@ -328,7 +463,7 @@ class SourceRunner:
         return them, see :mod:`extsrc.ray.actor`). Raises what the writer raises."""
         spilled, overflow = write.finish()
         return TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow,
-                        busy_ns, timed, self._notes())
+                        busy_ns, timed, busy_ns, *self.cpu_clock(), notes=self._notes())
 
     def _notes(self) -> Tuple[str, ...]:
         """Warnings for the user after a task: once, a callback that reads ``idx_in_epoch`` and
@@ -420,6 +555,10 @@ class SourceRunner:
         return self._failed(task, chunk_start, self._info(task, chunk_start), exc, from_callback=False)
 
     def close(self) -> None:
+        if isinstance(self.engine, ThreadEngine):
+            self.engine.close()
+        if self.cpu is not None:
+            self.cpu.close()
         self.writer.close()
 
 

@@ -25,6 +25,7 @@ from typing import Any, Dict, Iterator, Optional
 import numpy as np
 
 from extsrc.engine.assembly import BatchOutput
+from extsrc.engine.concurrent import is_async
 from extsrc.engine.pool import WorkerPool
 from extsrc.engine.producer import Producer
 from extsrc.engine.runner import BATCH_GENERATOR, BATCH_ITERABLE, classify
@@ -99,6 +100,20 @@ class ParallelSource:
     logger (INFO) when logging is configured, else to stderr;
     ``stats=False`` turns the collection off.
 
+    Callbacks that wait (object stores, HTTP, network file systems):
+    ``concurrency=N`` keeps up to ``N`` samples in flight per worker, each
+    written to the batch's shared memory as soon as it is back. An ``async
+    def`` callback is awaited on the worker's event loop (one per worker,
+    made in the worker; in batch mode the callback gathers its own requests);
+    a plain callback runs on ``N`` threads of each worker. Batches are the
+    same as with ``concurrency=1``: in order, whole, and the outcome of a
+    StopIteration or an exception is that of the first sample (by position)
+    to raise it. With ``timeout``, a sample in flight longer than it fails
+    its batch with a :class:`~extsrc.errors.SourceTimeoutError` naming the
+    sample and where it waited (then the workers are shut down); that
+    happens at 0.8 x ``timeout`` in flight, so that the worker, which knows
+    the sample, reports before the consumer's own deadline for the batch.
+
     ``dtype``/``ndim`` (one value, or one per output) declare what samples
     must be. Workers start on first use or at ``start()``; ``close()`` (or
     ``with``) stops them and frees the shared memory no batch holds. ``pool``
@@ -139,6 +154,7 @@ class ParallelSource:
         stats_every: Optional[float] = None,
         backend: str = UNSET,
         ray_options: Optional[Dict[str, Any]] = UNSET,
+        concurrency: int = 1,
     ):
         given = {k: v for k, v in (("num_workers", num_workers), ("start_method", start_method),
                                    ("pickler", pickler), ("backend", backend),
@@ -161,6 +177,7 @@ class ParallelSource:
             prefetch=prefetch, num_workers=pool.num_workers, tasks_per_worker=pool.max_outstanding,
             last_batch=last_batch, dtype=dtype, ndim=ndim, timeout=timeout, batches_held=batches_held,
             order=order, in_place=in_place, stats=stats, stats_every=stats_every,
+            concurrency=concurrency,
         )
         if self.options.batches_per_epoch == 0:
             raise EmptyEpochError(
@@ -169,6 +186,14 @@ class ParallelSource:
                 "last_batch='partial' or 'pad', or a smaller batch_size"
             )
         kind = classify(source, self.options.batch)
+        if (self.options.concurrency > 1 or is_async(source)) and pool.backend != "processes":
+            raise ValueError(
+                f"concurrency={self.options.concurrency} and async def callbacks need "
+                f"backend='processes' (worker processes on this host), got {pool.backend!r}"
+            )
+        if is_async(source) and self.options.in_place:
+            raise ValueError("in_place=True needs a plain callback (it writes into the sample's "
+                             "room before returning), got an async def one")
         if self.options.batch_info and kind != "callable":
             raise ValueError("batch_info=True needs a callable source (not an iterable or generator)")
         if name is not None and not isinstance(name, str):

@@ -50,6 +50,15 @@ CPU_WAIT_BUSY = 0.10
 # on (the cores minus what the source's own processes used): the machine is busy, rather than the
 # workers and the consumer crowding each other out.
 OTHERS_SHARE = 0.25
+# Busy workers that spend this share of their busy time or more neither on a CPU nor waiting
+# for one mostly wait on storage or the network: more samples in flight per worker is the fix,
+# not more workers (which a machine short of CPU would not run anyway).
+WAITING_SHARE = 0.5
+# ... provided the workers have work most of the time (else they wait for tasks, not storage).
+WAITING_BUSY = 0.5
+# The concurrency the diagnosis suggests grows by at most this factor at a time (the CPU share
+# is a coarse figure, and a server has its own limit).
+CONCURRENCY_STEP_MAX = 16
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,18 @@ class SourceStats:
     consumer_cpu_wait: Optional[float] = None  # the same for the thread taking the batches
     own_cpu_cores: Optional[float] = None  # cores used by this process and its workers, on average
     cores: int = 0  # cores this process may run on
+    concurrency: int = 1  # samples in flight at once per worker, at most (the source's setting)
+    in_flight_mean: float = 0.0  # samples in flight per worker on average while it was busy
+    worker_cpu_share: Optional[float] = None  # CPU time of the workers / their busy time
+    worker_runq_share: Optional[float] = None  # their time waiting for a CPU / their busy time
+
+    @property
+    def waiting_share(self) -> Optional[float]:
+        """The share of the workers' busy time spent neither on a CPU nor waiting for one:
+        waiting on I/O (storage, network, sleep). None when not measured."""
+        if self.worker_cpu_share is None:
+            return None
+        return max(0.0, 1.0 - self.worker_cpu_share - (self.worker_runq_share or 0.0))
 
     @property
     def wait_fraction(self) -> float:
@@ -172,6 +193,9 @@ class SourceStats:
             )
         if kind == "input-bound":
             head = f"Input-bound: the consumer waited {wait:.0%} of the time for batches. "
+            waiting = self._waiting_advice()
+            if waiting is not None:
+                return head + waiting
             if busy >= WORKERS_SATURATED:
                 per_worker = 1 / self.callback_median_s if self.callback_median_s else None
                 rate = f" (about {per_worker:,.0f} samples/s per worker)" if per_worker else ""
@@ -209,6 +233,27 @@ class SourceStats:
             f"(num_workers={self.num_workers + 1}) to get ahead."
         )
 
+    def _waiting_advice(self) -> Optional[str]:
+        """When busy workers mostly wait rather than compute: more concurrency is the fix."""
+        busy, waiting = self.mean_worker_busy, self.waiting_share
+        if waiting is None or busy < WAITING_BUSY or waiting < WAITING_SHARE:
+            return None
+        step = min(CONCURRENCY_STEP_MAX, max(2, math.ceil(1 / max(1 - waiting, 1e-3))))
+        suggested = self.concurrency * step
+        used = ""
+        if self.concurrency > 1 and self.in_flight_mean < self.concurrency / 2:
+            used = (f" Only {self.in_flight_mean:.1f} of concurrency={self.concurrency} samples were "
+                    f"in flight on average: a worker's task holds too few samples; take larger "
+                    f"batches (batch_size={self.batch_size * 2}).")
+            return (f"The workers are busy {busy:.0%} of the time and wait on I/O for {waiting:.0%} "
+                    f"of it (storage, network).{used}")
+        return (
+            f"The workers are busy {busy:.0%} of the time and wait on I/O for {waiting:.0%} of it "
+            f"(storage, network), {self.in_flight_mean:.1f} samples in "
+            f"flight per worker. More samples in flight, not more workers: "
+            f"concurrency={suggested} (an async def callback, or threads for a blocking one)."
+        )
+
     def __str__(self) -> str:
         def ms(value: Optional[float]) -> str:
             if value is None:
@@ -228,6 +273,11 @@ class SourceStats:
             f"  workers busy: {busy}",
             f"  callback per sample: median {ms(self.callback_median_s)}, p95 "
             f"{ms(self.callback_p95_s)}, max {ms(self.callback_max_s)}",
+            f"  in flight per worker: {self.in_flight_mean:.1f} samples on average (concurrency="
+            f"{self.concurrency}); of the workers' busy time: "
+            + ("n/a" if self.waiting_share is None else
+               f"{self.worker_cpu_share:.0%} on a CPU, {self.worker_runq_share or 0:.0%} waiting for "
+               f"one, {self.waiting_share:.0%} waiting on I/O"),
             f"  shared memory: {format_bytes(self.shared_memory_bytes)}",
         ]
         if self.own_cpu_cores is not None:
@@ -334,11 +384,14 @@ class StatsCollector:
     """The figures of one source as they come (see the module docstring).
 
     ``worker_pids``: the pids of the workers, by worker index, for the
-    scheduler's figures (``None``: workers not on this host).
+    scheduler's figures (``None``: workers not on this host); ``concurrency``:
+    the source's samples in flight per worker.
     """
 
-    def __init__(self, num_workers: int, worker_pids: Optional[Callable[[], List[int]]] = None):
+    def __init__(self, num_workers: int, worker_pids: Optional[Callable[[], List[int]]] = None,
+                 concurrency: int = 1):
         self.num_workers = num_workers
+        self.concurrency = concurrency
         self.sched = SchedWindow(worker_pids)
         self.reset()
 
@@ -357,10 +410,28 @@ class StatsCollector:
         self.weight = np.zeros(TIMINGS_KEPT, np.int64)  # samples in each group
         self.timed = 0  # groups recorded so far
         self.longest = 0.0
+        self.waited_ns = 0  # samples' time in flight, summed
+        self.cpu_ns = 0  # workers' CPU time over the tasks that measured it
+        self.runq_ns = 0  # their time waiting for a CPU
+        self.cpu_busy_ns = 0  # the busy time of those tasks
+        self.last_cpu: List[Optional[Tuple[int, int]]] = [None] * self.num_workers  # cumulative
+        self.busy_since_cpu: List[int] = [0] * self.num_workers  # busy ns since that reading
 
-    def task_done(self, worker: int, busy_ns: int, timed: Tuple[Tuple[int, int], ...]) -> None:
-        """A task of the source reported back (I/O thread, lock held)."""
+    def task_done(self, worker: int, busy_ns: int, timed: Tuple[Tuple[int, int], ...],
+                  waited_ns: int = 0, cpu_ns: int = -1, runq_ns: int = -1) -> None:
+        """A task of the source reported back (I/O thread, lock held); ``cpu_ns``/``runq_ns``
+        are the worker's cumulative counters (-1: not read with this task)."""
         self.busy_ns[worker] += busy_ns
+        self.waited_ns += waited_ns
+        self.busy_since_cpu[worker] += busy_ns
+        if cpu_ns >= 0:  # a reading (workers read their counters every so often, not per task)
+            last = self.last_cpu[worker]
+            if last is not None:  # the window counts from a worker's second reading on
+                self.cpu_ns += cpu_ns - last[0]
+                self.runq_ns += max(0, runq_ns - last[1])
+                self.cpu_busy_ns += self.busy_since_cpu[worker]
+            self.last_cpu[worker] = (cpu_ns, runq_ns)
+            self.busy_since_cpu[worker] = 0
         for samples, ns in timed:
             per_sample = ns / samples * 1e-9
             k = self.timed % TIMINGS_KEPT
@@ -397,6 +468,10 @@ class StatsCollector:
             ready_now=ready_now, shared_memory_bytes=shared_memory, num_workers=self.num_workers,
             prefetch=prefetch, batch_size=batch_size, workers_cpu_wait=workers_wait,
             consumer_cpu_wait=consumer_wait, own_cpu_cores=used, cores=cores,
+            concurrency=self.concurrency,
+            in_flight_mean=self.waited_ns / max(1, sum(self.busy_ns)),
+            worker_cpu_share=self.cpu_ns / self.cpu_busy_ns if self.cpu_busy_ns else None,
+            worker_runq_share=self.runq_ns / self.cpu_busy_ns if self.cpu_busy_ns else None,
         )
 
 

@@ -88,7 +88,7 @@ class ResultWriter:
             return failure(task, worker, getattr(exc, "position", produced.start), None, exc,
                            from_callback=False)
         return TaskDone(task.source_id, task.ticket, worker, produced.count, produced.stopped,
-                        spilled, overflow, produced.busy_ns, produced.timed, produced.notes)
+                        spilled, overflow, produced.busy_ns, produced.timed, notes=produced.notes)
 
     def close(self) -> None:
         """I/O thread (or once it is gone): unmaps and closes every slot."""

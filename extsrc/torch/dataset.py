@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
+from extsrc.engine.concurrent import is_async
 from extsrc.engine.source import ParallelSource
 from extsrc.errors import EmptyEpochError
 from extsrc.options import START_METHODS
@@ -205,6 +206,25 @@ class DatasetSamples:
         return self.layout.flatten(sample, record)
 
 
+class AsyncDatasetSamples(DatasetSamples):
+    """:class:`DatasetSamples` for a dataset with ``async def getitem_async(index)``: awaited on
+    the worker's event loop, up to ``concurrency`` at once."""
+
+    async def __call__(self, info: Any) -> Any:
+        if not _ProcessSeeded.done:
+            self._seed_process()
+        record = info.record
+        try:
+            sample = await self.dataset.getitem_async(record)
+        except Exception as exc:
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"(extsrc.torch: raised by dataset.getitem_async({record}))")
+            raise
+        if type(sample) is np.ndarray and self.layout.kind == SINGLE:
+            return sample
+        return self.layout.flatten(sample, record)
+
+
 def _start_method(context: Any) -> str:
     if context is None:
         return "fork"
@@ -234,6 +254,7 @@ def from_dataset(
     pin_memory: bool = False,
     device: Any = None,
     pickler: Any = None,
+    concurrency: int = 1,
     **dataloader_kwargs: Any,
 ) -> TorchLoader:
     """A :class:`~extsrc.torch.TorchLoader` over a map-style ``dataset``, in place of a DataLoader.
@@ -260,7 +281,10 @@ def from_dataset(
     or ``"auto"`` from torchrun's environment; shards are padded to equal
     length, as DistributedSampler's). Also ``device`` (CUDA tensors, copied
     on a side stream; see :class:`~extsrc.torch.TorchLoader`) and ``pickler``
-    (for spawn: see :class:`~extsrc.ParallelSource`).
+    (for spawn: see :class:`~extsrc.ParallelSource`), and ``concurrency``:
+    samples in flight per worker, for a dataset that waits on storage: its
+    ``__getitem__`` runs on that many threads per worker, or, if the dataset
+    has ``async def getitem_async(index)``, that is awaited instead.
 
     The workers start here (a DataLoader starts them at the first loop): with
     ``fork``, make the loader before CUDA is initialised (before
@@ -310,8 +334,9 @@ def from_dataset(
     order = Order(records, shuffle=shuffle, seed=seed, shard=shard, remainder="pad")
     base_seed = int(torch.empty((), dtype=torch.int64).random_().item())  # as DataLoader draws it
     try:
+        samples = AsyncDatasetSamples if is_async(getattr(dataset, "getitem_async", None)) else DatasetSamples
         source = ParallelSource(
-            DatasetSamples(dataset, layout, base_seed),
+            samples(dataset, layout, base_seed),
             batch_size,
             num_outputs=layout.num_outputs,
             num_workers=num_workers,
@@ -323,6 +348,7 @@ def from_dataset(
             timeout=timeout or None,
             order=order,
             name=f"from_dataset({type(dataset).__name__})",
+            concurrency=concurrency,
         )
     except EmptyEpochError:
         raise EmptyEpochError(

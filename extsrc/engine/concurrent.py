@@ -1,0 +1,324 @@
+"""Samples in flight together inside one worker: an event loop or a few threads.
+
+A callback that waits (on an object store, an HTTP server, a network file
+system) leaves a worker idle while it waits. With ``concurrency=N`` a worker
+keeps up to ``N`` samples of a task in flight:
+
+* :class:`AsyncEngine` awaits an ``async def`` callback on the worker's
+  event loop (one per worker process, made on first use, after the fork);
+* :class:`ThreadEngine` calls a plain callback on ``N`` daemon threads of
+  the worker (started on first use, after the fork; daemon so that a
+  request that never returns cannot keep the worker from exiting).
+
+The engines know samples only as ``(position, argument)`` jobs. Jobs start
+in position order; each finished sample is handed to ``deliver`` in the
+calling thread (the worker's main thread), as soon as it is back, so shared
+memory is only ever written from one thread. Whatever the timing, the
+outcome is that of running the jobs one by one: the first position (not the
+first in time) that raises ``StopIteration``, fails, or fails to be
+delivered decides it; jobs after it are cancelled (threads: their results
+dropped), jobs before it are waited for. A job in flight longer than
+``limit_s`` ends the run with a :class:`Hung` naming it and where it waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import queue
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
+
+_ENDED = object()  # an async callback raised StopIteration
+Job = Tuple[int, Any]  # (position, the callback's argument)
+Deliver = Callable[[int, Any], None]  # (position, value); raises to fail that position
+
+
+def is_async(callback: Any) -> bool:
+    """Whether calling ``callback`` gives a coroutine (``async def``, also as ``__call__``
+    or under ``functools.partial``)."""
+    while hasattr(callback, "func") and hasattr(callback, "args"):  # functools.partial
+        callback = callback.func
+    if inspect.iscoroutinefunction(callback):
+        return True
+    call = getattr(type(callback), "__call__", None)
+    return call is not None and inspect.iscoroutinefunction(call)
+
+
+class Hung(NamedTuple):
+    """A job that stayed in flight longer than the limit: where it was waiting."""
+
+    seconds: float
+    stack: str
+
+
+class Event(NamedTuple):
+    """What ended a run early, at ``position``: ``StopIteration``, the callback's exception
+    (``in_callback``), an exception from ``deliver``, or a :class:`Hung` job."""
+
+    position: int
+    error: Any  # BaseException or Hung
+    in_callback: bool
+
+
+class Outcome(NamedTuple):
+    """A run's result: the deciding :class:`Event` (None: every job delivered), and per
+    delivered job its time in flight (ns), in the order they came back."""
+
+    event: Optional[Event]
+    in_flight_ns: Tuple[int, ...]
+
+
+class _Run:
+    """Bookkeeping shared by both engines for one run."""
+
+    def __init__(self, deliver: Deliver):
+        self.deliver = deliver
+        self.event: Optional[Event] = None
+        self.times: List[int] = []
+
+    def cut(self, event: Event) -> None:
+        if self.event is None or event.position < self.event.position:
+            self.event = event
+
+    def wanted(self, position: int) -> bool:
+        return self.event is None or position < self.event.position
+
+    def finished(self, position: int, ok: bool, value: Any, ns: int) -> None:
+        if not self.wanted(position):
+            return
+        if not ok:
+            self.cut(Event(position, value, True))
+            return
+        try:
+            self.deliver(position, value)
+        except BaseException as exc:  # a bad sample, memory: this position fails
+            self.cut(Event(position, exc, False))
+            return
+        self.times.append(ns)
+
+    def outcome(self) -> Outcome:
+        return Outcome(self.event, tuple(self.times))
+
+
+class AsyncEngine:
+    """Runs an ``async def`` callback, up to ``concurrency`` calls at once, on this
+    process's event loop."""
+
+    def __init__(self, callback: Callable[[Any], Any], concurrency: int):
+        self.callback = callback
+        self.concurrency = concurrency
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The worker's event loop, made on first use (never inherited through a fork)."""
+        if self._loop is None:
+            asyncio.events._set_running_loop(None)  # a fork from inside a running loop leaves its mark
+            self._loop = asyncio.new_event_loop()
+        return self._loop
+
+    def call(self, argument: Any) -> Any:
+        """One call awaited to its end (batch mode); ``StopIteration`` raised inside the
+        coroutine (which Python turns into a ``RuntimeError``) comes out as itself."""
+        value, _ = self.loop.run_until_complete(self._one(argument))
+        if value is _ENDED:
+            raise StopIteration
+        return value
+
+    def run(self, jobs: Iterable[Job], deliver: Deliver, limit_s: Optional[float]) -> Outcome:
+        return self.loop.run_until_complete(self._run(iter(jobs), deliver, limit_s))
+
+    async def _one(self, argument: Any) -> Tuple[Any, int]:
+        began = time.perf_counter_ns()
+        try:
+            value = await self.callback(argument)
+        except RuntimeError as exc:
+            if not isinstance(exc.__cause__, StopIteration):
+                raise
+            value = _ENDED  # the coroutine raised StopIteration: the end of the epoch
+        return value, time.perf_counter_ns() - began
+
+    async def _run(self, jobs: Any, deliver: Deliver, limit_s: Optional[float]) -> Outcome:
+        loop = asyncio.get_running_loop()
+        run = _Run(deliver)
+        flying: Dict["asyncio.Task[Any]", Tuple[int, float]] = {}  # task -> (position, started)
+        finished: "asyncio.Queue[asyncio.Task[Any]]" = asyncio.Queue()
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(flying) < self.concurrency:
+                    job = next(jobs, None)
+                    if job is None or not run.wanted(job[0]):
+                        exhausted = True
+                        break
+                    position, argument = job
+                    task = loop.create_task(self._one(argument))
+                    task.add_done_callback(finished.put_nowait)  # O(1) per sample, unlike wait()
+                    flying[task] = (position, loop.time())
+                if not flying:
+                    return run.outcome()
+                if finished.empty() and limit_s is not None:
+                    timeout = max(0.0, min(s for _, s in flying.values()) + limit_s - loop.time())
+                    first = None
+                    try:
+                        first = await asyncio.wait_for(finished.get(), timeout)
+                    except asyncio.TimeoutError:
+                        self._cut_hung(run, flying, limit_s, loop.time())
+                    done = self._drain(finished, flying, first)
+                else:
+                    first = await finished.get() if finished.empty() else None
+                    done = self._drain(finished, flying, first)
+                for task in sorted(done, key=lambda t: flying[t][0]):
+                    position, _ = flying.pop(task)
+                    self._report(run, task, position)
+                for task, (position, _) in list(flying.items()):
+                    if not run.wanted(position):
+                        task.cancel()
+                        del flying[task]
+        finally:
+            for task in flying:
+                task.cancel()
+            if flying:
+                await asyncio.wait(flying)
+
+    @staticmethod
+    def _drain(finished: "asyncio.Queue[Any]", flying: Dict[Any, Any], first: Any) -> List[Any]:
+        done = [] if first is None else [first]
+        while not finished.empty():
+            done.append(finished.get_nowait())
+        return [task for task in done if task in flying]  # cancelled ones were dropped already
+
+    @staticmethod
+    def _report(run: _Run, task: "asyncio.Task[Any]", position: int) -> None:
+        error = asyncio.CancelledError() if task.cancelled() else task.exception()
+        if error is not None:
+            run.finished(position, False, error, 0)
+            return
+        value, ns = task.result()
+        if value is _ENDED:
+            run.finished(position, False, StopIteration(), ns)
+        else:
+            run.finished(position, True, value, ns)
+
+    @staticmethod
+    def _cut_hung(run: _Run, flying: Dict[Any, Tuple[int, float]], limit_s: float, now: float) -> None:
+        for task, (position, started) in sorted(flying.items(), key=lambda r: r[1][0]):
+            if now - started >= limit_s and run.wanted(position) and not task.done():
+                run.cut(Event(position, Hung(now - started, _task_stack(task)), True))
+                return
+
+
+def _task_stack(task: "asyncio.Task[Any]") -> str:
+    frames = task.get_stack()
+    lines = []
+    for frame in frames:
+        lines.extend(traceback.format_stack(frame, limit=1))
+    coro = task.get_coro()
+    inner = getattr(coro, "cr_await", None)
+    while inner is not None and hasattr(inner, "cr_frame") and inner.cr_frame is not None:
+        lines.extend(traceback.format_stack(inner.cr_frame, limit=1))
+        inner = getattr(inner, "cr_await", None)
+    return "".join(dict.fromkeys(lines))  # each frame once, outermost first
+
+
+_STOP = object()  # tells a worker thread to end
+
+
+class ThreadEngine:
+    """Calls a plain callback on ``concurrency`` threads of this process."""
+
+    def __init__(self, callback: Callable[[Any], Any], concurrency: int):
+        self.callback = callback
+        self.concurrency = concurrency
+        self._jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._results: "queue.SimpleQueue[Tuple[int, int, bool, Any, int]]" = queue.SimpleQueue()
+        self._threads: List[threading.Thread] = []
+        self._running: Dict[int, int] = {}  # run token -> thread ident, for a hung job's stack
+        self._tokens = 0
+        self._run_id = 0
+        self._live_run = 0  # jobs of any other run are skipped, not called
+        self._dropped: set = set()  # tokens of this run no longer wanted (after the deciding one)
+
+    def _ensure_threads(self) -> None:
+        """Started in the worker on first use; a thread lost to a hung call is replaced."""
+        alive = [t for t in self._threads if t.is_alive()]
+        self._threads = alive
+        while len(self._threads) < self.concurrency:
+            thread = threading.Thread(target=self._serve, name=f"extsrc-sample-{len(self._threads)}",
+                                      daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _serve(self) -> None:
+        callback, jobs, results, running = self.callback, self._jobs, self._results, self._running
+        ident = threading.get_ident()
+        while True:
+            job = jobs.get()
+            if job is _STOP:
+                return
+            run_id, token, argument = job
+            if run_id != self._live_run or token in self._dropped:
+                continue  # the run no longer wants it: a sequential run would not have called it
+            running[token] = ident
+            began = time.perf_counter_ns()
+            try:
+                value, ok = callback(argument), True
+            except BaseException as exc:
+                value, ok = exc, False
+            running.pop(token, None)
+            results.put((run_id, token, ok, value, time.perf_counter_ns() - began))
+
+    def run(self, jobs: Iterable[Job], deliver: Deliver, limit_s: Optional[float]) -> Outcome:
+        self._ensure_threads()
+        self._run_id += 1
+        run_id = self._live_run = self._run_id
+        self._dropped.clear()
+        try:
+            return self._run(run_id, jobs, deliver, limit_s)
+        finally:
+            self._live_run = 0
+
+    def _run(self, run_id: int, jobs: Iterable[Job], deliver: Deliver,
+             limit_s: Optional[float]) -> Outcome:
+        run = _Run(deliver)
+        jobs = iter(jobs)
+        flying: Dict[int, Tuple[int, float]] = {}  # token -> (position, started)
+        exhausted = False
+        while True:
+            while not exhausted and len(flying) < self.concurrency:
+                job = next(jobs, None)
+                if job is None or not run.wanted(job[0]):
+                    exhausted = True
+                    break
+                self._tokens += 1
+                flying[self._tokens] = (job[0], time.monotonic())
+                self._jobs.put((run_id, self._tokens, job[1]))
+            for token in [t for t, f in flying.items() if not run.wanted(f[0])]:
+                self._dropped.add(token)
+                del flying[token]
+            if not flying:
+                return run.outcome()
+            timeout = None
+            if limit_s is not None:
+                timeout = max(0.0, min(s for _, s in flying.values()) + limit_s - time.monotonic())
+            try:
+                got_run, token, ok, value, ns = self._results.get(timeout=timeout)
+            except queue.Empty:
+                token, (position, started) = min(flying.items(), key=lambda r: r[1][1])
+                ident = self._running.get(token)
+                frame = sys._current_frames().get(ident) if ident is not None else None
+                stack = "".join(traceback.format_stack(frame)) if frame is not None else "(not started)\n"
+                run.cut(Event(position, Hung(time.monotonic() - started, stack), True))
+                continue
+            if got_run != run_id or token not in flying:
+                continue  # a job of an earlier run, or one dropped after the outcome was cut
+            position, _ = flying.pop(token)
+            run.finished(position, ok, value, ns)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(_STOP)
