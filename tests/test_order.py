@@ -243,11 +243,12 @@ def stops_at_40(info):
     return np.array([info.record], np.int64)
 
 
-@pytest.mark.parametrize("shuffle", [False, True])
-def test_a_callback_ending_the_epoch_before_its_order_is_an_error_not_a_shorter_epoch(shuffle):
+@pytest.mark.parametrize("shuffle,concurrency", [(False, 1), (True, 1), (True, 4)])
+def test_a_callback_ending_the_epoch_before_its_order_is_an_error_not_a_shorter_epoch(shuffle, concurrency):
     from extsrc import EpochLengthError
 
-    with ParallelSource(stops_at_40, 8, num_workers=2, order=Order(100, shuffle=shuffle)) as src:
+    with ParallelSource(stops_at_40, 8, num_workers=2, order=Order(100, shuffle=shuffle),
+                        concurrency=concurrency) as src:
         assert len(src) == 12
         taken = 0
         with pytest.raises(EpochLengthError) as caught:
