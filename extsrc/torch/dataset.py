@@ -172,7 +172,8 @@ os.register_at_fork(after_in_child=_ProcessSeeded.forget)
 class DatasetSamples:
     """The callback run in the workers: ``dataset[info.record]``, flattened to arrays.
 
-    On its first call in each worker process it seeds the global generators
+    On its first call in each worker process it sets PyTorch to one intra-op
+    thread (as DataLoader's workers do) and seeds the global generators
     of ``random``, NumPy and PyTorch from ``base_seed`` and the process id, so
     that workers draw different numbers, as in a DataLoader's workers.
     """
@@ -182,7 +183,10 @@ class DatasetSamples:
         self.layout = layout
         self.base_seed = base_seed
 
-    def _seed_process(self) -> None:
+    def _set_up_process(self) -> None:
+        # One intra-op thread, as in a DataLoader's workers: a forked child does not have the
+        # parent's OpenMP threads, and its first parallel op would wait for them forever.
+        torch.set_num_threads(1)
         seeds = np.random.SeedSequence([self.base_seed, os.getpid()]).generate_state(3)
         python_seed, numpy_seed, torch_seed = (int(s) for s in seeds)
         random.seed(python_seed)
@@ -192,7 +196,7 @@ class DatasetSamples:
 
     def __call__(self, info: Any) -> Any:
         if not _ProcessSeeded.done:
-            self._seed_process()
+            self._set_up_process()
         record = info.record
         try:
             sample = self.dataset[record]
