@@ -137,6 +137,11 @@ class SourceSetup:
     last_batch: str = "drop"
     in_place: bool = False  # the callback gets SampleBuffers to write its samples into
     timed: bool = True  # report how long the callback takes (extsrc.engine.stats)
+    # Called as worker_init(worker_index, num_workers) in each worker before its first task, or
+    # None. When `pickled`, it is pickled with the callback, as (callback, worker_init), and
+    # this field is True.
+    worker_init: Any = None
+    num_workers: int = 1
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import enum
 import logging
 import os
 import time
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import numpy as np
 
@@ -144,6 +144,18 @@ class ParallelSource:
     ``stats_every=seconds`` also logs it to the ``extsrc`` logger that often;
     ``stats=False`` turns the collection off.
 
+    ``num_outputs="auto"``: each sample is a tuple of arrays, as many as the
+    first sample has (learnt from the workers' first results, so this
+    process never runs the callback to know it); every batch is a tuple of
+    that many outputs, and a sample with another number raises
+    :class:`~extsrc.errors.SampleError` at its batch. ``num_outputs`` then
+    tells the learnt number (0 before the first results).
+
+    ``worker_init(worker_index, num_workers)`` is called once in each worker
+    process (or Ray actor) before its first task, e.g. to open a per-worker
+    handle; an exception from it is the pool's setup failure, raised from
+    ``next()``. With ``spawn``/``forkserver`` it is pickled as the callback is.
+
     ``dtype``/``ndim`` (one value, or one per output) declare what samples
     must be. Workers start on first use or at ``start()``; ``close()`` (or
     ``with``) stops them and frees the shared memory no batch holds. ``pool``
@@ -184,6 +196,7 @@ class ParallelSource:
         stats_every: Optional[float] = None,
         backend: str = UNSET,
         ray_options: Optional[Dict[str, Any]] = UNSET,
+        worker_init: Optional[Callable[[int, int], None]] = None,
     ):
         given = {k: v for k, v in (("num_workers", num_workers), ("start_method", start_method),
                                    ("pickler", pickler), ("backend", backend),
@@ -218,11 +231,13 @@ class ParallelSource:
             raise ValueError("batch_info=True needs a callable source (not an iterable or generator)")
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str, got {name!r}")
+        if worker_init is not None and not callable(worker_init):
+            raise TypeError(f"worker_init must be a callable or None, got {type(worker_init).__name__}")
         self.source = source
         self.kind = kind
         self._pool = pool
         self._pid = os.getpid()
-        self._producer = Producer(source, kind, self.options, pool, name)
+        self._producer = Producer(source, kind, self.options, pool, name, worker_init)
         self.name = self._producer.name
         self._last_report = time.monotonic()
         self._epoch: Optional[Epoch] = None
@@ -238,7 +253,9 @@ class ParallelSource:
 
     @property
     def num_outputs(self) -> Optional[int]:
-        return self.options.num_outputs
+        """Outputs per sample (``None``: one array); with ``num_outputs="auto"``, as learnt
+        from the first results (0 until then)."""
+        return self._producer.num_outputs
 
     @property
     def prefetch(self) -> int:
@@ -437,7 +454,7 @@ class ParallelSource:
         # The arrays are made without the lock: the slot is the consumer's now, and its memory
         # is reached only through the lease.
         try:
-            outcome = pending.build(take.lease, decision.size, self.options.num_outputs)
+            outcome = pending.build(take.lease, decision.size, self._producer.num_outputs)
         except SampleError:
             take.pending = None  # not undone: the batch is bad; its slot returns with the lease
             with pool.lock:
@@ -551,7 +568,7 @@ class ParallelSource:
 
     def _finish(self, outcome: BatchOutput) -> BatchOutput:
         """Outputs that came uniform but spilled (the first batch) become one dense array."""
-        outputs = (outcome,) if self.options.num_outputs is None else outcome
+        outputs = (outcome,) if self._producer.num_outputs is None else outcome
         if all(samples.is_dense or not samples for samples in outputs):
             return outcome
         finished = []
@@ -559,7 +576,7 @@ class ParallelSource:
             if not samples.is_dense and samples and _uniform(samples):
                 samples = Batch(dense=np.stack(samples))  # a copy, for this batch only
             finished.append(samples)
-        return finished[0] if self.options.num_outputs is None else tuple(finished)
+        return finished[0] if self._producer.num_outputs is None else tuple(finished)
 
     def _timed_out(self, epoch: Epoch) -> SourceTimeoutError:
         stuck = []

@@ -2,201 +2,104 @@
 
 ``from_dataset(dataset, batch_size, shuffle=..., num_workers=..., ...)`` takes
 the arguments of ``torch.utils.data.DataLoader`` that have a meaning here and
-returns a :class:`~extsrc.torch.TorchLoader`: each epoch visits
-``extsrc.Order(len(dataset), shuffle=..., seed=...)``, a worker calls
-``dataset[info.record]`` for each sample and writes it (as NumPy) into shared
-memory, and the loader gives the batch as tensors shaped as DataLoader's
-default collation shapes them. The DataLoader arguments that do not map raise
+returns a :class:`DatasetLoader` (a :class:`~extsrc.torch.TorchLoader` with
+DataLoader's attributes): each epoch visits ``extsrc.Order(len(dataset),
+shuffle=..., seed=...)``, a worker calls ``dataset[info.record]`` for each
+sample and writes it, flattened to arrays (:mod:`extsrc.torch.structure`),
+into shared memory, and the loader gives the batch as tensors shaped as
+DataLoader's default collation shapes them. The DataLoader arguments that do not map raise
 ``TypeError`` saying what to do instead.
 """
 
 from __future__ import annotations
 
-import collections.abc
+import math
 import os
 import random
-from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+import warnings
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import default_collate
 
 from extsrc.engine.source import ParallelSource
 from extsrc.errors import EmptyEpochError
-from extsrc.options import START_METHODS
+from extsrc.options import AUTO_OUTPUTS, START_METHODS
 from extsrc.order import Order
 from extsrc.torch.loader import TorchLoader
+from extsrc.torch.structure import Collation, Flattener
 
-# Kinds of sample, and what a batch of them becomes (as torch's default_collate makes it).
-SINGLE, SEQUENCE, NAMEDTUPLE, MAPPING = "single", "sequence", "namedtuple", "mapping"
+_NUMERIC_KINDS = frozenset("biufc")
 
 # DataLoader arguments from_dataset refuses, with what to do instead.
 _NOT_MAPPED = {
     "sampler": "give shuffle=, seed= and shard= (an extsrc.Order decides the records of each epoch: "
                "shuffled by seed and epoch, shards as DistributedSampler's)",
     "batch_sampler": "give batch_size=, shuffle=, seed=, shard= and drop_last=",
-    "collate_fn": "samples are collated in shared memory (one dense tensor per field when the "
-                  "samples share shape and dtype, else a list of tensors); apply batch-level work "
-                  "to the tensors the loader yields, or use extsrc.ParallelSource(batch=True)",
-    "worker_init_fn": "set up per-worker state lazily in __getitem__ (on its first call in a "
-                      "worker) or in the dataset's __setstate__ (spawn); the global random "
-                      "generators are seeded per worker already",
+    "collate_fn": "samples are collated in shared memory as default_collate collates them (a "
+                  "field whose samples differ in shape gives a list of tensors); apply batch-level "
+                  "work to the tensors the loader yields, or use extsrc.ParallelSource(batch=True)",
     "generator": "give seed= (the shuffled order is keyed by seed and epoch)",
     "pin_memory_device": "give device= ('cuda:N') for CUDA tensors, or pin_memory=True",
 }
 
-
-_NUMERIC_KINDS = frozenset("biufc")
-
-
-def _to_array(value: Any, record: int, field: str) -> np.ndarray:
-    """One field of a sample as a NumPy array, as default_collate would make it a tensor."""
-    if type(value) is np.ndarray and value.dtype.kind in _NUMERIC_KINDS:
-        return value  # the common case, first
-    if isinstance(value, np.ndarray):
-        array = value
-    elif isinstance(value, torch.Tensor):
-        if value.device.type != "cpu":
-            raise TypeError(
-                f"dataset[{record}]{field} is a tensor on {value.device}; __getitem__ must return "
-                "CPU tensors (the workers are processes without CUDA)"
-            )
-        try:
-            array = value.detach().resolve_conj().resolve_neg().numpy()
-        except TypeError as exc:
-            raise TypeError(
-                f"dataset[{record}]{field} is a {value.dtype} tensor, which NumPy cannot hold "
-                f"({exc}); return another dtype (e.g. tensor.float())"
-            ) from None
-    elif isinstance(value, (bool, np.bool_)):
-        array = np.asarray(value, np.bool_)
-    elif isinstance(value, int):
-        array = np.asarray(value, np.int64)  # default_collate: a tensor of Python ints is int64
-    elif isinstance(value, float):
-        array = np.asarray(value, np.float64)  # and of Python floats float64
-    elif isinstance(value, np.generic) or hasattr(value, "__array__") or hasattr(value, "__array_interface__"):
-        array = np.asarray(value)
-    else:
-        raise TypeError(
-            f"dataset[{record}]{field} is a {type(value).__name__} ({value!r:.60}); from_dataset "
-            "carries arrays, tensors and numbers (a DataLoader would pass strings and other "
-            "objects through as lists): return numbers, or keep such fields out of the sample"
-        )
-    if array.dtype.kind not in _NUMERIC_KINDS:
-        raise TypeError(
-            f"dataset[{record}]{field} has dtype {array.dtype}; from_dataset carries numeric and "
-            "bool arrays only"
-        )
-    return array
+# The DataLoader attributes a from_dataset loader has, read-only once it is made (as DataLoader
+# refuses to change some of them after its construction: its iterators read them).
+DATALOADER_ATTRIBUTES = (
+    "dataset", "batch_size", "drop_last", "sampler", "batch_sampler", "num_workers", "collate_fn",
+    "pin_memory", "timeout", "worker_init_fn", "prefetch_factor", "persistent_workers",
+    "generator", "in_order", "multiprocessing_context",
+)
+DEFAULT_PREFETCH_FACTOR = 2  # DataLoader's: batches prepared ahead per worker
 
 
-@dataclass(frozen=True)
-class SampleLayout:
-    """What one sample of the dataset holds: one field, a sequence, a namedtuple or a mapping."""
-
-    kind: str
-    keys: Tuple[Any, ...]  # mapping keys, namedtuple fields, or positions
-    namedtuple: Any = None  # the namedtuple class
-
-    @classmethod
-    def of(cls, sample: Any) -> "SampleLayout":
-        """The layout of ``sample`` (``dataset[0]``); ``TypeError`` for nested containers."""
-        if isinstance(sample, collections.abc.Mapping):
-            layout = cls(MAPPING, tuple(sample.keys()))
-        elif isinstance(sample, tuple) and hasattr(sample, "_fields"):
-            layout = cls(NAMEDTUPLE, tuple(sample._fields), type(sample))
-        elif isinstance(sample, (tuple, list)):
-            layout = cls(SEQUENCE, tuple(range(len(sample))))
-        else:
-            return cls(SINGLE, ())
-        if not layout.keys:
-            raise TypeError(f"dataset[0] is an empty {type(sample).__name__}; a sample needs a field")
-        for key in layout.keys:
-            value = sample[key] if layout.kind != NAMEDTUPLE else getattr(sample, key)
-            if isinstance(value, (collections.abc.Mapping, tuple, list)):
-                raise TypeError(
-                    f"dataset[0][{key!r}] is a {type(value).__name__}: from_dataset takes samples "
-                    "of one level (an array, or a tuple, list, namedtuple or dict of arrays); "
-                    "flatten the nested fields"
-                )
-        return layout
-
-    @property
-    def num_outputs(self) -> Optional[int]:
-        return None if self.kind == SINGLE else len(self.keys)
-
-    def flatten(self, sample: Any, record: int) -> Any:
-        """``dataset[record]`` as the engine takes it: an array, or a tuple of arrays."""
-        if self.kind == SINGLE:
-            return _to_array(sample, record, "")
-        if self.kind == MAPPING:
-            # By key, as default_collate: the order of a sample's keys does not matter.
-            if not isinstance(sample, collections.abc.Mapping):
-                raise TypeError(f"dataset[{record}] is a {type(sample).__name__}, and dataset[0] a "
-                                f"mapping with the keys {list(self.keys)}")
-            if len(sample) != len(self.keys) or any(k not in sample for k in self.keys):
-                raise TypeError(f"dataset[{record}] holds the keys {list(sample.keys())}, and "
-                                f"dataset[0] {list(self.keys)}")
-            return tuple(_to_array(sample[k], record, f"[{k!r}]") for k in self.keys)
-        if not isinstance(sample, (tuple, list)) or len(sample) != len(self.keys):
-            what = f"{len(sample)} fields" if isinstance(sample, (tuple, list)) else type(sample).__name__
-            raise TypeError(f"dataset[{record}] holds {what}, and dataset[0] {len(self.keys)} fields")
-        return tuple(_to_array(value, record, f"[{k}]") for k, value in enumerate(sample))
-
-    def rebuild(self, outputs: Any) -> Any:
-        """A batch's tensors in the shape default_collate gives (a tuple sample gives a list)."""
-        if self.kind == SINGLE:
-            return outputs
-        if self.kind == MAPPING:
-            return dict(zip(self.keys, outputs))
-        if self.kind == NAMEDTUPLE:
-            return self.namedtuple(*outputs)
-        return list(outputs)
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
-class _ProcessSeeded:
-    """Whether this process's global generators were seeded for a dataset (forked children
-    start unseeded: they must not repeat their parent's or each other's draws)."""
+class WorkerStart:
+    """Run once in each worker before its first sample, as a DataLoader worker starts: one
+    PyTorch intra-op thread (a forked child does not have its parent's OpenMP threads, and its
+    first parallel op would wait for them forever), the global generators of ``random``,
+    NumPy and PyTorch seeded from ``base_seed`` and the worker's index, the worker's
+    ``torch.utils.data.get_worker_info()``, then the user's ``worker_init_fn(worker_id)``."""
 
-    done = False
+    def __init__(self, dataset: Any, base_seed: int, worker_init_fn: Optional[Callable[[int], None]]):
+        self.dataset = dataset
+        self.base_seed = base_seed
+        self.worker_init_fn = worker_init_fn
 
-    @classmethod
-    def forget(cls) -> None:
-        cls.done = False
+    def __call__(self, worker_index: int, num_workers: int) -> None:
+        from torch.utils.data._utils import worker as torch_worker
 
-
-os.register_at_fork(after_in_child=_ProcessSeeded.forget)
+        torch.set_num_threads(1)
+        seed = self.base_seed + worker_index  # as a DataLoader seeds its worker `worker_index`
+        random.seed(seed)
+        torch.manual_seed(seed)
+        np.random.seed(np.random.SeedSequence([self.base_seed, worker_index]).generate_state(4))
+        # What torch.utils.data.get_worker_info() returns in this process (PyTorch keeps it in
+        # this module variable, set by its own workers likewise).
+        torch_worker._worker_info = torch_worker.WorkerInfo(
+            id=worker_index, num_workers=num_workers, seed=seed, dataset=self.dataset)
+        if self.worker_init_fn is not None:
+            self.worker_init_fn(worker_index)
 
 
 class DatasetSamples:
-    """The callback run in the workers: ``dataset[info.record]``, flattened to arrays.
+    """The callback run in the workers: ``dataset[info.record]``, flattened to arrays (its
+    structure first, see :mod:`extsrc.torch.structure`)."""
 
-    On its first call in each worker process it sets PyTorch to one intra-op
-    thread (as DataLoader's workers do) and seeds the global generators
-    of ``random``, NumPy and PyTorch from ``base_seed`` and the process id, so
-    that workers draw different numbers, as in a DataLoader's workers.
-    """
-
-    def __init__(self, dataset: Any, layout: SampleLayout, base_seed: int):
+    def __init__(self, dataset: Any):
         self.dataset = dataset
-        self.layout = layout
-        self.base_seed = base_seed
-
-    def _set_up_process(self) -> None:
-        # One intra-op thread, as in a DataLoader's workers: a forked child does not have the
-        # parent's OpenMP threads, and its first parallel op would wait for them forever.
-        torch.set_num_threads(1)
-        seeds = np.random.SeedSequence([self.base_seed, os.getpid()]).generate_state(3)
-        python_seed, numpy_seed, torch_seed = (int(s) for s in seeds)
-        random.seed(python_seed)
-        np.random.seed(numpy_seed)
-        torch.manual_seed(torch_seed)
-        _ProcessSeeded.done = True
+        self.flatten = Flattener()
+        self._single = Flattener()(np.zeros(0), "")[0]  # the structure of one array
 
     def __call__(self, info: Any) -> Any:
-        if not _ProcessSeeded.done:
-            self._set_up_process()
         record = info.record
         try:
             sample = self.dataset[record]
@@ -204,9 +107,9 @@ class DatasetSamples:
             if hasattr(exc, "add_note"):  # Python 3.11+
                 exc.add_note(f"(extsrc.torch: raised by dataset[{record}])")
             raise
-        if type(sample) is np.ndarray and self.layout.kind == SINGLE:
-            return sample  # the common case, first; the engine checks its dtype
-        return self.layout.flatten(sample, record)
+        if type(sample) is np.ndarray and sample.dtype.kind in _NUMERIC_KINDS:
+            return self._single, sample  # the common case, first; the engine checks the rest
+        return self.flatten(sample, f"dataset[{record}]")
 
 
 def _start_method(context: Any) -> str:
@@ -221,15 +124,59 @@ def _start_method(context: Any) -> str:
     return method
 
 
+class DatasetLoader(TorchLoader):
+    """What :func:`from_dataset` returns: a :class:`~extsrc.torch.TorchLoader` with a
+    DataLoader's attributes (``dataset``, ``batch_size``, ``drop_last``, ``sampler``,
+    ``batch_sampler``, ``num_workers``, ``collate_fn``, ``pin_memory``, ``timeout``,
+    ``worker_init_fn``, ``prefetch_factor``, ``persistent_workers``, ``generator``,
+    ``in_order``, ``multiprocessing_context``), read-only once it is made: setting one raises
+    ``ValueError``, as DataLoader does. ``sampler`` and ``batch_sampler`` describe the order as
+    a DataLoader's would (sequential or random); the records come from the loader's
+    :class:`extsrc.Order`. ``len()`` is computed from ``len(dataset)`` when called, as
+    DataLoader's."""
+
+    _initialized = False
+
+    def _describe(self, attributes: dict, order: Order) -> None:
+        for name, value in attributes.items():
+            self.__dict__[name] = value  # pin_memory too, beside the class's property
+        object.__setattr__(self, "_order", order)
+        object.__setattr__(self, "_initialized", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._initialized and name in DATALOADER_ATTRIBUTES:
+            raise ValueError(f"{name} attribute should not be set after {type(self).__name__} is "
+                             "initialized (it describes how the running workers load batches)")
+        super().__setattr__(name, value)
+
+    @property  # type: ignore[override]
+    def pin_memory(self) -> bool:
+        """As given: with ``True`` and no CUDA, the loader warned and yields unpinned tensors."""
+        return self.__dict__.get("pin_memory", self._pin)
+
+    @pin_memory.setter
+    def pin_memory(self, value: bool) -> None:
+        self.__dict__["pin_memory"] = value  # reached only before _describe() ends
+
+    def __len__(self) -> int:
+        """Batches per epoch, from ``len(dataset)`` now (as DataLoader's ``len()``); with
+        ``shard=``, those of this shard."""
+        if self._order.shard[1] > 1:
+            return len(self.source)
+        records = len(self.dataset)
+        return records // self.batch_size if self.drop_last else math.ceil(records / self.batch_size)
+
+
 def from_dataset(
     dataset: Any,
     batch_size: Optional[int] = 1,
     *,
-    shuffle: bool = False,
+    shuffle: Optional[bool] = None,
     seed: int = 0,
     shard: Any = None,
     drop_last: bool = False,
     num_workers: int = 1,
+    worker_init_fn: Optional[Callable[[int], None]] = None,
     multiprocessing_context: Any = None,
     prefetch_factor: Optional[int] = None,
     timeout: float = 0,
@@ -239,39 +186,49 @@ def from_dataset(
     device: Any = None,
     pickler: Any = None,
     **dataloader_kwargs: Any,
-) -> TorchLoader:
-    """A :class:`~extsrc.torch.TorchLoader` over a map-style ``dataset``, in place of a DataLoader.
+) -> DatasetLoader:
+    """A :class:`DatasetLoader` (a :class:`~extsrc.torch.TorchLoader`) over a map-style
+    ``dataset``, in place of a DataLoader.
 
-    ``dataset`` has ``__len__`` and ``__getitem__(index)`` returning an
-    array, a tensor or a number, or a tuple, list, namedtuple or dict of
-    them (one level). Each batch is shaped as DataLoader's default collation
-    shapes it: one tensor per field with the batch along dimension 0 (a
-    field whose samples differ in shape gives a list of tensors instead of
-    an error), a tuple or list sample gives a list, a namedtuple a
-    namedtuple, a dict a dict. ``dataset[0]`` is read once in this process to
-    learn that layout.
+    ``dataset`` has ``__len__`` and ``__getitem__(index)``. Each batch is what
+    DataLoader's default collation makes of the samples: a tensor per array,
+    tensor or number field with the batch along dimension 0 (a field whose
+    samples differ in shape gives a list of tensors instead of an error), a
+    list of strings per string field, dicts, namedtuples and lists (for any
+    other sequence) nested as in the sample. Nothing of the dataset runs in
+    this process: the workers call ``dataset[index]``, and the layout of a
+    sample is learnt from their first results.
 
     Arguments as DataLoader's: ``batch_size``, ``shuffle``, ``drop_last``,
     ``num_workers`` (at least 1: the dataset always runs in worker
-    processes), ``multiprocessing_context`` (``"fork"`` by default,
-    ``"spawn"``, ``"forkserver"``, or such a context), ``prefetch_factor``
-    (batches per worker prepared ahead, default 2), ``timeout`` (seconds per
-    batch, 0 for none), ``pin_memory`` (the shared memory is page-locked
-    once: no pinning copy), ``persistent_workers`` and ``in_order`` (accepted:
-    the workers always persist until ``close()``, and batches always come in
-    order). Instead of a sampler: ``seed`` (the shuffled order of each epoch
-    is keyed by ``seed`` and the epoch) and ``shard`` (``(rank, world_size)``
-    or ``"auto"`` from torchrun's environment; shards are padded to equal
-    length, as DistributedSampler's). Also ``device`` (CUDA tensors, copied
-    on a side stream; see :class:`~extsrc.torch.TorchLoader`) and ``pickler``
-    (for spawn: see :class:`~extsrc.ParallelSource`).
+    processes), ``worker_init_fn(worker_id)`` (run in each worker before its
+    first sample, where ``torch.utils.data.get_worker_info()`` gives the
+    worker's ``id``, ``num_workers``, ``seed`` and ``dataset``),
+    ``multiprocessing_context`` (``"fork"`` by default, ``"spawn"``,
+    ``"forkserver"``, or such a context), ``prefetch_factor`` (batches per
+    worker prepared ahead, default 2), ``timeout`` (seconds per batch, 0 for
+    none; a late batch raises :class:`~extsrc.errors.SourceTimeoutError`, a
+    ``RuntimeError`` as DataLoader's), ``pin_memory`` (the shared memory is
+    page-locked once: no pinning copy; without CUDA a warning, as
+    DataLoader gives), ``persistent_workers`` and ``in_order`` (accepted: the
+    workers always persist until ``close()``, and batches always come in
+    order). Each worker uses one PyTorch thread and has its global
+    generators seeded from a base seed drawn here and its index, as
+    DataLoader's workers. Instead of a sampler: ``seed`` (the shuffled order
+    of each epoch is keyed by ``seed`` and the epoch) and ``shard``
+    (``(rank, world_size)`` or ``"auto"`` from torchrun's environment; shards
+    are padded to equal length, as DistributedSampler's). Also ``device``
+    (CUDA tensors, copied on a side stream; see
+    :class:`~extsrc.torch.TorchLoader`) and ``pickler`` (for spawn: see
+    :class:`~extsrc.ParallelSource`).
 
     The workers start here (a DataLoader starts them at the first loop): with
     ``fork``, make the loader before CUDA is initialised (before
-    ``model.cuda()``), or use ``multiprocessing_context="spawn"``.
-    ``len(loader)`` is the number of batches per epoch. Close the loader
-    (``close()`` or ``with``) to stop its workers. Raises ``TypeError`` for
-    DataLoader arguments that do not map here, saying what to use instead.
+    ``model.cuda()``), or use ``multiprocessing_context="spawn"``. Close the
+    loader (``close()`` or ``with``) to stop its workers. Raises
+    ``TypeError`` for DataLoader arguments that do not map here, saying what
+    to use instead; what the dataset raises, or a sample default collation
+    cannot carry, is raised at its batch.
     """
     for name in dataloader_kwargs:
         if name in _NOT_MAPPED:
@@ -290,6 +247,7 @@ def from_dataset(
             "batch_size=None (DataLoader's unbatched mode) is not supported: from_dataset always "
             "makes batches; use batch_size=1 and take sample 0"
         )
+    shuffle = bool(shuffle) if shuffle is None else shuffle
     for name, value in (("shuffle", shuffle), ("drop_last", drop_last), ("pin_memory", pin_memory),
                         ("persistent_workers", persistent_workers), ("in_order", in_order)):
         if not isinstance(value, bool):
@@ -304,29 +262,37 @@ def from_dataset(
     if prefetch_factor is not None and (isinstance(prefetch_factor, bool)
                                         or not isinstance(prefetch_factor, int) or prefetch_factor < 1):
         raise ValueError(f"prefetch_factor must be a positive int or None, got {prefetch_factor!r}")
+    if worker_init_fn is not None and not callable(worker_init_fn):
+        raise TypeError(f"worker_init_fn must be a callable or None, got {type(worker_init_fn).__name__}")
     start_method = _start_method(multiprocessing_context)
+    if isinstance(num_workers, int) and not isinstance(num_workers, bool) and num_workers > _usable_cpus():
+        warnings.warn(
+            f"from_dataset starts {num_workers} worker processes, and this process may use "
+            f"{_usable_cpus()} CPUs: more workers than CPUs slow loading down (and may exhaust "
+            "memory); give num_workers of at most the CPUs", UserWarning, stacklevel=2)
+    if pin_memory and not torch.cuda.is_available():
+        warnings.warn("pin_memory=True, and CUDA is not available here: the tensors are not pinned "
+                      "(page-locked) memory", UserWarning, stacklevel=2)
     records = len(dataset)
     if records == 0:
         raise ValueError("the dataset is empty (len(dataset) == 0)")
-    first = dataset[0]
-    layout = SampleLayout.of(first)
-    layout.flatten(first, 0)  # a field that cannot be carried is an error here, not in a worker
     order = Order(records, shuffle=shuffle, seed=seed, shard=shard, remainder="pad")
     base_seed = int(torch.empty((), dtype=torch.int64).random_().item())  # as DataLoader draws it
     try:
         source = ParallelSource(
-            DatasetSamples(dataset, layout, base_seed),
+            DatasetSamples(dataset),
             batch_size,
-            num_outputs=layout.num_outputs,
+            num_outputs=AUTO_OUTPUTS,
             num_workers=num_workers,
             start_method=start_method,
             pickler=pickler,
-            prefetch=None if prefetch_factor is None or not isinstance(num_workers, int)
-            else prefetch_factor * num_workers,
+            prefetch=None if not isinstance(num_workers, int)
+            else (prefetch_factor or DEFAULT_PREFETCH_FACTOR) * num_workers,
             last_batch="drop" if drop_last else "partial",
             timeout=timeout or None,
             order=order,
             name=f"from_dataset({type(dataset).__name__})",
+            worker_init=WorkerStart(dataset, base_seed, worker_init_fn),
         )
     except EmptyEpochError:
         raise EmptyEpochError(
@@ -339,4 +305,16 @@ def from_dataset(
     except BaseException:
         source.close()
         raise
-    return TorchLoader._owning(source, device=device, pin_memory=pin_memory, rebuild=layout.rebuild)
+    loader = DatasetLoader._owning(source, device=device,
+                                   pin_memory=pin_memory and torch.cuda.is_available(),
+                                   rebuild=Collation())
+    sampler = RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
+    loader._describe(dict(
+        dataset=dataset, batch_size=batch_size, drop_last=drop_last, sampler=sampler,
+        batch_sampler=BatchSampler(sampler, batch_size, drop_last), num_workers=num_workers,
+        collate_fn=default_collate, pin_memory=pin_memory, timeout=timeout,
+        worker_init_fn=worker_init_fn, prefetch_factor=prefetch_factor or DEFAULT_PREFETCH_FACTOR,
+        persistent_workers=persistent_workers, generator=None, in_order=in_order,
+        multiprocessing_context=multiprocessing_context,
+    ), order)
+    return loader
