@@ -109,9 +109,10 @@ def load_source(setup: SourceSetup, pickler: Any) -> Tuple[Any, Any]:
     """The source's callback and ``worker_init`` in a worker (unpickled if they were pickled)."""
     if not setup.pickled:
         return setup.callback, setup.worker_init
+    loaded = pickler.loads(setup.callback)
     if setup.worker_init is None:
-        return pickler.loads(setup.callback), None
-    callback, worker_init = pickler.loads(setup.callback)  # pickled together (objects shared)
+        return loaded, None
+    callback, worker_init = loaded  # pickled together, so that objects they share stay shared
     return callback, worker_init
 
 

@@ -187,15 +187,20 @@ class Collation:
                 )
 
 
-def _rebuild(structure: Structure, tensors: Tuple[Any, ...], position: Any) -> Any:
+def _rebuild(structure: Structure, tensors: Tuple[Any, ...], position: Any,
+             transposed: bool = False) -> Any:
     kind = structure[0]
     if kind == ARRAY:
         return tensors[next(position)]
     if kind in (STRING, BYTES):
         values = tensors[next(position)]
         rows = [bytes(row.numpy()) for row in values]
-        return [row.decode("utf-8") for row in rows] if kind == STRING else rows
-    children = [_rebuild(child, tensors, position) for child in structure[2]]
+        strings = [row.decode("utf-8") for row in rows] if kind == STRING else rows
+        # default_collate passes strings on as it got them: a tuple from transposing a
+        # sequence's fields, a list for a dict's field or the batch itself.
+        return tuple(strings) if transposed else strings
+    in_sequence = kind != MAPPING
+    children = [_rebuild(child, tensors, position, in_sequence) for child in structure[2]]
     if kind == MAPPING:
         mapping_type, keys, canonical = structure[1]
         by_key = dict(zip(canonical, children))
