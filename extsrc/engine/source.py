@@ -573,7 +573,9 @@ class ParallelSource:
             return outcome
         finished = []
         for samples in outputs:
-            if not samples.is_dense and samples and _uniform(samples):
+            if not samples.is_dense and len(samples) == 1:
+                samples = Batch(dense=samples[0][np.newaxis])  # one sample: a view, no copy
+            elif not samples.is_dense and samples and _uniform(samples):
                 samples = Batch(dense=np.stack(samples))  # a copy, for this batch only
             finished.append(samples)
         return finished[0] if self._producer.num_outputs is None else tuple(finished)

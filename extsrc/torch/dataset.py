@@ -22,14 +22,14 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
-from torch.utils.data import default_collate
+from torch.utils.data import default_collate, default_convert
 
 from extsrc.engine.source import ParallelSource
 from extsrc.errors import EmptyEpochError
 from extsrc.options import AUTO_OUTPUTS, START_METHODS
-from extsrc.order import Order
+from extsrc.order import Order, RecordCache
 from extsrc.torch.loader import TorchLoader
-from extsrc.torch.structure import Collation, Flattener
+from extsrc.torch.structure import Collation, Flattener, pack_whole, unpack_whole
 
 _NUMERIC_KINDS = frozenset("biufc")
 
@@ -38,9 +38,6 @@ _NOT_MAPPED = {
     "sampler": "give shuffle=, seed= and shard= (an extsrc.Order decides the records of each epoch: "
                "shuffled by seed and epoch, shards as DistributedSampler's)",
     "batch_sampler": "give batch_size=, shuffle=, seed=, shard= and drop_last=",
-    "collate_fn": "samples are collated in shared memory as default_collate collates them (a "
-                  "field whose samples differ in shape gives a list of tensors); apply batch-level "
-                  "work to the tensors the loader yields, or use extsrc.ParallelSource(batch=True)",
     "generator": "give seed= (the shuffled order is keyed by seed and epoch)",
     "pin_memory_device": "give device= ('cuda:N') for CUDA tensors, or pin_memory=True",
 }
@@ -112,6 +109,47 @@ class DatasetSamples:
         return self.flatten(sample, f"dataset[{record}]")
 
 
+class CollatedBatches:
+    """The callback run in the workers with a user's ``collate_fn`` (or ``batch_size=None``):
+    record ``b`` of the source's order is batch ``b`` of the epoch, made of the records at
+    positions ``b * batch_size`` on of ``sample_order`` (each alone with ``batch_size=None``),
+    collated by ``collate_fn`` here in the worker and written, as it came, into the batch's
+    shared memory (:func:`~extsrc.torch.structure.pack_whole`)."""
+
+    def __init__(self, dataset: Any, batch_size: Optional[int], collate_fn: Callable[[Any], Any],
+                 sample_order: Order):
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.collate_fn = collate_fn
+        self.sample_order = sample_order
+        self._records: Optional[RecordCache] = None  # made in the worker
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_records": None}
+
+    def __call__(self, info: Any, buffers: Any) -> Any:
+        if self._records is None:
+            self._records = RecordCache(self.sample_order)
+        epoch = info.epoch_idx
+        if self.batch_size is None:
+            index = self._records.get(epoch, info.record, info.record + 1)[0]
+            samples: Any = self._fetch(index)
+        else:
+            start = info.record * self.batch_size
+            stop = min(start + self.batch_size, len(self.sample_order))
+            samples = [self._fetch(index) for index in self._records.get(epoch, start, stop)]
+        batch = self.collate_fn(samples)
+        return pack_whole(batch, buffers, f"collate_fn's batch {info.record}")
+
+    def _fetch(self, index: int) -> Any:
+        try:
+            return self.dataset[index]
+        except Exception as exc:
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(f"(extsrc.torch: raised by dataset[{index}])")
+            raise
+
+
 def _start_method(context: Any) -> str:
     if context is None:
         return "fork"
@@ -164,6 +202,8 @@ class DatasetLoader(TorchLoader):
         if self._order.shard[1] > 1:
             return len(self.source)
         records = len(self.dataset)
+        if self.batch_size is None:
+            return records
         return records // self.batch_size if self.drop_last else math.ceil(records / self.batch_size)
 
 
@@ -176,6 +216,7 @@ def from_dataset(
     shard: Any = None,
     drop_last: bool = False,
     num_workers: int = 1,
+    collate_fn: Optional[Callable[[Any], Any]] = None,
     worker_init_fn: Optional[Callable[[int], None]] = None,
     multiprocessing_context: Any = None,
     prefetch_factor: Optional[int] = None,
@@ -242,11 +283,11 @@ def from_dataset(
             f"{type(dataset).__name__}; for an iterable, use extsrc.ParallelSource(generator_function, "
             "batch_size, batch=True)"
         )
-    if batch_size is None:
-        raise ValueError(
-            "batch_size=None (DataLoader's unbatched mode) is not supported: from_dataset always "
-            "makes batches; use batch_size=1 and take sample 0"
-        )
+    if collate_fn is not None and not callable(collate_fn):
+        raise TypeError(f"collate_fn must be a callable or None, got {type(collate_fn).__name__}")
+    if batch_size is None and drop_last:
+        raise ValueError("batch_size=None option disables auto-batching and is mutually exclusive "
+                         "with drop_last")
     shuffle = bool(shuffle) if shuffle is None else shuffle
     for name, value in (("shuffle", shuffle), ("drop_last", drop_last), ("pin_memory", pin_memory),
                         ("persistent_workers", persistent_workers), ("in_order", in_order)):
@@ -278,11 +319,32 @@ def from_dataset(
         raise ValueError("the dataset is empty (len(dataset) == 0)")
     order = Order(records, shuffle=shuffle, seed=seed, shard=shard, remainder="pad")
     base_seed = int(torch.empty((), dtype=torch.int64).random_().item())  # as DataLoader draws it
+    # The samples collated in shared memory (the fast path), or whole batches, each made by a
+    # collate_fn in a worker: then the source's order is one of batches, one per source batch.
+    default = collate_fn in (None, default_collate) and batch_size is not None
+    if batch_size is None:
+        collate_fn = default_convert if collate_fn is None else collate_fn
+    else:
+        collate_fn = default_collate if collate_fn is None else collate_fn
+    if default:
+        callback: Any = DatasetSamples(dataset)
+        source_order, source_batch = order, batch_size
+    else:
+        callback = CollatedBatches(dataset, batch_size, collate_fn, order)
+        batches = len(order) if batch_size is None else (
+            len(order) // batch_size if drop_last else math.ceil(len(order) / batch_size))
+        if batches == 0:
+            raise EmptyEpochError(
+                f"{len(order)} records (this shard's, of len(dataset) == {records}) make no batch "
+                f"of batch_size={batch_size} with drop_last=True; give drop_last=False or a "
+                f"batch_size of at most {len(order)} (a DataLoader would yield no batch at all)")
+        source_order, source_batch = Order(batches), 1
     try:
         source = ParallelSource(
-            DatasetSamples(dataset),
-            batch_size,
-            num_outputs=AUTO_OUTPUTS,
+            callback,
+            source_batch,
+            num_outputs=AUTO_OUTPUTS if default else 2,
+            in_place=not default,
             num_workers=num_workers,
             start_method=start_method,
             pickler=pickler,
@@ -290,7 +352,7 @@ def from_dataset(
             else (prefetch_factor or DEFAULT_PREFETCH_FACTOR) * num_workers,
             last_batch="drop" if drop_last else "partial",
             timeout=timeout or None,
-            order=order,
+            order=source_order,
             name=f"from_dataset({type(dataset).__name__})",
             worker_init=WorkerStart(dataset, base_seed, worker_init_fn),
         )
@@ -307,12 +369,12 @@ def from_dataset(
         raise
     loader = DatasetLoader._owning(source, device=device,
                                    pin_memory=pin_memory and torch.cuda.is_available(),
-                                   rebuild=Collation())
+                                   rebuild=Collation() if default else unpack_whole)
     sampler = RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
     loader._describe(dict(
         dataset=dataset, batch_size=batch_size, drop_last=drop_last, sampler=sampler,
-        batch_sampler=BatchSampler(sampler, batch_size, drop_last), num_workers=num_workers,
-        collate_fn=default_collate, pin_memory=pin_memory, timeout=timeout,
+        batch_sampler=None if batch_size is None else BatchSampler(sampler, batch_size, drop_last),
+        num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory, timeout=timeout,
         worker_init_fn=worker_init_fn, prefetch_factor=prefetch_factor or DEFAULT_PREFETCH_FACTOR,
         persistent_workers=persistent_workers, generator=None, in_order=in_order,
         multiprocessing_context=multiprocessing_context,

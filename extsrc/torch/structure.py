@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import collections.abc
 import pickle
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
 
-# Leaf kinds, and container kinds, in a structure tree.
-ARRAY, STRING, BYTES = "array", "str", "bytes"
+# Leaf kinds, and container kinds, in a structure tree. SCALAR and PICKLED only in what a
+# user's collate_fn returns (a whole batch): a Python number, and any other object, given back
+# as they are.
+ARRAY, STRING, BYTES, SCALAR, PICKLED = "array", "str", "bytes", "scalar", "pickled"
+LEAVES = frozenset((ARRAY, STRING, BYTES, SCALAR, PICKLED))
 MAPPING, NAMEDTUPLE, SEQUENCE = "mapping", "namedtuple", "sequence"
 
 Structure = Tuple[Any, ...]  # (kind,) for a leaf, (kind, type or keys, children) for a container
@@ -67,11 +70,21 @@ def _leaf_array(value: Any, where: str) -> np.ndarray:
     return array
 
 
-def flatten(sample: Any, leaves: List[np.ndarray], where: str = "") -> Structure:
-    """Appends the leaves of ``sample`` to ``leaves`` and returns its structure."""
+def flatten(sample: Any, leaves: List[np.ndarray], where: str = "", whole: bool = False) -> Structure:
+    """Appends the leaves of ``sample`` to ``leaves`` and returns its structure. ``whole``: a
+    batch made by a collate_fn, whose numbers and other objects come back as they are."""
     if isinstance(sample, (np.ndarray, torch.Tensor)):
-        leaves.append(_leaf_array(sample, where))
-        return (ARRAY,)
+        if not whole or (isinstance(sample, np.ndarray) and sample.dtype.kind in _NUMERIC_KINDS):
+            leaves.append(_leaf_array(sample, where))
+            return (ARRAY,)
+        if isinstance(sample, torch.Tensor) and sample.device.type == "cpu":
+            try:
+                leaves.append(_leaf_array(sample, where))
+                return (ARRAY,)
+            except TypeError:
+                pass  # a dtype NumPy cannot hold: pickled
+        leaves.append(np.frombuffer(pickle.dumps(sample, protocol=pickle.HIGHEST_PROTOCOL), np.uint8))
+        return (PICKLED,)
     if isinstance(sample, str):
         leaves.append(np.frombuffer(sample.encode("utf-8"), np.uint8))
         return (STRING,)
@@ -83,23 +96,32 @@ def flatten(sample: Any, leaves: List[np.ndarray], where: str = "") -> Structure
         # whose keys come in another order still give each output the same field.
         keys = tuple(sample.keys())
         canonical = tuple(sorted(keys, key=repr))
-        children = tuple(flatten(sample[k], leaves, f"{where}[{k!r}]") for k in canonical)
+        children = tuple(flatten(sample[k], leaves, f"{where}[{k!r}]", whole) for k in canonical)
         kind = type(sample) if type(sample) in (dict, collections.OrderedDict) else dict
         return (MAPPING, (kind, keys, canonical), children)
     if isinstance(sample, tuple) and hasattr(sample, "_fields"):
-        children = tuple(flatten(v, leaves, f"{where}.{f}") for f, v in zip(sample._fields, sample))
+        children = tuple(flatten(v, leaves, f"{where}.{f}", whole) for f, v in zip(sample._fields, sample))
         return (NAMEDTUPLE, type(sample), children)
     if isinstance(sample, collections.abc.Sequence):
-        children = tuple(flatten(v, leaves, f"{where}[{k}]") for k, v in enumerate(sample))
-        return (SEQUENCE, None, children)
-    leaves.append(_leaf_array(sample, where))
-    return (ARRAY,)
+        children = tuple(flatten(v, leaves, f"{where}[{k}]", whole) for k, v in enumerate(sample))
+        return (SEQUENCE, type(sample) if type(sample) in (tuple, list) else list, children)
+    if not whole:
+        leaves.append(_leaf_array(sample, where))
+        return (ARRAY,)
+    if isinstance(sample, (bool, int, float)) and not isinstance(sample, np.generic):
+        leaves.append(_leaf_array(sample, where))
+        return (SCALAR,)
+    if isinstance(sample, np.generic) and sample.dtype.kind in _NUMERIC_KINDS:
+        leaves.append(np.asarray(sample))
+        return (ARRAY,)
+    leaves.append(np.frombuffer(pickle.dumps(sample, protocol=pickle.HIGHEST_PROTOCOL), np.uint8))
+    return (PICKLED,)
 
 
 def _canonical(structure: Structure) -> Structure:
     """``structure`` without the order of its dicts' keys."""
     kind = structure[0]
-    if kind in (ARRAY, STRING, BYTES):
+    if kind in LEAVES:
         return structure
     detail = structure[1]
     if kind == MAPPING:
@@ -109,13 +131,15 @@ def _canonical(structure: Structure) -> Structure:
 
 def _describe(structure: Structure) -> str:
     kind = structure[0]
-    if kind in (ARRAY, STRING, BYTES):
-        return {ARRAY: "tensor", STRING: "str", BYTES: "bytes"}[kind]
+    if kind in LEAVES:
+        return {ARRAY: "tensor", STRING: "str", BYTES: "bytes"}.get(kind, kind)
     if kind == MAPPING:
         keys = structure[1][-1]  # the canonical order of the keys, that of the children
         return "{" + ", ".join(f"{k!r}: {_describe(c)}" for k, c in zip(keys, structure[2])) + "}"
     inner = ", ".join(_describe(c) for c in structure[2])
-    return f"{structure[1].__name__}({inner})" if kind == NAMEDTUPLE else f"[{inner}]"
+    if kind == NAMEDTUPLE:
+        return f"{structure[1].__name__}({inner})"
+    return f"({inner})" if structure[1] is tuple else f"[{inner}]"
 
 
 class Flattener:
@@ -208,3 +232,77 @@ def _rebuild(structure: Structure, tensors: Tuple[Any, ...], position: Any,
     if kind == NAMEDTUPLE:
         return structure[1](*children)
     return children
+
+
+def _rebuild_whole(structure: Structure, leaves: Tuple[Any, ...], position: Any) -> Any:
+    """A batch a collate_fn made, as it made it: tensors (views of the shared memory), strings,
+    numbers and other objects in the same containers."""
+    kind = structure[0]
+    if kind == ARRAY:
+        return leaves[next(position)]
+    if kind in (STRING, BYTES, PICKLED):
+        data = bytes(leaves[next(position)].numpy())
+        return data.decode("utf-8") if kind == STRING else pickle.loads(data) if kind == PICKLED else data
+    if kind == SCALAR:
+        return leaves[next(position)].item()
+    children = [_rebuild_whole(child, leaves, position) for child in structure[2]]
+    if kind == MAPPING:
+        mapping_type, keys, canonical = structure[1]
+        by_key = dict(zip(canonical, children))
+        return mapping_type((key, by_key[key]) for key in keys)
+    if kind == NAMEDTUPLE:
+        return structure[1](*children)
+    return structure[1](children)
+
+
+# -- whole batches (made by a collate_fn in the worker) -------------------------------------------
+#
+# A collate_fn may return any structure, of any number of leaves, batch after batch. Each batch
+# travels as one sample of two outputs: its description (structure, and each leaf's dtype, shape
+# and offset), and one byte buffer, in shared memory, that the leaves are written into (once).
+
+LEAF_ALIGN = 64  # bytes: each leaf starts on a cache line, and any dtype can view it
+
+
+class PackedLayout(NamedTuple):
+    structure: Structure
+    leaves: Tuple[Tuple[str, Tuple[int, ...], int], ...]  # (dtype.str, shape, offset) per leaf
+
+
+def pack_whole(batch: Any, buffers: Any, where: str) -> Tuple[np.ndarray, np.ndarray]:
+    """``batch`` as (description, buffer); ``buffers.array(n, np.uint8, output=1)`` (the
+    engine's :class:`~extsrc.engine.runner.SampleBuffers`) gives the buffer in shared memory."""
+    leaves: List[np.ndarray] = []
+    structure = flatten(batch, leaves, where, whole=True)
+    placed = []
+    offset = 0
+    for leaf in leaves:
+        placed.append((leaf.dtype.str, tuple(leaf.shape), offset))
+        offset += -(-leaf.nbytes // LEAF_ALIGN) * LEAF_ALIGN
+    buffer = buffers.array(offset, np.uint8, output=1)
+    for leaf, (_dtype, _shape, start) in zip(leaves, placed):
+        if leaf.nbytes:
+            target = buffer[start:start + leaf.nbytes].view(leaf.dtype).reshape(leaf.shape)
+            np.copyto(target, leaf)
+    description = pickle.dumps(PackedLayout(structure, tuple(placed)), protocol=pickle.HIGHEST_PROTOCOL)
+    return np.frombuffer(description, np.uint8), buffer
+
+
+def unpack_whole(tensors: Tuple[Any, Any]) -> Any:
+    """A batch packed by :func:`pack_whole` (the source's one-sample batch as tensors), with
+    its tensors views of the shared memory."""
+    description, buffer = (t[0] for t in tensors)
+    layout: PackedLayout = pickle.loads(description.numpy().tobytes())
+    leaves = []
+    for dtype, shape, offset in layout.leaves:
+        array = np.dtype(dtype)
+        nbytes = array.itemsize * int(np.prod(shape, dtype=np.int64))
+        piece = buffer[offset:offset + nbytes]
+        leaves.append(piece.view(_TORCH_DTYPES[array]).reshape(shape) if nbytes else
+                      torch.from_numpy(np.empty(shape, array)))
+    return _rebuild_whole(layout.structure, tuple(leaves), iter(range(len(leaves))))
+
+
+_TORCH_DTYPES = {np.dtype(d): torch.from_numpy(np.empty(0, d)).dtype for d in (
+    np.bool_, np.uint8, np.int8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
+    np.float16, np.float32, np.float64, np.complex64, np.complex128)}

@@ -222,3 +222,52 @@ def _same(ours, theirs, where=""):
             _same(a, b, f"{where}[{k}]")
     else:
         assert ours == theirs, where
+
+
+class _Pairs(torch.utils.data.Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return torch.arange(4096, dtype=torch.float32) + i, i
+
+
+def _padded(samples):
+    """A collate_fn of the kind users write: stacked tensors, a count, names, an object."""
+    return {"x": torch.stack([s[0] for s in samples]), "count": len(samples),
+            "names": [f"#{s[1]}" for s in samples], "extra": None,
+            "ids": tuple(torch.tensor(s[1]) for s in samples)}
+
+
+def _in_shared_memory(tensor):
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "extsrc:" in line:
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                if start <= tensor.data_ptr() < end:
+                    return True
+    return False
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(batch_size=3, collate_fn=_padded),
+    dict(batch_size=4, collate_fn=_padded, drop_last=True),
+    dict(batch_size=3, collate_fn=lambda samples: samples),  # the last batch has fewer leaves
+    dict(batch_size=None),
+    dict(batch_size=None, collate_fn=lambda sample: sample[1] * 2),
+])
+def test_collate_fn_and_batch_size_none_give_a_dataloaders_batches(kwargs):
+    theirs = list(DataLoader(_Pairs(), **kwargs))
+    with from_dataset(_Pairs(), num_workers=2, **kwargs) as loader:
+        assert len(loader) == len(theirs)
+        ours = list(loader)
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        _same(a, b)
+
+
+def test_tensors_a_collate_fn_returns_come_through_shared_memory():
+    with from_dataset(_Pairs(), batch_size=3, collate_fn=_padded, num_workers=2) as loader:
+        batches = list(loader)
+        assert all(_in_shared_memory(b["x"]) for b in batches)  # not pickled: views of the batch
+        assert [b["x"][:, 0].tolist() for b in batches] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
