@@ -17,7 +17,7 @@ import math
 import os
 import random
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -162,7 +162,92 @@ def _start_method(context: Any) -> str:
     return method
 
 
-class DatasetLoader(TorchLoader):
+class _DataLoaderAttributes:
+    """DataLoader's attributes (:data:`DATALOADER_ATTRIBUTES`), read-only once described, and
+    ``len()`` as DataLoader computes it."""
+
+    _initialized = False
+
+    def _describe(self, attributes: dict, order: Order) -> None:
+        for name, value in attributes.items():
+            self.__dict__[name] = value  # pin_memory too, beside a class's property
+        object.__setattr__(self, "_order", order)
+        object.__setattr__(self, "_initialized", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._initialized and name in DATALOADER_ATTRIBUTES:
+            raise ValueError(f"{name} attribute should not be set after {type(self).__name__} is "
+                             "initialized (it describes how the running workers load batches)")
+        super().__setattr__(name, value)
+
+    def __len__(self) -> int:
+        """Batches per epoch, from ``len(dataset)`` now (as DataLoader's ``len()``); with
+        ``shard=``, those of this shard."""
+        records = len(self._order) if self._order.shard[1] > 1 else len(self.dataset)
+        if self.batch_size is None:
+            return records
+        return records // self.batch_size if self.drop_last else math.ceil(records / self.batch_size)
+
+
+class InProcessLoader(_DataLoaderAttributes):
+    """What :func:`from_dataset` returns for ``num_workers=0``: the dataset runs in this
+    process, in the loop, as a DataLoader's does without workers (to debug a dataset: its
+    breakpoints and prints are here). Each ``for`` loop is one epoch of the order; batches are
+    those the workers would give. ``close()`` and ``with`` are accepted (nothing to stop)."""
+
+    def __init__(self, dataset: Any, order: Order, batch_size: Optional[int], drop_last: bool,
+                 collate: Optional[Callable[[Any], Any]]):
+        self._dataset = dataset
+        self._sample_order = order
+        self._batch = batch_size
+        self._drop = drop_last
+        self._collate = collate  # None: as the workers collate (see _default_batch)
+        self._flatten = Flattener()
+        self._rebuild = Collation()
+        self._next_epoch = 0
+        self._closed = False
+
+    def __iter__(self) -> Any:
+        if self._closed:
+            raise ValueError("this loader is closed")
+        epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
+        return self._batches(epoch)
+
+    def _batches(self, epoch: int) -> Any:
+        records = self._sample_order.epoch(epoch)
+        if self._batch is None:
+            for index in records:
+                yield self._collate(self._dataset[int(index)])
+            return
+        total = len(records)
+        stop_at = total - total % self._batch if self._drop else total
+        for start in range(0, stop_at, self._batch):
+            samples = [self._dataset[int(i)] for i in records[start:min(start + self._batch, total)]]
+            yield self._default_batch(samples) if self._collate is None else self._collate(samples)
+
+    def _default_batch(self, samples: list) -> Any:
+        """The samples collated as the workers' batches are (a field of ragged samples: a list)."""
+        flat = [self._flatten(sample, f"dataset sample {k} of the batch") for k, sample in enumerate(samples)]
+        outputs = []
+        for column in zip(*flat):
+            first = column[0]
+            if all(a.shape == first.shape and a.dtype == first.dtype for a in column):
+                outputs.append(torch.from_numpy(np.stack(column)))
+            else:
+                outputs.append([torch.from_numpy(np.array(a)) for a in column])
+        return self._rebuild(tuple(outputs))
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __enter__(self) -> "InProcessLoader":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+class DatasetLoader(_DataLoaderAttributes, TorchLoader):
     """What :func:`from_dataset` returns: a :class:`~extsrc.torch.TorchLoader` with a
     DataLoader's attributes (``dataset``, ``batch_size``, ``drop_last``, ``sampler``,
     ``batch_sampler``, ``num_workers``, ``collate_fn``, ``pin_memory``, ``timeout``,
@@ -173,20 +258,6 @@ class DatasetLoader(TorchLoader):
     :class:`extsrc.Order`. ``len()`` is computed from ``len(dataset)`` when called, as
     DataLoader's."""
 
-    _initialized = False
-
-    def _describe(self, attributes: dict, order: Order) -> None:
-        for name, value in attributes.items():
-            self.__dict__[name] = value  # pin_memory too, beside the class's property
-        object.__setattr__(self, "_order", order)
-        object.__setattr__(self, "_initialized", True)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if self._initialized and name in DATALOADER_ATTRIBUTES:
-            raise ValueError(f"{name} attribute should not be set after {type(self).__name__} is "
-                             "initialized (it describes how the running workers load batches)")
-        super().__setattr__(name, value)
-
     @property  # type: ignore[override]
     def pin_memory(self) -> bool:
         """As given: with ``True`` and no CUDA, the loader warned and yields unpinned tensors."""
@@ -195,16 +266,6 @@ class DatasetLoader(TorchLoader):
     @pin_memory.setter
     def pin_memory(self, value: bool) -> None:
         self.__dict__["pin_memory"] = value  # reached only before _describe() ends
-
-    def __len__(self) -> int:
-        """Batches per epoch, from ``len(dataset)`` now (as DataLoader's ``len()``); with
-        ``shard=``, those of this shard."""
-        if self._order.shard[1] > 1:
-            return len(self.source)
-        records = len(self.dataset)
-        if self.batch_size is None:
-            return records
-        return records // self.batch_size if self.drop_last else math.ceil(records / self.batch_size)
 
 
 def from_dataset(
@@ -221,15 +282,15 @@ def from_dataset(
     multiprocessing_context: Any = None,
     prefetch_factor: Optional[int] = None,
     timeout: float = 0,
-    persistent_workers: bool = True,
+    persistent_workers: bool = False,
     in_order: bool = True,
     pin_memory: bool = False,
     device: Any = None,
     pickler: Any = None,
     **dataloader_kwargs: Any,
-) -> DatasetLoader:
+) -> Union[DatasetLoader, InProcessLoader]:
     """A :class:`DatasetLoader` (a :class:`~extsrc.torch.TorchLoader`) over a map-style
-    ``dataset``, in place of a DataLoader.
+    ``dataset``, in place of a DataLoader (an :class:`InProcessLoader` with ``num_workers=0``).
 
     ``dataset`` has ``__len__`` and ``__getitem__(index)``. Each batch is what
     DataLoader's default collation makes of the samples: a tensor per array,
@@ -293,11 +354,11 @@ def from_dataset(
                         ("persistent_workers", persistent_workers), ("in_order", in_order)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
-    if num_workers == 0:
-        raise ValueError(
-            "num_workers=0 runs a DataLoader's dataset in the main process; from_dataset always "
-            "runs it in worker processes: give num_workers >= 1"
-        )
+    if num_workers == 0 and prefetch_factor is not None:
+        raise ValueError("prefetch_factor option could only be specified in multiprocessing: give "
+                         "num_workers > 0, or prefetch_factor=None")
+    if num_workers == 0 and persistent_workers:
+        raise ValueError("persistent_workers option needs num_workers > 0")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
         raise ValueError(f"timeout must be a number of seconds >= 0 (0: none), got {timeout!r}")
     if prefetch_factor is not None and (isinstance(prefetch_factor, bool)
@@ -326,6 +387,21 @@ def from_dataset(
         collate_fn = default_convert if collate_fn is None else collate_fn
     else:
         collate_fn = default_collate if collate_fn is None else collate_fn
+    sampler = RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
+    attributes = dict(
+        dataset=dataset, batch_size=batch_size, drop_last=drop_last, sampler=sampler,
+        batch_sampler=None if batch_size is None else BatchSampler(sampler, batch_size, drop_last),
+        num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory, timeout=timeout,
+        worker_init_fn=worker_init_fn,
+        prefetch_factor=None if num_workers == 0 else prefetch_factor or DEFAULT_PREFETCH_FACTOR,
+        persistent_workers=persistent_workers, generator=None, in_order=in_order,
+        multiprocessing_context=multiprocessing_context,
+    )
+    if num_workers == 0:
+        in_process = InProcessLoader(dataset, order, batch_size, drop_last,
+                                     None if default else collate_fn)
+        in_process._describe(attributes, order)
+        return in_process  # type: ignore[return-value]
     if default:
         callback: Any = DatasetSamples(dataset)
         source_order, source_batch = order, batch_size
@@ -370,13 +446,5 @@ def from_dataset(
     loader = DatasetLoader._owning(source, device=device,
                                    pin_memory=pin_memory and torch.cuda.is_available(),
                                    rebuild=Collation() if default else unpack_whole)
-    sampler = RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
-    loader._describe(dict(
-        dataset=dataset, batch_size=batch_size, drop_last=drop_last, sampler=sampler,
-        batch_sampler=None if batch_size is None else BatchSampler(sampler, batch_size, drop_last),
-        num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory, timeout=timeout,
-        worker_init_fn=worker_init_fn, prefetch_factor=prefetch_factor or DEFAULT_PREFETCH_FACTOR,
-        persistent_workers=persistent_workers, generator=None, in_order=in_order,
-        multiprocessing_context=multiprocessing_context,
-    ), order)
+    loader._describe(attributes, order)
     return loader

@@ -271,3 +271,33 @@ def test_tensors_a_collate_fn_returns_come_through_shared_memory():
         batches = list(loader)
         assert all(_in_shared_memory(b["x"]) for b in batches)  # not pickled: views of the batch
         assert [b["x"][:, 0].tolist() for b in batches] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+
+
+class _CountsCalls(torch.utils.data.Dataset):
+    def __init__(self):
+        self.pids = set()
+
+    def __len__(self):
+        return 7
+
+    def __getitem__(self, i):
+        self.pids.add(os.getpid())
+        return {"x": np.full((2,), i), "name": f"n{i}"}
+
+
+@pytest.mark.parametrize("kwargs", [dict(batch_size=3), dict(batch_size=3, drop_last=True),
+                                    dict(batch_size=None), dict(batch_size=2, collate_fn=len)])
+def test_num_workers_0_loads_in_this_process_as_a_dataloader(kwargs):
+    dataset = _CountsCalls()
+    theirs = list(DataLoader(dataset, num_workers=0, **kwargs))
+    dataset.pids.clear()
+    with from_dataset(dataset, num_workers=0, **kwargs) as loader:
+        assert len(loader) == len(theirs) and loader.num_workers == 0
+        for _ in range(2):
+            ours = list(loader)
+            assert len(ours) == len(theirs)
+            for a, b in zip(ours, theirs):
+                _same(a, b)
+    assert dataset.pids == {os.getpid()}  # here, for a debugger to stop in
+    with pytest.raises(ValueError, match="prefetch_factor"):
+        from_dataset(dataset, num_workers=0, prefetch_factor=2)
