@@ -116,7 +116,7 @@ class _Stream(torch.utils.data.IterableDataset):
     (Records(4), dict(sampler=[0, 1]), TypeError, "sampler=: give shuffle="),
     (Records(4), dict(generator=torch.Generator()), TypeError, "generator=: give seed="),
     (Records(4), dict(colate_fn=None), TypeError, "unexpected keyword argument 'colate_fn'"),
-    (Records(4), dict(num_workers=0), ValueError, "num_workers >= 1"),
+    (Records(4), dict(num_workers=0, persistent_workers=True), ValueError, "num_workers > 0"),
     (Records(4), dict(batch_size=None, drop_last=True), ValueError, "batch_size=None"),
     (Records(4), dict(multiprocessing_context="threads"), ValueError, "multiprocessing_context"),
     (Records(4), dict(worker_init_fn=3), TypeError, "worker_init_fn must be a callable"),
