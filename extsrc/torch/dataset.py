@@ -168,7 +168,7 @@ class _DataLoaderAttributes:
 
     _initialized = False
 
-    def _describe(self, attributes: dict, order: Order) -> None:
+    def _describe(self, attributes: dict, order: Optional[Order]) -> None:
         for name, value in attributes.items():
             self.__dict__[name] = value  # pin_memory too, beside a class's property
         object.__setattr__(self, "_order", order)
@@ -183,7 +183,8 @@ class _DataLoaderAttributes:
     def __len__(self) -> int:
         """Batches per epoch, from ``len(dataset)`` now (as DataLoader's ``len()``); with
         ``shard=``, those of this shard."""
-        records = len(self._order) if self._order.shard[1] > 1 else len(self.dataset)
+        sharded = self._order is not None and self._order.shard[1] > 1
+        records = len(self._order) if sharded else len(self.dataset)
         if self.batch_size is None:
             return records
         return records // self.batch_size if self.drop_last else math.ceil(records / self.batch_size)
@@ -195,7 +196,7 @@ class InProcessLoader(_DataLoaderAttributes):
     breakpoints and prints are here). Each ``for`` loop is one epoch of the order; batches are
     those the workers would give. ``close()`` and ``with`` are accepted (nothing to stop)."""
 
-    def __init__(self, dataset: Any, order: Order, batch_size: Optional[int], drop_last: bool,
+    def __init__(self, dataset: Any, order: Optional[Order], batch_size: Optional[int], drop_last: bool,
                  collate: Optional[Callable[[Any], Any]]):
         self._dataset = dataset
         self._sample_order = order
@@ -214,6 +215,9 @@ class InProcessLoader(_DataLoaderAttributes):
         return self._batches(epoch)
 
     def _batches(self, epoch: int) -> Any:
+        if self._sample_order is None:  # an IterableDataset
+            yield from self._iterated()
+            return
         records = self._sample_order.epoch(epoch)
         if self._batch is None:
             for index in records:
@@ -224,6 +228,24 @@ class InProcessLoader(_DataLoaderAttributes):
         for start in range(0, stop_at, self._batch):
             samples = [self._dataset[int(i)] for i in records[start:min(start + self._batch, total)]]
             yield self._default_batch(samples) if self._collate is None else self._collate(samples)
+
+    def _iterated(self) -> Any:
+        samples = iter(self._dataset)
+        if self._batch is None:
+            for sample in samples:
+                yield self._collate(sample)
+            return
+        while True:
+            batch = []
+            for sample in samples:
+                batch.append(sample)
+                if len(batch) == self._batch:
+                    break
+            if not batch or (len(batch) < self._batch and self._drop):
+                return
+            yield self._default_batch(batch) if self._collate is None else self._collate(batch)
+            if len(batch) < self._batch:
+                return
 
     def _default_batch(self, samples: list) -> Any:
         """The samples collated as the workers' batches are (a field of ragged samples: a list)."""
@@ -266,6 +288,136 @@ class DatasetLoader(_DataLoaderAttributes, TorchLoader):
     @pin_memory.setter
     def pin_memory(self, value: bool) -> None:
         self.__dict__["pin_memory"] = value  # reached only before _describe() ends
+
+
+class _HeapBuffers:
+    """Room for a packed batch in the worker's own memory (batch mode has no shared-memory room
+    before the engine writes what the callback returned)."""
+
+    @staticmethod
+    def array(nbytes: int, dtype: Any, output: int = 0) -> np.ndarray:
+        return np.empty(nbytes, dtype)
+
+
+class IterableBatches:
+    """The source of one worker of an ``IterableDataset``: an iterable whose every pass iterates
+    that worker's copy of the dataset (``get_worker_info().dataset``, the object
+    ``worker_init_fn`` saw) and yields its batches as DataLoader forms them in a worker:
+    ``batch_size`` samples (the last one shorter, or dropped with ``drop_last``), each batch
+    flattened for the engine (default collation) or made by ``collate_fn`` and packed whole."""
+
+    def __init__(self, batch_size: Optional[int], drop_last: bool,
+                 collate_fn: Optional[Callable[[Any], Any]]):
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.collate_fn = collate_fn  # None: default collation, in shared memory
+        self.flatten = Flattener()
+
+    def __iter__(self) -> Any:
+        from torch.utils.data import get_worker_info
+
+        samples = iter(get_worker_info().dataset)
+        size = 1 if self.batch_size is None else self.batch_size
+        count = 0
+        while True:
+            batch = []
+            for sample in samples:
+                batch.append(sample)
+                if len(batch) == size:
+                    break
+            if not batch or (len(batch) < size and self.drop_last):
+                return
+            where = f"batch {count} of this worker"
+            count += 1
+            if self.collate_fn is not None:
+                made = self.collate_fn(batch[0] if self.batch_size is None else batch)
+                description, buffer = pack_whole(made, _HeapBuffers, f"collate_fn's {where}")
+                yield [description], [buffer]
+                continue
+            flat = [self.flatten(sample, f"sample {k} of {where}") for k, sample in enumerate(batch)]
+            yield tuple(list(column) for column in zip(*flat))
+            if len(batch) < size:
+                return
+
+
+class IterableLoader(_DataLoaderAttributes):
+    """What :func:`from_dataset` returns for an ``IterableDataset`` with workers: each worker
+    iterates its own copy of the dataset (shard it by ``get_worker_info()``, as with a
+    DataLoader) and forms its batches; the loader yields them in DataLoader's order, one from
+    each worker in turn, skipping workers that are done. Each ``for`` loop is one pass of every
+    worker. ``close()`` (or ``with``) stops the workers."""
+
+    def __init__(self, pool: Any, loaders: list):
+        self._pool = pool
+        self._loaders = loaders  # one TorchLoader per worker, its source pinned to that worker
+        self._closed = False
+
+    def __iter__(self) -> Any:
+        if self._closed:
+            raise ValueError("this loader is closed")
+        epochs = [iter(loader) for loader in self._loaders]  # ends the loops running before
+        return self._round_robin(epochs)
+
+    @staticmethod
+    def _round_robin(epochs: list) -> Any:
+        active = list(epochs)
+        while active:
+            for epoch in list(active):
+                try:
+                    batch = next(epoch)
+                except StopIteration:
+                    active.remove(epoch)
+                    continue
+                yield batch
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for loader in self._loaders:
+            loader.close()
+        self._pool.close()
+
+    def __enter__(self) -> "IterableLoader":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+def _iterable_loader(dataset: Any, batch_size: Optional[int], drop_last: bool, collate_fn: Any,
+                     default: bool, num_workers: int, start_method: str, pickler: Any,
+                     prefetch_factor: Optional[int], timeout: float, device: Any, pin_memory: bool,
+                     worker_init: WorkerStart) -> IterableLoader:
+    """The loader of an IterableDataset: a pool of ``num_workers``, one source pinned to each."""
+    from extsrc.engine.pool import WorkerPool
+
+    pool = WorkerPool(num_workers, start_method=start_method, pickler=pickler)
+    loaders = []
+    try:
+        for worker in range(num_workers):
+            source = ParallelSource(
+                IterableBatches(batch_size, drop_last, None if default else collate_fn),
+                batch_size if default else 1,
+                batch=True,
+                num_outputs=AUTO_OUTPUTS if default else 2,
+                pool=pool,
+                prefetch=prefetch_factor or DEFAULT_PREFETCH_FACTOR,
+                last_batch="partial",
+                timeout=timeout or None,
+                name=f"from_dataset({type(dataset).__name__}), worker {worker}",
+                # Once per worker (it sets the worker up for every source of the pool).
+                worker_init=worker_init if worker == 0 else None,
+            )
+            loaders.append(TorchLoader._owning(source, device=device, pin_memory=pin_memory,
+                                               rebuild=Collation() if default else unpack_whole))
+        pool.start()
+    except BaseException:
+        for loader in loaders:
+            loader.close()
+        pool.close()
+        raise
+    return IterableLoader(pool, loaders)
 
 
 def from_dataset(
@@ -336,14 +488,15 @@ def from_dataset(
         if name in _NOT_MAPPED:
             raise TypeError(f"from_dataset does not take DataLoader's {name}=: {_NOT_MAPPED[name]}")
         raise TypeError(f"from_dataset() got an unexpected keyword argument {name!r}")
-    if isinstance(dataset, IterableDataset) or not (
-        hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
-    ):
+    iterable = isinstance(dataset, IterableDataset)
+    if not iterable and not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise TypeError(
-            f"from_dataset needs a map-style dataset (__len__ and __getitem__), got "
-            f"{type(dataset).__name__}; for an iterable, use extsrc.ParallelSource(generator_function, "
-            "batch_size, batch=True)"
+            f"from_dataset needs a map-style dataset (__len__ and __getitem__) or a "
+            f"torch.utils.data.IterableDataset, got {type(dataset).__name__}"
         )
+    if iterable and shuffle not in (None, False):
+        raise ValueError(f"DataLoader with IterableDataset: expected unspecified shuffle option, "
+                         f"but got shuffle={shuffle}: each worker iterates its copy of the dataset")
     if collate_fn is not None and not callable(collate_fn):
         raise TypeError(f"collate_fn must be a callable or None, got {type(collate_fn).__name__}")
     if batch_size is None and drop_last:
@@ -375,10 +528,12 @@ def from_dataset(
     if pin_memory and not torch.cuda.is_available():
         warnings.warn("pin_memory=True, and CUDA is not available here: the tensors are not pinned "
                       "(page-locked) memory", UserWarning, stacklevel=2)
-    records = len(dataset)
-    if records == 0:
-        raise ValueError("the dataset is empty (len(dataset) == 0)")
-    order = Order(records, shuffle=shuffle, seed=seed, shard=shard, remainder="pad")
+    order: Optional[Order] = None
+    if not iterable:
+        records = len(dataset)
+        if records == 0:
+            raise ValueError("the dataset is empty (len(dataset) == 0)")
+        order = Order(records, shuffle=shuffle, seed=seed, shard=shard, remainder="pad")
     base_seed = int(torch.empty((), dtype=torch.int64).random_().item())  # as DataLoader draws it
     # The samples collated in shared memory (the fast path), or whole batches, each made by a
     # collate_fn in a worker: then the source's order is one of batches, one per source batch.
@@ -387,10 +542,11 @@ def from_dataset(
         collate_fn = default_convert if collate_fn is None else collate_fn
     else:
         collate_fn = default_collate if collate_fn is None else collate_fn
-    sampler = RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
+    sampler = None if iterable else RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
     attributes = dict(
         dataset=dataset, batch_size=batch_size, drop_last=drop_last, sampler=sampler,
-        batch_sampler=None if batch_size is None else BatchSampler(sampler, batch_size, drop_last),
+        batch_sampler=None if batch_size is None or iterable else BatchSampler(sampler, batch_size,
+                                                                               drop_last),
         num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory, timeout=timeout,
         worker_init_fn=worker_init_fn,
         prefetch_factor=None if num_workers == 0 else prefetch_factor or DEFAULT_PREFETCH_FACTOR,
@@ -402,6 +558,13 @@ def from_dataset(
                                      None if default else collate_fn)
         in_process._describe(attributes, order)
         return in_process  # type: ignore[return-value]
+    if iterable:
+        iterable_loader = _iterable_loader(
+            dataset, batch_size, drop_last, collate_fn, default, num_workers, start_method, pickler,
+            prefetch_factor, timeout, device, pin_memory and torch.cuda.is_available(),
+            WorkerStart(dataset, base_seed, worker_init_fn))
+        iterable_loader._describe(attributes, order)
+        return iterable_loader  # type: ignore[return-value]
     if default:
         callback: Any = DatasetSamples(dataset)
         source_order, source_batch = order, batch_size

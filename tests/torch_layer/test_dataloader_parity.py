@@ -13,6 +13,8 @@ from torch.utils.data import DataLoader, get_worker_info
 
 from extsrc.torch import from_dataset
 
+from sample_datasets import ShardedStream, shard_by_worker_init
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from faultkit import run_isolated  # noqa: E402
 
@@ -239,6 +241,10 @@ def _padded(samples):
             "ids": tuple(torch.tensor(s[1]) for s in samples)}
 
 
+def _ids(samples):
+    return [s["i"] for s in samples]
+
+
 def _in_shared_memory(tensor):
     with open("/proc/self/maps") as maps:
         for line in maps:
@@ -301,3 +307,28 @@ def test_num_workers_0_loads_in_this_process_as_a_dataloader(kwargs):
     assert dataset.pids == {os.getpid()}  # here, for a debugger to stop in
     with pytest.raises(ValueError, match="prefetch_factor"):
         from_dataset(dataset, num_workers=0, prefetch_factor=2)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(batch_size=4, num_workers=2),
+    dict(batch_size=4, num_workers=2, drop_last=True),
+    dict(batch_size=None, num_workers=2),
+    dict(batch_size=5, num_workers=2, collate_fn=_ids),
+    dict(batch_size=3, num_workers=0),
+])
+def test_an_iterable_dataset_gives_a_dataloaders_batches_in_its_order(kwargs):
+    theirs = list(DataLoader(ShardedStream(23), **kwargs))
+    with from_dataset(ShardedStream(23), **kwargs) as loader:
+        assert len(loader) == len(DataLoader(ShardedStream(23), **kwargs))
+        for _ in range(2):  # each loop is a new pass of every worker
+            ours = list(loader)
+            assert len(ours) == len(theirs)
+            for a, b in zip(ours, theirs):
+                _same(a, b)
+
+
+def test_an_iterable_dataset_sharded_by_worker_init_fn_in_spawned_workers():
+    with from_dataset(ShardedStream(10), batch_size=2, num_workers=2, multiprocessing_context="spawn",
+                      worker_init_fn=shard_by_worker_init) as loader:
+        ids = [i for batch in loader for i in batch["i"].tolist()]
+    assert sorted(ids) == list(range(10))  # each record once: the workers' copies were sharded

@@ -120,7 +120,8 @@ class _Stream(torch.utils.data.IterableDataset):
     (Records(4), dict(batch_size=None, drop_last=True), ValueError, "batch_size=None"),
     (Records(4), dict(multiprocessing_context="threads"), ValueError, "multiprocessing_context"),
     (Records(4), dict(worker_init_fn=3), TypeError, "worker_init_fn must be a callable"),
-    (_Stream(), {}, TypeError, "map-style dataset"),
+    (_Stream(), dict(shuffle=True), ValueError, "IterableDataset: expected unspecified shuffle"),
+    (object(), {}, TypeError, "map-style dataset"),
 ])
 def test_what_does_not_map_is_refused_saying_what_to_do(dataset, kwargs, error, match):
     with pytest.raises(error, match=match):
