@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, IterableDataset, IterDataPipe, RandomSampler, SequentialSampler
 from torch.utils.data import default_collate, default_convert
 
 from extsrc.engine.source import ParallelSource
@@ -38,7 +38,6 @@ _NOT_MAPPED = {
     "sampler": "give shuffle=, seed= and shard= (an extsrc.Order decides the records of each epoch: "
                "shuffled by seed and epoch, shards as DistributedSampler's)",
     "batch_sampler": "give batch_size=, shuffle=, seed=, shard= and drop_last=",
-    "generator": "give seed= (the shuffled order is keyed by seed and epoch)",
     "pin_memory_device": "give device= ('cuda:N') for CUDA tensors, or pin_memory=True",
 }
 
@@ -83,6 +82,10 @@ class WorkerStart:
         # this module variable, set by its own workers likewise).
         torch_worker._worker_info = torch_worker.WorkerInfo(
             id=worker_index, num_workers=num_workers, seed=seed, dataset=self.dataset)
+        if isinstance(self.dataset, IterDataPipe):  # as DataLoader shards a datapipe per worker
+            from torch.utils.data import graph_settings
+
+            graph_settings.apply_sharding(self.dataset, num_workers, worker_index)
         if self.worker_init_fn is not None:
             self.worker_init_fn(worker_index)
 
@@ -216,18 +219,16 @@ class InProcessLoader(_DataLoaderAttributes):
 
     def _batches(self, epoch: int) -> Any:
         if self._sample_order is None:  # an IterableDataset
-            yield from self._iterated()
-            return
-        records = self._sample_order.epoch(epoch)
+            return self._iterated()
+        return _InProcessEpoch(self, self._sample_order.epoch(epoch))
+
+    def _batch_at(self, records: Any, k: int) -> Any:
+        """Batch ``k`` of an epoch whose records are ``records``."""
         if self._batch is None:
-            for index in records:
-                yield self._collate(self._dataset[int(index)])
-            return
-        total = len(records)
-        stop_at = total - total % self._batch if self._drop else total
-        for start in range(0, stop_at, self._batch):
-            samples = [self._dataset[int(i)] for i in records[start:min(start + self._batch, total)]]
-            yield self._default_batch(samples) if self._collate is None else self._collate(samples)
+            return self._collate(self._dataset[int(records[k])])
+        start = k * self._batch
+        samples = [self._dataset[int(i)] for i in records[start:min(start + self._batch, len(records))]]
+        return self._default_batch(samples) if self._collate is None else self._collate(samples)
 
     def _iterated(self) -> Any:
         samples = iter(self._dataset)
@@ -269,6 +270,29 @@ class InProcessLoader(_DataLoaderAttributes):
         self.close()
 
 
+class _InProcessEpoch:
+    """One loop of an :class:`InProcessLoader` over a map-style dataset. An error loading a
+    batch is raised once, and the loop may go on with the next batch, as a DataLoader's."""
+
+    def __init__(self, loader: InProcessLoader, records: Any):
+        self._loader = loader
+        self._records = records
+        total = len(records)
+        size = loader._batch
+        self._count = total if size is None else total // size if loader._drop else -(-total // size)
+        self._next = 0
+
+    def __iter__(self) -> "_InProcessEpoch":
+        return self
+
+    def __next__(self) -> Any:
+        k = self._next
+        if k >= self._count:
+            raise StopIteration
+        self._next += 1  # first: a batch that raises is not tried again
+        return self._loader._batch_at(self._records, k)
+
+
 class DatasetLoader(_DataLoaderAttributes, TorchLoader):
     """What :func:`from_dataset` returns: a :class:`~extsrc.torch.TorchLoader` with a
     DataLoader's attributes (``dataset``, ``batch_size``, ``drop_last``, ``sampler``,
@@ -307,16 +331,25 @@ class IterableBatches:
     flattened for the engine (default collation) or made by ``collate_fn`` and packed whole."""
 
     def __init__(self, batch_size: Optional[int], drop_last: bool,
-                 collate_fn: Optional[Callable[[Any], Any]]):
+                 collate_fn: Optional[Callable[[Any], Any]], shared_seed: int):
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.collate_fn = collate_fn  # None: default collation, in shared memory
         self.flatten = Flattener()
+        self.shared_seed = shared_seed
+        self.passes = 0  # epochs begun in this worker (every worker begins the same ones)
 
     def __iter__(self) -> Any:
-        from torch.utils.data import get_worker_info
+        from torch.utils.data import get_worker_info, graph_settings
 
-        samples = iter(get_worker_info().dataset)
+        dataset = get_worker_info().dataset
+        if isinstance(dataset, IterDataPipe):
+            # One seed per epoch for every worker, as DataLoader gives a datapipe: shuffled
+            # alike in each worker, then sharded, every record comes once.
+            rng = torch.Generator().manual_seed(self.shared_seed + self.passes)
+            graph_settings.apply_random_seed(dataset, rng)
+        self.passes += 1
+        samples = iter(dataset)
         size = 1 if self.batch_size is None else self.batch_size
         count = 0
         while True:
@@ -397,7 +430,8 @@ def _iterable_loader(dataset: Any, batch_size: Optional[int], drop_last: bool, c
     try:
         for worker in range(num_workers):
             source = ParallelSource(
-                IterableBatches(batch_size, drop_last, None if default else collate_fn),
+                IterableBatches(batch_size, drop_last, None if default else collate_fn,
+                                worker_init.base_seed),
                 batch_size if default else 1,
                 batch=True,
                 num_outputs=AUTO_OUTPUTS if default else 2,
@@ -430,6 +464,7 @@ def from_dataset(
     drop_last: bool = False,
     num_workers: int = 1,
     collate_fn: Optional[Callable[[Any], Any]] = None,
+    generator: Optional[torch.Generator] = None,
     worker_init_fn: Optional[Callable[[int], None]] = None,
     multiprocessing_context: Any = None,
     prefetch_factor: Optional[int] = None,
@@ -494,7 +529,7 @@ def from_dataset(
             f"from_dataset needs a map-style dataset (__len__ and __getitem__) or a "
             f"torch.utils.data.IterableDataset, got {type(dataset).__name__}"
         )
-    if iterable and shuffle not in (None, False):
+    if iterable and shuffle not in (None, False) and not isinstance(dataset, IterDataPipe):
         raise ValueError(f"DataLoader with IterableDataset: expected unspecified shuffle option, "
                          f"but got shuffle={shuffle}: each worker iterates its copy of the dataset")
     if collate_fn is not None and not callable(collate_fn):
@@ -528,13 +563,24 @@ def from_dataset(
     if pin_memory and not torch.cuda.is_available():
         warnings.warn("pin_memory=True, and CUDA is not available here: the tensors are not pinned "
                       "(page-locked) memory", UserWarning, stacklevel=2)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    # As DataLoader draws its workers' base seed (from `generator` if given, else PyTorch's global
+    # generator); with a generator and no seed=, the shuffled order is drawn from it too.
+    base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+    if generator is not None and seed == 0 and shuffle:
+        seed = int(torch.randint(1 << 31, (), generator=generator).item())
+    if isinstance(dataset, IterDataPipe):  # DataLoader hands its shuffle setting to a datapipe
+        from torch.utils.data import graph_settings
+
+        dataset = graph_settings.apply_shuffle_settings(dataset, shuffle=bool(shuffle))
+        shuffle = None
     order: Optional[Order] = None
     if not iterable:
         records = len(dataset)
         if records == 0:
             raise ValueError("the dataset is empty (len(dataset) == 0)")
         order = Order(records, shuffle=shuffle, seed=seed, shard=shard, remainder="pad")
-    base_seed = int(torch.empty((), dtype=torch.int64).random_().item())  # as DataLoader draws it
     # The samples collated in shared memory (the fast path), or whole batches, each made by a
     # collate_fn in a worker: then the source's order is one of batches, one per source batch.
     default = collate_fn in (None, default_collate) and batch_size is not None
@@ -550,7 +596,7 @@ def from_dataset(
         num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory, timeout=timeout,
         worker_init_fn=worker_init_fn,
         prefetch_factor=None if num_workers == 0 else prefetch_factor or DEFAULT_PREFETCH_FACTOR,
-        persistent_workers=persistent_workers, generator=None, in_order=in_order,
+        persistent_workers=persistent_workers, generator=generator, in_order=in_order,
         multiprocessing_context=multiprocessing_context,
     )
     if num_workers == 0:

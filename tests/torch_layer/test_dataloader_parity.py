@@ -332,3 +332,46 @@ def test_an_iterable_dataset_sharded_by_worker_init_fn_in_spawned_workers():
                       worker_init_fn=shard_by_worker_init) as loader:
         ids = [i for batch in loader for i in batch["i"].tolist()]
     assert sorted(ids) == list(range(10))  # each record once: the workers' copies were sharded
+
+
+class _FailsOnOdd(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i % 4 == 2:
+            raise KeyError(i)
+        return i
+
+
+def test_in_process_an_error_is_raised_at_its_batch_and_the_loop_goes_on():
+    with from_dataset(_FailsOnOdd(), batch_size=2, num_workers=0) as loader:
+        it, got = iter(loader), []
+        for _ in range(len(loader)):
+            try:
+                got.append(next(it).tolist())
+            except KeyError as exc:
+                got.append(f"KeyError {exc}")
+        assert got == [[0, 1], "KeyError 2", [4, 5], "KeyError 6"]
+        with pytest.raises(StopIteration):
+            next(it)
+
+
+def test_a_generator_decides_the_shuffled_order_and_the_seeds():
+    def epochs(seed):
+        with from_dataset(_Growing(), batch_size=5, shuffle=True, num_workers=0,
+                          generator=torch.Generator().manual_seed(seed)) as loader:
+            assert loader.generator is not None
+            return [torch.cat(list(loader)).tolist() for _ in range(2)]
+    first = epochs(42)
+    assert first == epochs(42) and first != epochs(7)
+    assert sorted(first[0]) == list(range(10)) and first[0] != first[1]
+
+
+def test_a_datapipe_is_shuffled_and_sharded_as_a_dataloader_does():
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    pipe = IterableWrapper(range(20)).shuffle().sharding_filter()
+    with from_dataset(pipe, batch_size=None, shuffle=True, num_workers=2) as loader:
+        values = list(loader)
+    assert sorted(values) == list(range(20)) and values != list(range(20))

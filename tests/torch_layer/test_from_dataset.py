@@ -114,7 +114,7 @@ class _Stream(torch.utils.data.IterableDataset):
 @pytest.mark.parametrize("dataset, kwargs, error, match", [
     (Records(4), dict(collate_fn=3), TypeError, "collate_fn must be a callable"),
     (Records(4), dict(sampler=[0, 1]), TypeError, "sampler=: give shuffle="),
-    (Records(4), dict(generator=torch.Generator()), TypeError, "generator=: give seed="),
+    (Records(4), dict(generator=3), TypeError, "generator must be a torch.Generator"),
     (Records(4), dict(colate_fn=None), TypeError, "unexpected keyword argument 'colate_fn'"),
     (Records(4), dict(num_workers=0, persistent_workers=True), ValueError, "num_workers > 0"),
     (Records(4), dict(batch_size=None, drop_last=True), ValueError, "batch_size=None"),
