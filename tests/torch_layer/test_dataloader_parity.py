@@ -375,3 +375,13 @@ def test_a_datapipe_is_shuffled_and_sharded_as_a_dataloader_does():
     with from_dataset(pipe, batch_size=None, shuffle=True, num_workers=2) as loader:
         values = list(loader)
     assert sorted(values) == list(range(20)) and values != list(range(20))
+
+
+def _refuses(worker_id):
+    raise RuntimeError(f"no setup in worker {worker_id}")
+
+
+def test_an_error_in_worker_init_fn_is_raised_at_iteration_as_a_runtime_error():
+    with from_dataset(_Growing(), batch_size=2, num_workers=2, worker_init_fn=_refuses) as loader:
+        with pytest.raises(RuntimeError, match="no setup in worker"):
+            list(loader)
