@@ -307,6 +307,11 @@ def _write_dense(column, destination: np.ndarray) -> bool:
         destination[...] = column
         return True
     shape, dtype = destination.shape[1:], destination.dtype
+    first = column[0] if len(column) else None
+    if (first.__class__ is np.ndarray and first.shape == shape and first.dtype == dtype
+            and all(sample is first for sample in column)):
+        destination[...] = first  # one array for every sample (a constant output): broadcast
+        return True
     for sample in column:
         if sample.__class__ is not np.ndarray or sample.shape != shape or sample.dtype != dtype:
             return False
