@@ -142,6 +142,18 @@ def _describe(structure: Structure) -> str:
     return f"({inner})" if structure[1] is tuple else f"[{inner}]"
 
 
+def _dump_structure(structure: Any) -> bytes:
+    """A structure pickled: its namedtuple and mapping classes by reference, or, for a class
+    pickle cannot find by name (one defined inside another class or a function), by value (a
+    class of the same name and fields, not the same class)."""
+    try:
+        return pickle.dumps(structure, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        from extsrc.engine.pickling import DefaultPickler
+
+        return DefaultPickler.dumps(structure)
+
+
 class Flattener:
     """The worker's side: a sample as ``(structure array, *leaf arrays)``; each structure is
     pickled once per worker."""
@@ -166,7 +178,7 @@ class Flattener:
                     f"{_describe(self._first)}: default collation needs the same fields, of the same "
                     "kinds, in every sample"
                 )
-            encoded = np.frombuffer(pickle.dumps(structure, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+            encoded = np.frombuffer(_dump_structure(structure), np.uint8)
             self._encoded[structure] = encoded
         return (encoded, *leaves)
 
@@ -284,7 +296,7 @@ def pack_whole(batch: Any, buffers: Any, where: str) -> Tuple[np.ndarray, np.nda
         if leaf.nbytes:
             target = buffer[start:start + leaf.nbytes].view(leaf.dtype).reshape(leaf.shape)
             np.copyto(target, leaf)
-    description = pickle.dumps(PackedLayout(structure, tuple(placed)), protocol=pickle.HIGHEST_PROTOCOL)
+    description = _dump_structure(PackedLayout(structure, tuple(placed)))
     return np.frombuffer(description, np.uint8), buffer
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 import time
@@ -385,3 +386,21 @@ def test_an_error_in_worker_init_fn_is_raised_at_iteration_as_a_runtime_error():
     with from_dataset(_Growing(), batch_size=2, num_workers=2, worker_init_fn=_refuses) as loader:
         with pytest.raises(RuntimeError, match="no setup in worker"):
             list(loader)
+
+
+class _HoldsItsRecordType(torch.utils.data.Dataset):
+    Pair = collections.namedtuple("Pair", ["value", "name"])  # pickle cannot find it by name
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return self.Pair(i, str(i))
+
+
+def test_a_namedtuple_class_pickle_cannot_find_by_name_still_gives_its_fields():
+    with from_dataset(_HoldsItsRecordType(), batch_size=2, num_workers=1) as loader:
+        batches = list(loader)
+    assert [type(b).__name__ for b in batches] == ["Pair", "Pair"]
+    assert [b.value.tolist() for b in batches] == [[0, 1], [2, 3]]
+    assert [b.name for b in batches] == [("0", "1"), ("2", "3")]
