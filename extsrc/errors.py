@@ -36,8 +36,9 @@ class WorkerDiedError(ExtsrcError, RuntimeError):
     """
 
 
-class SourceTimeoutError(ExtsrcError, TimeoutError):
-    """A batch took longer than the source's ``timeout``; names the stuck samples.
+class SourceTimeoutError(ExtsrcError, TimeoutError, RuntimeError):
+    """A batch took longer than the source's ``timeout``; names the stuck samples. Also a
+    ``RuntimeError``, what a DataLoader raises when its ``timeout`` passes.
 
     The pool is shut down: the source cannot be used again.
     """

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
@@ -118,6 +118,11 @@ def check_ray_options(name: str, value: Any) -> Optional[dict]:
     return dict(value)
 
 
+# num_outputs=AUTO_OUTPUTS: each sample is a tuple of arrays, as many as the source's first
+# sample has (learnt in the workers, so the consumer need not run the callback to know it).
+AUTO_OUTPUTS = "auto"
+
+
 def optional_positive_int(name: str, value: Any) -> Optional[int]:
     return None if value is None else positive_int(name, value)
 
@@ -203,7 +208,7 @@ class SourceOptions:
     """What a :class:`~extsrc.ParallelSource` produces and how far ahead."""
 
     batch_size: int
-    num_outputs: Optional[int]
+    num_outputs: Union[None, int, str]  # None, a count, or AUTO_OUTPUTS
     batch: bool
     batch_info: bool
     prefetch: int
@@ -230,7 +235,10 @@ class SourceOptions:
 
     @property
     def outputs(self) -> int:
-        """How many outputs a sample has (1 when ``num_outputs`` is None)."""
+        """How many outputs a sample has (1 when ``num_outputs`` is None; 0 while not known,
+        with ``num_outputs=AUTO_OUTPUTS``)."""
+        if self.num_outputs == AUTO_OUTPUTS:
+            return 0
         return 1 if self.num_outputs is None else self.num_outputs
 
     @classmethod
@@ -256,7 +264,13 @@ class SourceOptions:
         concurrency: Any = 1,
     ) -> "SourceOptions":
         batch_size = positive_int("batch_size", batch_size)
-        num_outputs = optional_positive_int("num_outputs", num_outputs)
+        if num_outputs == AUTO_OUTPUTS:
+            if dtype is not None or ndim is not None:
+                raise ValueError(f"dtype= and ndim= need a known num_outputs, not {AUTO_OUTPUTS!r}")
+            if in_place:
+                raise ValueError(f"in_place=True needs a known num_outputs, not {AUTO_OUTPUTS!r}")
+        else:
+            num_outputs = optional_positive_int("num_outputs", num_outputs)
         for name, value in (("batch", batch), ("batch_info", batch_info), ("in_place", in_place),
                             ("stats", stats)):
             if not isinstance(value, (bool, np.bool_)):
@@ -300,7 +314,7 @@ class SourceOptions:
             isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0
         ):
             raise ValueError(f"timeout must be None or a positive number of seconds, got {timeout!r}")
-        outputs = 1 if num_outputs is None else num_outputs
+        outputs = 1 if num_outputs is None else 0 if num_outputs == AUTO_OUTPUTS else num_outputs
         dtypes = tuple(_dtype(d, j) for j, d in enumerate(per_output("dtype", dtype, outputs)))
         ndims = tuple(_ndim(n, j) for j, n in enumerate(per_output("ndim", ndim, outputs)))
         return cls(

@@ -126,3 +126,39 @@ def varying_sizes(info):
     rng = np.random.default_rng(k)
     return (rng.integers(0, 255, length, dtype=np.uint8), np.float32(k),
             rng.random((k % 7, 3))[:, ::2])
+
+
+def auto_outputs(info):
+    """Samples of three outputs (a vector, a scalar, a ragged range), for num_outputs='auto'."""
+    i = info.idx_in_epoch
+    return np.full((3,), i, np.int32), np.float64(i), np.arange(i % 3)
+
+
+def outputs_change_at_5(info):
+    """Two outputs, three from sample 5 on."""
+    i = info.idx_in_epoch
+    return (np.int64(i),) * (3 if i >= 5 else 2)
+
+
+class RecordsWorkerStart:
+    """A worker_init that records, in the worker's process, what it was called with; the
+    callback returns it with each sample."""
+
+    def __init__(self):
+        self.started = None
+
+    def __call__(self, worker_index, num_workers):
+        self.started = (worker_index, num_workers, os.getpid())
+
+
+class ReturnsWorkerStart:
+    def __init__(self, start: RecordsWorkerStart):
+        self.start = start
+
+    def __call__(self, info):
+        return np.array(self.start.started if self.start.started else (-1, -1, os.getpid()), np.int64)
+
+
+def outputs_by_iteration(info):
+    """Three outputs in batch 1, two elsewhere (with 2 workers: another count per worker)."""
+    return (np.int64(info.idx_in_epoch),) * (3 if info.iteration == 1 else 2)

@@ -5,7 +5,9 @@ import pytest
 
 from extsrc import Batch, ParallelSource, SampleInfo
 
-from sources import sample_of, two_outputs, with_empty_samples
+from sources import (RecordsWorkerStart, ReturnsWorkerStart, auto_outputs, outputs_by_iteration,
+                     outputs_change_at_5, sample_of,
+                     two_outputs, with_empty_samples)
 
 
 def rows(batch):
@@ -101,3 +103,57 @@ def test_empty_samples_come_back_empty_even_as_the_first_ones_spilled(workers):
                         for k in range(4 * iteration, 4 * iteration + 4)]
             assert [(s.dtype, s.tolist()) for s in ragged] == [(e.dtype, e.tolist()) for e in expected]
             assert scalars.as_array().tolist() == list(range(4 * iteration, 4 * iteration + 4))
+
+
+@pytest.mark.parametrize("num_workers", [1, 3])
+def test_auto_outputs_are_learnt_from_the_workers_first_samples(num_workers):
+    from extsrc import Order
+
+    with ParallelSource(auto_outputs, 4, num_outputs="auto", num_workers=num_workers,
+                        order=Order(10), last_batch="partial") as src:
+        assert src.num_outputs == 0  # nothing came back yet
+        for _ in range(2):
+            batches = list(src)
+            assert src.num_outputs == 3
+            assert [len(b) for b in batches] == [3, 3, 3]
+            vectors = np.concatenate([np.stack(b[0]) for b in batches])
+            assert vectors.tolist() == [[i] * 3 for i in range(10)]
+            assert [float(x) for b in batches for x in b[1]] == [float(i) for i in range(10)]
+            assert [s.tolist() for b in batches for s in b[2]] == [list(range(i % 3)) for i in range(10)]
+        assert batches[0][0].is_dense or num_workers > 1  # after the first results: in place
+
+
+def test_auto_outputs_of_another_number_are_a_sample_error():
+    from extsrc import Order
+    from extsrc.errors import SampleError
+
+    with ParallelSource(outputs_change_at_5, 4, num_outputs="auto", num_workers=1,
+                        order=Order(8)) as src:
+        it = iter(src)
+        assert [len(next(it))] == [2]
+        with pytest.raises(SampleError, match=r"expected a tuple of 2 outputs \(num_outputs='auto'"):
+            next(it)
+
+
+def test_auto_outputs_that_differ_between_workers_are_a_sample_error():
+    from extsrc import Order
+    from extsrc.errors import SampleError
+
+    with ParallelSource(outputs_by_iteration, 2, num_outputs="auto", num_workers=2,
+                        order=Order(8)) as src:
+        with pytest.raises(SampleError, match=r"have [23] outputs, and earlier samples had [23]"):
+            list(src)
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_worker_init_runs_once_in_each_worker_before_its_samples(start_method):
+    import os
+
+    start = RecordsWorkerStart()
+    with ParallelSource(ReturnsWorkerStart(start), 2, num_workers=2, start_method=start_method,
+                        worker_init=start) as src:
+        it = iter(src)
+        rows = [tuple(int(v) for v in s) for _ in range(6) for s in next(it)]
+    assert start.started is None  # not called in this process
+    by_pid = {pid: (index, count) for index, count, pid in rows}
+    assert sorted(by_pid.values()) == [(0, 2), (1, 2)] and os.getpid() not in by_pid

@@ -22,6 +22,9 @@ EXTSRC, TORCH, DALI, EXTSRC_DALI = "extsrc", "torch", "dali", "extsrc-dali"
 EXTSRC_SHUFFLED, EXTSRC_IDENTITY = "extsrc-shuffled-order", "extsrc-identity-order"
 EXTSRC_NO_STATS = "extsrc-no-stats"  # ParallelSource(..., stats=False)
 EXTSRC_FROM_DATASET = "extsrc-from-dataset"  # extsrc.torch.from_dataset on the DataLoader cell's dataset
+# The same, both with a user's collate_fn (stack_collate), and both on an IterableDataset.
+TORCH_COLLATE, EXTSRC_FROM_DATASET_COLLATE = "torch-collate", "extsrc-from-dataset-collate"
+TORCH_ITERABLE, EXTSRC_FROM_DATASET_ITERABLE = "torch-iterable", "extsrc-from-dataset-iterable"
 ORDER_RECORDS = 10 ** 9  # the order of the order rows: a large data set, never materialised
 
 Opened = Tuple[Take, Callable[[Any], List[int]], Callable[[], None]]
@@ -80,14 +83,55 @@ def _bench_dataset(workload: str):
 
     return BenchDataset(workload)
 
-def _open_torch(workload: str, workers: int, start_method: str):
+def stack_collate(samples):
+    """A user's collate_fn: the samples (NumPy arrays) stacked into one tensor."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.stack(samples))
+
+
+def _bench_iterable(workload: str):
+    """What a user writes for a stream: an IterableDataset each worker shards by its id. Worker
+    ``w`` of ``k`` yields the samples of batches ``w``, ``w + k``, ...: taken from the workers in
+    turn, as DataLoader takes them, batch ``b`` holds samples ``b * batch_size`` on."""
+    from torch.utils.data import IterableDataset, get_worker_info
+
+    class BenchStream(IterableDataset):
+        def __init__(self, name: str):
+            self.workload = ALL_WORKLOADS[name]
+
+        def __iter__(self):
+            info = get_worker_info()
+            worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+            size = self.workload.batch_size
+            batch = worker
+            while True:
+                for idx in range(batch * size, (batch + 1) * size):
+                    yield self.workload.make(idx)
+                batch += workers
+
+    return BenchStream(workload)
+
+
+def _loader_arguments(loader: str, workload: str) -> Tuple[Any, dict]:
+    """The dataset and the DataLoader arguments of a DataLoader-style cell, beyond the common."""
+    if loader in (TORCH_ITERABLE, EXTSRC_FROM_DATASET_ITERABLE):
+        return _bench_iterable(workload), {}
+    if loader in (TORCH_COLLATE, EXTSRC_FROM_DATASET_COLLATE):
+        return _bench_dataset(workload), {"collate_fn": stack_collate}
+    return _bench_dataset(workload), {}
+
+
+def _open_torch(workload: str, workers: int, start_method: str, name: str = TORCH):
     from torch.utils.data import DataLoader
 
     from extsrc.bench.workloads import sample_index
 
-    loader = DataLoader(_bench_dataset(workload), batch_size=ALL_WORKLOADS[workload].batch_size,
+    dataset, extra = _loader_arguments(name, workload)
+    loader = DataLoader(dataset, batch_size=ALL_WORKLOADS[workload].batch_size,
                         num_workers=workers, persistent_workers=True,
-                        multiprocessing_context=start_method)
+                        multiprocessing_context=start_method, **extra)
     state = {"batches": iter(loader)}
 
     def take():
@@ -100,14 +144,16 @@ def _open_torch(workload: str, workers: int, start_method: str):
 
     return take, lambda batch: [sample_index(sample) for sample in batch.numpy()], close
 
-def _open_from_dataset(workload: str, workers: int, start_method: str):
+def _open_from_dataset(workload: str, workers: int, start_method: str,
+                       name: str = EXTSRC_FROM_DATASET):
     """The DataLoader cell's dataset and arguments, through extsrc.torch.from_dataset."""
     from extsrc.bench.workloads import sample_index
     from extsrc.torch import from_dataset
 
-    loader = from_dataset(_bench_dataset(workload), batch_size=ALL_WORKLOADS[workload].batch_size,
+    dataset, extra = _loader_arguments(name, workload)
+    loader = from_dataset(dataset, batch_size=ALL_WORKLOADS[workload].batch_size,
                           num_workers=workers, persistent_workers=True,
-                          multiprocessing_context=start_method)
+                          multiprocessing_context=start_method, **extra)
     batches = iter(loader)
 
     def take():
@@ -165,10 +211,10 @@ def open_loader(loader: str, workload: str, workers: int, start_method: str,
     """Opens ``loader`` on ``workload``; see the module docstring."""
     if loader in (EXTSRC, EXTSRC_SHUFFLED, EXTSRC_IDENTITY, EXTSRC_NO_STATS):
         return _open_extsrc(workload, workers, start_method, loader)
-    if loader == TORCH:
-        return _open_torch(workload, workers, start_method)
-    if loader == EXTSRC_FROM_DATASET:
-        return _open_from_dataset(workload, workers, start_method)
+    if loader in (TORCH, TORCH_COLLATE, TORCH_ITERABLE):
+        return _open_torch(workload, workers, start_method, loader)
+    if loader in (EXTSRC_FROM_DATASET, EXTSRC_FROM_DATASET_COLLATE, EXTSRC_FROM_DATASET_ITERABLE):
+        return _open_from_dataset(workload, workers, start_method, loader)
     if loader.startswith("extsrc-ray"):
         from extsrc.bench.ray_bench import open_ray_loader
 

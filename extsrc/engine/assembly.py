@@ -129,7 +129,8 @@ class PendingBatch:
                 if isinstance(msg, TaskDone) and start < size]
         outputs = []
         for j in range(1 if num_outputs is None else num_outputs):
-            region = self.regions[j]
+            # None too for an output the batch was dispatched without (num_outputs="auto").
+            region = self.regions[j] if j < len(self.regions) else None
             if region is not None and not any(msg.spilled and msg.spilled[j] for _, msg in done):
                 outputs.append(Batch(dense=view(base_of(region_map), region.offset,
                                                 np.dtype(region.dtype), (size,) + region.shape)))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import pickle
 import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
@@ -27,8 +28,8 @@ from extsrc.engine.assembly import PendingBatch, rebuild_exception
 from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.runner import BATCH_GENERATOR, BATCH_ITERABLE, SAMPLE
 from extsrc.engine.stats import StatsCollector
-from extsrc.errors import OrderWarning, SharedMemoryError, SourceTimeoutError
-from extsrc.options import SourceOptions
+from extsrc.errors import OrderWarning, SampleError, SharedMemoryError, SourceTimeoutError
+from extsrc.options import AUTO_OUTPUTS, SourceOptions
 from extsrc.shm import limits
 from extsrc.shm.layout import LayoutPlan
 from extsrc.shm.segment import backend
@@ -47,8 +48,9 @@ class Producer:
     """See the module docstring. Created by :class:`~extsrc.ParallelSource`."""
 
     def __init__(self, source: Any, kind: str, options: SourceOptions, pool: Any,
-                 name: Optional[str]):
+                 name: Optional[str], worker_init: Any = None):
         self.source = source
+        self.worker_init = worker_init
         self.kind = kind
         self.options = options
         self.pool = pool
@@ -76,6 +78,14 @@ class Producer:
         self.stats = (StatsCollector(pool.num_workers, pool.worker_pids if local else None,
                                      options.concurrency)
                       if options.stats else None)
+
+    @property
+    def num_outputs(self) -> Optional[int]:
+        """Outputs per sample: as declared (``None``: one array), or, with
+        ``num_outputs="auto"``, as learnt from the first results (0 until then)."""
+        if self.options.num_outputs == AUTO_OUTPUTS:
+            return self.layout.num_outputs
+        return self.options.num_outputs
 
     # -- consumer thread, lock held ----------------------------------------------------------
 
@@ -125,10 +135,14 @@ class Producer:
     # -- I/O thread, lock held (the PoolClient protocol) ---------------------------------------
 
     def worker_source(self, pickler: Any) -> SourceSetup:
-        callback = self.source
+        callback, worker_init = self.source, self.worker_init
         pickled = pickler is not None
         if pickled:
-            callback = pickler.dumps(self.source, what=f"source {self.name}")
+            if worker_init is None:
+                callback = pickler.dumps(self.source, what=f"source {self.name}")
+            else:  # together, so that objects they share stay shared in the worker
+                callback = pickler.dumps((self.source, worker_init), what=f"source {self.name}")
+                worker_init = True
         o = self.options
         return SourceSetup(
             source_id=self.source_id, name=self.name, kind=self.kind, callback=callback,
@@ -137,12 +151,16 @@ class Producer:
             ndims=o.ndims, order=o.order, last_batch=o.last_batch, in_place=o.in_place,
             timed=o.stats, slots_kept=o.prefetch + o.batches_held,
             concurrency=o.concurrency, timeout=o.timeout,
+            worker_init=worker_init, num_workers=self.pool.num_workers,
         )
 
     def on_result(self, message: Any) -> bool:
         pending = self.in_flight.pop(message.ticket, None)
         if pending is None:
             return False
+        if (isinstance(message, TaskDone) and message.count
+                and self.options.num_outputs == AUTO_OUTPUTS):
+            message = self._check_outputs(pending, message)
         pending.add(message)
         if pending.complete:
             self.slots.filled(pending.slot)
@@ -218,8 +236,10 @@ class Producer:
             return
         o = self.options
         while len(self.pending) < o.prefetch:
-            if not self.layout.known and self.pending:
-                return  # the first batch tells the layouts; until then one at a time
+            if not self.layout.known and len(self.pending) >= self.pool.num_workers:
+                # The first results tell the layouts; until then a batch per worker at most (their
+                # samples go to overflow), so that workers that wait for each other all get work.
+                return
             iteration = self.next_dispatch
             if self.end_at is not None and iteration > self.end_at:
                 return
@@ -265,6 +285,25 @@ class Producer:
 
     def _total_need(self, region_bytes: int) -> int:
         return max(region_bytes, 1) * (self.slots.keep + 1)
+
+    def _check_outputs(self, pending: PendingBatch, message: TaskDone) -> Any:
+        """num_outputs="auto": learns the number of outputs from the first results; results
+        of another number (another worker's samples) become the batch's error."""
+        outputs = len(message.spilled)
+        if self.layout.num_outputs == 0:
+            self.layout.widen(outputs)
+            return message
+        if outputs == self.layout.num_outputs:
+            return message
+        start = pending.ranges[message.ticket][0]
+        error = SampleError(
+            f"source {self.name}: the samples of worker {message.worker} from sample {start} of "
+            f"batch {pending.iteration} (epoch {pending.epoch_idx}) on have {outputs} outputs, and "
+            f"earlier samples had {self.layout.num_outputs} (num_outputs={AUTO_OUTPUTS!r}); every "
+            "sample must have as many outputs"
+        )
+        return TaskFailed(message.source_id, message.ticket, message.worker, start, None,
+                          pickle.dumps(error), "SampleError", str(error), "", False)
 
     def _learn(self, pending: PendingBatch, message: TaskDone) -> None:
         """Regions for later batches follow the layout of what the workers wrote."""

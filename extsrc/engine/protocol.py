@@ -145,6 +145,11 @@ class SourceSetup:
     timeout: Optional[float] = None  # a sample in flight longer fails its batch (concurrency > 1)
     slots_kept: int = 0  # batches of memory the source keeps (prefetch + batches_held), for the
     # memory check at the first sample (extsrc.shm.limits.check_source_need); 0: not known
+    # Called as worker_init(worker_index, num_workers) in each worker before its first task, or
+    # None. When `pickled`, it is pickled with the callback, as (callback, worker_init), and
+    # this field is True.
+    worker_init: Any = None
+    num_workers: int = 1
 
 
 @dataclass(frozen=True)

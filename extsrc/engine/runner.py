@@ -24,6 +24,7 @@ from extsrc.engine.concurrent import AsyncEngine, Hung, ThreadEngine, is_async
 from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.samples import SampleChecker, at
 from extsrc.errors import EpochLengthError, ExtsrcError, SampleError, SharedMemoryError, SourceTimeoutError
+from extsrc.options import AUTO_OUTPUTS
 from extsrc.order import RecordCache
 from extsrc.shm.writer import TaskWriter
 from extsrc.sample_info import BatchInfo, SampleInfo, noting_sample_info
@@ -156,10 +157,27 @@ class SampleBuffers:
         return self.write.alloc(output, self.position, shape, np.dtype(dtype))
 
 
-class SourceRunner:
-    """Runs the tasks of one source inside a worker."""
+def load_source(setup: SourceSetup, pickler: Any) -> Tuple[Any, Any]:
+    """The source's callback and ``worker_init`` in a worker (unpickled if they were pickled)."""
+    if not setup.pickled:
+        return setup.callback, setup.worker_init
+    loaded = pickler.loads(setup.callback)
+    if setup.worker_init is None:
+        return loaded, None
+    callback, worker_init = loaded  # pickled together, so that objects they share stay shared
+    return callback, worker_init
 
-    def __init__(self, setup: SourceSetup, callback: Any, worker: int):
+
+class SourceRunner:
+    """Runs the tasks of one source inside a worker.
+
+    Made once per worker: it first calls the source's ``worker_init(worker, num_workers)``, if
+    it has one; what that raises is the worker's setup failure.
+    """
+
+    def __init__(self, setup: SourceSetup, callback: Any, worker: int, worker_init: Any = None):
+        if worker_init is not None:
+            worker_init(worker, setup.num_workers)
         self.setup = setup
         self.worker = worker
         self.callback = callback
@@ -172,6 +190,10 @@ class SourceRunner:
         self.seed = 0 if setup.order is None else setup.order.seed
         self.buffers = SampleBuffers() if setup.in_place else None
         self.clock = time.perf_counter_ns if setup.timed else _no_clock
+        # Outputs per sample: declared, or (num_outputs="auto") those of this worker's first
+        # sample; the consumer checks that every worker's agree.
+        self.num_outputs = None if setup.num_outputs == AUTO_OUTPUTS else setup.num_outputs
+        self.learns_outputs = setup.num_outputs == AUTO_OUTPUTS
         # Under an order that moves records, whether the callback reads idx_in_epoch but never
         # record: noted until it reads record or was warned about (then plain SampleInfo again).
         self.info_class: Any = SampleInfo
@@ -401,10 +423,32 @@ class SourceRunner:
         record = records[0] if len(records) else idx
         return SampleInfo(idx, position, task.iteration, task.epoch_idx, record, self.seed)
 
+    def _learn_outputs(self, first: Any, where: str) -> int:
+        """num_outputs="auto": the number of outputs, from this worker's first sample or batch."""
+        if not isinstance(first, (tuple, list)) or not first:
+            raise SampleError(
+                f"{where}: expected a non-empty tuple of outputs (num_outputs={AUTO_OUTPUTS!r}), got "
+                f"{type(first).__name__}"
+            )
+        self.num_outputs = len(first)
+        return self.num_outputs
+
+    def _declared(self) -> str:
+        if self.learns_outputs:
+            return f"num_outputs={AUTO_OUTPUTS!r}, as many as this worker's first sample had"
+        return f"num_outputs={self.num_outputs}"
+
     def _columns_of_samples(self, produced, start, describe) -> List[Sequence[Any]]:
-        num_outputs = self.setup.num_outputs
+        num_outputs = self.num_outputs
         if num_outputs is None:
-            return [produced]
+            if not self.learns_outputs:
+                return [produced]
+            if not produced:
+                return []
+            try:
+                num_outputs = self._learn_outputs(produced[0], describe(start))
+            except SampleError as exc:
+                raise at(start, exc)
         for k, sample in enumerate(produced):
             if not isinstance(sample, (tuple, list)) or len(sample) != num_outputs:
                 got = (
@@ -414,7 +458,7 @@ class SourceRunner:
                 )
                 raise at(start + k, SampleError(
                     f"{describe(start + k)}: expected a tuple of {num_outputs} outputs "
-                    f"(num_outputs={num_outputs}), got {got}"
+                    f"({self._declared()}), got {got}"
                 ))
         if not produced:
             return [[] for _ in range(num_outputs)]
@@ -501,7 +545,9 @@ class SourceRunner:
         return self.iterator
 
     def _columns_of_batch(self, batch, info: BatchInfo) -> List[Sequence[Any]]:
-        num_outputs = self.setup.num_outputs
+        num_outputs = self.num_outputs
+        if num_outputs is None and self.learns_outputs:
+            num_outputs = self._learn_outputs(batch, f"batch {info}")
         if num_outputs is None:
             columns = [batch]
         elif isinstance(batch, (tuple, list)) and len(batch) == num_outputs:
@@ -514,7 +560,7 @@ class SourceRunner:
             )
             raise SampleError(
                 f"batch {info}: expected a tuple of {num_outputs} batches "
-                f"(num_outputs={num_outputs}), got {got}"
+                f"({self._declared()}), got {got}"
             )
         lengths = []
         for j, column in enumerate(columns):

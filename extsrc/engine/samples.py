@@ -117,8 +117,9 @@ class SampleChecker:
         """Sample ``position`` of ``output`` as an array; ``first`` is the first sample of
         the same output in the task (all must share dtype and ndim)."""
         try:
-            array = to_sample_array(value, output, where, self.dtypes[output], self.ndims[output],
-                                    self.num_outputs)
+            declared = output < len(self.dtypes)  # not with num_outputs="auto"
+            array = to_sample_array(value, output, where, self.dtypes[output] if declared else None,
+                                    self.ndims[output] if declared else None, self.num_outputs)
         except SampleError as exc:
             raise at(position, exc)
         if first is not None and (array.dtype != first.dtype or array.ndim != first.ndim):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import numpy as np
 
@@ -114,6 +114,18 @@ class ParallelSource:
     happens at 0.8 x ``timeout`` in flight, so that the worker, which knows
     the sample, reports before the consumer's own deadline for the batch.
 
+    ``num_outputs="auto"``: each sample is a tuple of arrays, as many as the
+    first sample has (learnt from the workers' first results, so this
+    process never runs the callback to know it); every batch is a tuple of
+    that many outputs, and a sample with another number raises
+    :class:`~extsrc.errors.SampleError` at its batch. ``num_outputs`` then
+    tells the learnt number (0 before the first results).
+
+    ``worker_init(worker_index, num_workers)`` is called once in each worker
+    process (or Ray actor) before its first task, e.g. to open a per-worker
+    handle; an exception from it is the pool's setup failure, raised from
+    ``next()``. With ``spawn``/``forkserver`` it is pickled as the callback is.
+
     ``dtype``/``ndim`` (one value, or one per output) declare what samples
     must be. Workers start on first use or at ``start()``; ``close()`` (or
     ``with``) stops them and frees the shared memory no batch holds. ``pool``
@@ -155,6 +167,7 @@ class ParallelSource:
         backend: str = UNSET,
         ray_options: Optional[Dict[str, Any]] = UNSET,
         concurrency: int = 1,
+        worker_init: Optional[Callable[[int, int], None]] = None,
     ):
         given = {k: v for k, v in (("num_workers", num_workers), ("start_method", start_method),
                                    ("pickler", pickler), ("backend", backend),
@@ -198,11 +211,13 @@ class ParallelSource:
             raise ValueError("batch_info=True needs a callable source (not an iterable or generator)")
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str, got {name!r}")
+        if worker_init is not None and not callable(worker_init):
+            raise TypeError(f"worker_init must be a callable or None, got {type(worker_init).__name__}")
         self.source = source
         self.kind = kind
         self._pool = pool
         self._pid = os.getpid()
-        self._producer = Producer(source, kind, self.options, pool, name)
+        self._producer = Producer(source, kind, self.options, pool, name, worker_init)
         self.name = self._producer.name
         self._last_report = time.monotonic()
         self._taker = Taker(pool, self._producer, self.options, self.name,
@@ -219,7 +234,9 @@ class ParallelSource:
 
     @property
     def num_outputs(self) -> Optional[int]:
-        return self.options.num_outputs
+        """Outputs per sample (``None``: one array); with ``num_outputs="auto"``, as learnt
+        from the first results (0 until then)."""
+        return self._producer.num_outputs
 
     @property
     def prefetch(self) -> int:

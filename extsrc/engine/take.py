@@ -211,7 +211,7 @@ class Taker:
                 return taken.outcome
             assert lease is not None
             try:
-                outcome = self._finish(pending.build(lease, decision.size, self.options.num_outputs))
+                outcome = self._finish(pending.build(lease, decision.size, producer.num_outputs))
             except SampleError:
                 with pool.lock:
                     if epoch.state is EpochState.RUNNING and epoch.next_yield == pending.iteration:
@@ -310,15 +310,18 @@ class Taker:
 
     def _finish(self, outcome: BatchOutput) -> BatchOutput:
         """Outputs that came uniform but spilled (the first batch) become one dense array."""
-        outputs = (outcome,) if self.options.num_outputs is None else outcome
+        single = self.producer.num_outputs is None
+        outputs = (outcome,) if single else outcome
         if all(samples.is_dense or not samples for samples in outputs):
             return outcome
         finished = []
         for samples in outputs:
-            if not samples.is_dense and samples and _uniform(samples):
+            if not samples.is_dense and len(samples) == 1:
+                samples = Batch(dense=samples[0][np.newaxis])  # one sample: a view, no copy
+            elif not samples.is_dense and samples and _uniform(samples):
                 samples = Batch(dense=np.stack(samples))  # a copy, for this batch only
             finished.append(samples)
-        return finished[0] if self.options.num_outputs is None else tuple(finished)
+        return finished[0] if single else tuple(finished)
 
     def _timed_out(self, epoch: Epoch) -> SourceTimeoutError:
         producer, pool = self.producer, self.pool

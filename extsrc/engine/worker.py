@@ -26,7 +26,7 @@ from typing import Dict, Optional
 from extsrc import forking
 from extsrc.engine.channel import Channel
 from extsrc.engine.protocol import AddSlot, DropSlot, SetupFailed, Stop, Task, WorkerSetup
-from extsrc.engine.runner import SourceRunner
+from extsrc.engine.runner import SourceRunner, load_source
 
 _PR_SET_PDEATHSIG = 1
 WATCHDOG_PERIOD_S = 0.5  # how often a worker checks that its parent lives, when it must
@@ -61,8 +61,8 @@ def worker_main(setup: WorkerSetup, channel: Channel) -> None:
     runners: Dict[int, SourceRunner] = {}
     try:
         for source in setup.sources:
-            callback = setup.pickler.loads(source.callback) if source.pickled else source.callback
-            runners[source.source_id] = SourceRunner(source, callback, setup.index)
+            callback, worker_init = load_source(source, setup.pickler)
+            runners[source.source_id] = SourceRunner(source, callback, setup.index, worker_init)
     except BaseException as exc:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         try:

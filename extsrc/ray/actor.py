@@ -28,7 +28,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, 
 import numpy as np
 
 from extsrc.engine.protocol import SetupFailed, SourceSetup, Task
-from extsrc.engine.runner import SAMPLE, SourceRunner
+from extsrc.engine.runner import SAMPLE, SourceRunner, load_source
 from extsrc.ray.parts import INLINE_MAX_BYTES, columns_bytes, fitting, split
 from extsrc.ray.protocol import ActorReady, Produced
 
@@ -114,8 +114,8 @@ class PackingWriter:
 class ActorRunner(SourceRunner):
     """The engine's runner, answering with the checked samples rather than writing them."""
 
-    def __init__(self, setup: SourceSetup, callback: Any, worker: int):
-        super().__init__(setup, callback, worker)
+    def __init__(self, setup: SourceSetup, callback: Any, worker: int, worker_init: Any = None):
+        super().__init__(setup, callback, worker, worker_init)
         self.writer = PackingWriter(self.writer.checker)
 
     def _done(self, task: Task, write: Any, count: int, stopped: bool, busy_ns: int,
@@ -190,8 +190,8 @@ class SourceActor:
         self._failed: Optional[BaseException] = None
         try:
             for source in sources:
-                callback = pickler.loads(source.callback) if source.pickled else source.callback
-                self.runners[source.source_id] = ActorRunner(source, callback, index)
+                callback, worker_init = load_source(source, pickler)
+                self.runners[source.source_id] = ActorRunner(source, callback, index, worker_init)
         except BaseException as exc:
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             self.setup_failed = SetupFailed(index, f"{type(exc).__name__}: {exc}", text)

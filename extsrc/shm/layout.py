@@ -68,6 +68,15 @@ class LayoutPlan:
         self.known = False  # until the first samples came back, batches go one at a time
         self._cache: Optional[Tuple[Tuple[Optional[Layout], ...], Tuple[Tuple[Optional[Region], ...], int]]] = None
 
+    @property
+    def num_outputs(self) -> int:
+        return len(self.layouts)
+
+    def widen(self, num_outputs: int) -> None:
+        """The samples have ``num_outputs`` outputs (learnt from the first results), of
+        layouts not known yet."""
+        self.layouts += [None] * (num_outputs - len(self.layouts))
+
     def learn(self, output: int, layout: Optional[Layout]) -> None:
         """Output ``output``'s samples share ``layout`` (``None``: they do not)."""
         self.known = True

@@ -256,7 +256,7 @@ def check_source_need(need: int, what: str, kind: str, detail: str) -> None:
                       "free (its size: Docker's --shm-size)")
         advice = shortage_advice("devshm", need)
     elif "RLIMIT_AS" in limit.name:
-        advice = (f" Raise the limit (ulimit -v unlimited), or lower prefetch or the batch size, "
+        advice = (" Raise the limit (ulimit -v unlimited), or lower prefetch or the batch size, "
                   "or hold fewer batches.")
     else:
         advice = shortage_advice("memfd", need, limit)  # memory, wherever the segments live

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
-from extsrc.errors import SharedMemoryError
+from extsrc.errors import SampleError, SharedMemoryError
 from extsrc.shm import limits
 from extsrc.shm.layout import Region, Spilled, align
 from extsrc.shm.mapping import Mapping
@@ -231,10 +231,30 @@ class TaskWrite:
         self._given[(output, position)] = (array.__array_interface__["data"][0], placed)
         return array
 
+    def widen(self, outputs: int) -> None:
+        """Makes room for ``outputs`` outputs; those beyond the task's regions spill (a source
+        whose number of outputs the consumer had not learnt when it sent the task)."""
+        extra = outputs - len(self.regions)
+        if extra > 0:
+            self.regions = tuple(self.regions) + (None,) * extra
+            self.spilled += [[] for _ in range(extra)]
+            self.first += [None] * extra
+            self.first_at += [0] * extra
+            self._rows += [None] * extra
+
     def add(self, columns: List[Sequence[object]], position: int, count: int) -> None:
         """Writes ``columns[j][k]`` (output ``j``, sample ``position + k``)."""
         if not count:
             return
+        if len(columns) != len(self.regions):
+            if len(columns) < len(self.regions):  # only with num_outputs="auto"
+                error = SampleError(
+                    f"{self.describe(position)}: {len(columns)} outputs, and the source's samples "
+                    f"so far had {len(self.regions)}; every sample must have as many outputs"
+                )
+                error.position = position  # type: ignore[attr-defined]
+                raise error
+            self.widen(len(columns))
         if not self.writer.need_checked:
             self.writer.check_need(sum(_sample_bytes(column[0]) for column in columns))
         try:
@@ -329,6 +349,11 @@ def _write_dense(column, destination: np.ndarray) -> bool:
         destination[...] = column
         return True
     shape, dtype = destination.shape[1:], destination.dtype
+    first = column[0] if len(column) else None
+    if (first.__class__ is np.ndarray and first.shape == shape and first.dtype == dtype
+            and all(sample is first for sample in column)):
+        destination[...] = first  # one array for every sample (a constant output): broadcast
+        return True
     for sample in column:
         if sample.__class__ is not np.ndarray or sample.shape != shape or sample.dtype != dtype:
             return False

@@ -2,198 +2,105 @@
 
 ``from_dataset(dataset, batch_size, shuffle=..., num_workers=..., ...)`` takes
 the arguments of ``torch.utils.data.DataLoader`` that have a meaning here and
-returns a :class:`~extsrc.torch.TorchLoader`: each epoch visits
-``extsrc.Order(len(dataset), shuffle=..., seed=...)``, a worker calls
-``dataset[info.record]`` for each sample and writes it (as NumPy) into shared
-memory, and the loader gives the batch as tensors shaped as DataLoader's
-default collation shapes them. The DataLoader arguments that do not map raise
+returns a :class:`DatasetLoader` (a :class:`~extsrc.torch.TorchLoader` with
+DataLoader's attributes): each epoch visits ``extsrc.Order(len(dataset),
+shuffle=..., seed=...)``, a worker calls ``dataset[info.record]`` for each
+sample and writes it, flattened to arrays (:mod:`extsrc.torch.structure`),
+into shared memory, and the loader gives the batch as tensors shaped as
+DataLoader's default collation shapes them. The DataLoader arguments that do not map raise
 ``TypeError`` saying what to do instead.
 """
 
 from __future__ import annotations
 
-import collections.abc
+import math
 import os
 import random
-from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+import warnings
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import BatchSampler, IterableDataset, IterDataPipe, RandomSampler, SequentialSampler
+from torch.utils.data import default_collate, default_convert
 
 from extsrc.engine.concurrent import is_async
 from extsrc.engine.source import ParallelSource
 from extsrc.errors import EmptyEpochError
-from extsrc.options import START_METHODS
-from extsrc.order import Order
+from extsrc.options import AUTO_OUTPUTS, START_METHODS
+from extsrc.order import Order, RecordCache
 from extsrc.torch.loader import TorchLoader
+from extsrc.torch.structure import Collation, Flattener, pack_whole, unpack_whole
 
-# Kinds of sample, and what a batch of them becomes (as torch's default_collate makes it).
-SINGLE, SEQUENCE, NAMEDTUPLE, MAPPING = "single", "sequence", "namedtuple", "mapping"
+_NUMERIC_KINDS = frozenset("biufc")
 
 # DataLoader arguments from_dataset refuses, with what to do instead.
 _NOT_MAPPED = {
     "sampler": "give shuffle=, seed= and shard= (an extsrc.Order decides the records of each epoch: "
                "shuffled by seed and epoch, shards as DistributedSampler's)",
     "batch_sampler": "give batch_size=, shuffle=, seed=, shard= and drop_last=",
-    "collate_fn": "samples are collated in shared memory (one dense tensor per field when the "
-                  "samples share shape and dtype, else a list of tensors); apply batch-level work "
-                  "to the tensors the loader yields, or use extsrc.ParallelSource(batch=True)",
-    "worker_init_fn": "set up per-worker state lazily in __getitem__ (on its first call in a "
-                      "worker) or in the dataset's __setstate__ (spawn); the global random "
-                      "generators are seeded per worker already",
-    "generator": "give seed= (the shuffled order is keyed by seed and epoch)",
     "pin_memory_device": "give device= ('cuda:N') for CUDA tensors, or pin_memory=True",
 }
 
-
-_NUMERIC_KINDS = frozenset("biufc")
-
-
-def _to_array(value: Any, record: int, field: str) -> np.ndarray:
-    """One field of a sample as a NumPy array, as default_collate would make it a tensor."""
-    if type(value) is np.ndarray and value.dtype.kind in _NUMERIC_KINDS:
-        return value  # the common case, first
-    if isinstance(value, np.ndarray):
-        array = value
-    elif isinstance(value, torch.Tensor):
-        if value.device.type != "cpu":
-            raise TypeError(
-                f"dataset[{record}]{field} is a tensor on {value.device}; __getitem__ must return "
-                "CPU tensors (the workers are processes without CUDA)"
-            )
-        try:
-            array = value.detach().resolve_conj().resolve_neg().numpy()
-        except TypeError as exc:
-            raise TypeError(
-                f"dataset[{record}]{field} is a {value.dtype} tensor, which NumPy cannot hold "
-                f"({exc}); return another dtype (e.g. tensor.float())"
-            ) from None
-    elif isinstance(value, (bool, np.bool_)):
-        array = np.asarray(value, np.bool_)
-    elif isinstance(value, int):
-        array = np.asarray(value, np.int64)  # default_collate: a tensor of Python ints is int64
-    elif isinstance(value, float):
-        array = np.asarray(value, np.float64)  # and of Python floats float64
-    elif isinstance(value, np.generic) or hasattr(value, "__array__") or hasattr(value, "__array_interface__"):
-        array = np.asarray(value)
-    else:
-        raise TypeError(
-            f"dataset[{record}]{field} is a {type(value).__name__} ({value!r:.60}); from_dataset "
-            "carries arrays, tensors and numbers (a DataLoader would pass strings and other "
-            "objects through as lists): return numbers, or keep such fields out of the sample"
-        )
-    if array.dtype.kind not in _NUMERIC_KINDS:
-        raise TypeError(
-            f"dataset[{record}]{field} has dtype {array.dtype}; from_dataset carries numeric and "
-            "bool arrays only"
-        )
-    return array
+# The DataLoader attributes a from_dataset loader has, read-only once it is made (as DataLoader
+# refuses to change some of them after its construction: its iterators read them).
+DATALOADER_ATTRIBUTES = (
+    "dataset", "batch_size", "drop_last", "sampler", "batch_sampler", "num_workers", "collate_fn",
+    "pin_memory", "timeout", "worker_init_fn", "prefetch_factor", "persistent_workers",
+    "generator", "in_order", "multiprocessing_context",
+)
+DEFAULT_PREFETCH_FACTOR = 2  # DataLoader's: batches prepared ahead per worker
 
 
-@dataclass(frozen=True)
-class SampleLayout:
-    """What one sample of the dataset holds: one field, a sequence, a namedtuple or a mapping."""
-
-    kind: str
-    keys: Tuple[Any, ...]  # mapping keys, namedtuple fields, or positions
-    namedtuple: Any = None  # the namedtuple class
-
-    @classmethod
-    def of(cls, sample: Any) -> "SampleLayout":
-        """The layout of ``sample`` (``dataset[0]``); ``TypeError`` for nested containers."""
-        if isinstance(sample, collections.abc.Mapping):
-            layout = cls(MAPPING, tuple(sample.keys()))
-        elif isinstance(sample, tuple) and hasattr(sample, "_fields"):
-            layout = cls(NAMEDTUPLE, tuple(sample._fields), type(sample))
-        elif isinstance(sample, (tuple, list)):
-            layout = cls(SEQUENCE, tuple(range(len(sample))))
-        else:
-            return cls(SINGLE, ())
-        if not layout.keys:
-            raise TypeError(f"dataset[0] is an empty {type(sample).__name__}; a sample needs a field")
-        for key in layout.keys:
-            value = sample[key] if layout.kind != NAMEDTUPLE else getattr(sample, key)
-            if isinstance(value, (collections.abc.Mapping, tuple, list)):
-                raise TypeError(
-                    f"dataset[0][{key!r}] is a {type(value).__name__}: from_dataset takes samples "
-                    "of one level (an array, or a tuple, list, namedtuple or dict of arrays); "
-                    "flatten the nested fields"
-                )
-        return layout
-
-    @property
-    def num_outputs(self) -> Optional[int]:
-        return None if self.kind == SINGLE else len(self.keys)
-
-    def flatten(self, sample: Any, record: int) -> Any:
-        """``dataset[record]`` as the engine takes it: an array, or a tuple of arrays."""
-        if self.kind == SINGLE:
-            return _to_array(sample, record, "")
-        if self.kind == MAPPING:
-            # By key, as default_collate: the order of a sample's keys does not matter.
-            if not isinstance(sample, collections.abc.Mapping):
-                raise TypeError(f"dataset[{record}] is a {type(sample).__name__}, and dataset[0] a "
-                                f"mapping with the keys {list(self.keys)}")
-            if len(sample) != len(self.keys) or any(k not in sample for k in self.keys):
-                raise TypeError(f"dataset[{record}] holds the keys {list(sample.keys())}, and "
-                                f"dataset[0] {list(self.keys)}")
-            return tuple(_to_array(sample[k], record, f"[{k!r}]") for k in self.keys)
-        if not isinstance(sample, (tuple, list)) or len(sample) != len(self.keys):
-            what = f"{len(sample)} fields" if isinstance(sample, (tuple, list)) else type(sample).__name__
-            raise TypeError(f"dataset[{record}] holds {what}, and dataset[0] {len(self.keys)} fields")
-        return tuple(_to_array(value, record, f"[{k}]") for k, value in enumerate(sample))
-
-    def rebuild(self, outputs: Any) -> Any:
-        """A batch's tensors in the shape default_collate gives (a tuple sample gives a list)."""
-        if self.kind == SINGLE:
-            return outputs
-        if self.kind == MAPPING:
-            return dict(zip(self.keys, outputs))
-        if self.kind == NAMEDTUPLE:
-            return self.namedtuple(*outputs)
-        return list(outputs)
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
-class _ProcessSeeded:
-    """Whether this process's global generators were seeded for a dataset (forked children
-    start unseeded: they must not repeat their parent's or each other's draws)."""
+class WorkerStart:
+    """Run once in each worker before its first sample, as a DataLoader worker starts: one
+    PyTorch intra-op thread (a forked child does not have its parent's OpenMP threads, and its
+    first parallel op would wait for them forever), the global generators of ``random``,
+    NumPy and PyTorch seeded from ``base_seed`` and the worker's index, the worker's
+    ``torch.utils.data.get_worker_info()``, then the user's ``worker_init_fn(worker_id)``."""
 
-    done = False
+    def __init__(self, dataset: Any, base_seed: int, worker_init_fn: Optional[Callable[[int], None]]):
+        self.dataset = dataset
+        self.base_seed = base_seed
+        self.worker_init_fn = worker_init_fn
 
-    @classmethod
-    def forget(cls) -> None:
-        cls.done = False
+    def __call__(self, worker_index: int, num_workers: int) -> None:
+        from torch.utils.data._utils import worker as torch_worker
 
+        torch.set_num_threads(1)
+        seed = self.base_seed + worker_index  # as a DataLoader seeds its worker `worker_index`
+        random.seed(seed)
+        torch.manual_seed(seed)
+        np.random.seed(np.random.SeedSequence([self.base_seed, worker_index]).generate_state(4))
+        # What torch.utils.data.get_worker_info() returns in this process (PyTorch keeps it in
+        # this module variable, set by its own workers likewise).
+        torch_worker._worker_info = torch_worker.WorkerInfo(
+            id=worker_index, num_workers=num_workers, seed=seed, dataset=self.dataset)
+        if isinstance(self.dataset, IterDataPipe):  # as DataLoader shards a datapipe per worker
+            from torch.utils.data import graph_settings
 
-os.register_at_fork(after_in_child=_ProcessSeeded.forget)
+            graph_settings.apply_sharding(self.dataset, num_workers, worker_index)
+        if self.worker_init_fn is not None:
+            self.worker_init_fn(worker_index)
 
 
 class DatasetSamples:
-    """The callback run in the workers: ``dataset[info.record]``, flattened to arrays.
+    """The callback run in the workers: ``dataset[info.record]``, flattened to arrays (its
+    structure first, see :mod:`extsrc.torch.structure`)."""
 
-    On its first call in each worker process it seeds the global generators
-    of ``random``, NumPy and PyTorch from ``base_seed`` and the process id, so
-    that workers draw different numbers, as in a DataLoader's workers.
-    """
-
-    def __init__(self, dataset: Any, layout: SampleLayout, base_seed: int):
+    def __init__(self, dataset: Any):
         self.dataset = dataset
-        self.layout = layout
-        self.base_seed = base_seed
-
-    def _seed_process(self) -> None:
-        seeds = np.random.SeedSequence([self.base_seed, os.getpid()]).generate_state(3)
-        python_seed, numpy_seed, torch_seed = (int(s) for s in seeds)
-        random.seed(python_seed)
-        np.random.seed(numpy_seed)
-        torch.manual_seed(torch_seed)
-        _ProcessSeeded.done = True
+        self.flatten = Flattener()
+        self._single = Flattener()(np.zeros(0), "")[0]  # the structure of one array
 
     def __call__(self, info: Any) -> Any:
-        if not _ProcessSeeded.done:
-            self._seed_process()
         record = info.record
         try:
             sample = self.dataset[record]
@@ -201,28 +108,67 @@ class DatasetSamples:
             if hasattr(exc, "add_note"):  # Python 3.11+
                 exc.add_note(f"(extsrc.torch: raised by dataset[{record}])")
             raise
-        if type(sample) is np.ndarray and self.layout.kind == SINGLE:
-            return sample  # the common case, first; the engine checks its dtype
-        return self.layout.flatten(sample, record)
+        if type(sample) is np.ndarray and sample.dtype.kind in _NUMERIC_KINDS:
+            return self._single, sample  # the common case, first; the engine checks the rest
+        return self.flatten(sample, f"dataset[{record}]")
+
+
+class CollatedBatches:
+    """The callback run in the workers with a user's ``collate_fn`` (or ``batch_size=None``):
+    record ``b`` of the source's order is batch ``b`` of the epoch, made of the records at
+    positions ``b * batch_size`` on of ``sample_order`` (each alone with ``batch_size=None``),
+    collated by ``collate_fn`` here in the worker and written, as it came, into the batch's
+    shared memory (:func:`~extsrc.torch.structure.pack_whole`)."""
+
+    def __init__(self, dataset: Any, batch_size: Optional[int], collate_fn: Callable[[Any], Any],
+                 sample_order: Order):
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.collate_fn = collate_fn
+        self.sample_order = sample_order
+        self._records: Optional[RecordCache] = None  # made in the worker
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_records": None}
+
+    def __call__(self, info: Any, buffers: Any) -> Any:
+        if self._records is None:
+            self._records = RecordCache(self.sample_order)
+        epoch = info.epoch_idx
+        if self.batch_size is None:
+            index = self._records.get(epoch, info.record, info.record + 1)[0]
+            samples: Any = self._fetch(index)
+        else:
+            start = info.record * self.batch_size
+            stop = min(start + self.batch_size, len(self.sample_order))
+            samples = [self._fetch(index) for index in self._records.get(epoch, start, stop)]
+        batch = self.collate_fn(samples)
+        return pack_whole(batch, buffers, f"collate_fn's batch {info.record}")
+
+    def _fetch(self, index: int) -> Any:
+        try:
+            return self.dataset[index]
+        except Exception as exc:
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(f"(extsrc.torch: raised by dataset[{index}])")
+            raise
 
 
 class AsyncDatasetSamples(DatasetSamples):
     """:class:`DatasetSamples` for a dataset with ``async def getitem_async(index)``: awaited on
     the worker's event loop, up to ``concurrency`` at once."""
 
-    async def __call__(self, info: Any) -> Any:
-        if not _ProcessSeeded.done:
-            self._seed_process()
+    async def __call__(self, info: Any) -> Any:  # type: ignore[override]
         record = info.record
         try:
             sample = await self.dataset.getitem_async(record)
         except Exception as exc:
-            if hasattr(exc, "add_note"):
+            if hasattr(exc, "add_note"):  # Python 3.11+
                 exc.add_note(f"(extsrc.torch: raised by dataset.getitem_async({record}))")
             raise
-        if type(sample) is np.ndarray and self.layout.kind == SINGLE:
-            return sample
-        return self.layout.flatten(sample, record)
+        if type(sample) is np.ndarray and sample.dtype.kind in _NUMERIC_KINDS:
+            return self._single, sample
+        return self.flatten(sample, f"dataset.getitem_async({record})")
 
 
 def _start_method(context: Any) -> str:
@@ -237,118 +183,495 @@ def _start_method(context: Any) -> str:
     return method
 
 
+class _DataLoaderAttributes:
+    """DataLoader's attributes (:data:`DATALOADER_ATTRIBUTES`), read-only once described, and
+    ``len()`` as DataLoader computes it."""
+
+    _initialized = False
+
+    def _describe(self, attributes: dict, order: Optional[Order]) -> None:
+        for name, value in attributes.items():
+            self.__dict__[name] = value  # pin_memory too, beside a class's property
+        object.__setattr__(self, "_order", order)
+        object.__setattr__(self, "_initialized", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._initialized and name in DATALOADER_ATTRIBUTES:
+            raise ValueError(f"{name} attribute should not be set after {type(self).__name__} is "
+                             "initialized (it describes how the running workers load batches)")
+        super().__setattr__(name, value)
+
+    def __len__(self) -> int:
+        """Batches per epoch, from ``len(dataset)`` now (as DataLoader's ``len()``); with
+        ``shard=``, those of this shard."""
+        sharded = self._order is not None and self._order.shard[1] > 1
+        records = len(self._order) if sharded else len(self.dataset)
+        if self.batch_size is None:
+            return records
+        return records // self.batch_size if self.drop_last else math.ceil(records / self.batch_size)
+
+
+class InProcessLoader(_DataLoaderAttributes):
+    """What :func:`from_dataset` returns for ``num_workers=0``: the dataset runs in this
+    process, in the loop, as a DataLoader's does without workers (to debug a dataset: its
+    breakpoints and prints are here). Each ``for`` loop is one epoch of the order; batches are
+    those the workers would give. ``close()`` and ``with`` are accepted (nothing to stop)."""
+
+    def __init__(self, dataset: Any, order: Optional[Order], batch_size: Optional[int], drop_last: bool,
+                 collate: Optional[Callable[[Any], Any]]):
+        self._dataset = dataset
+        self._sample_order = order
+        self._batch = batch_size
+        self._drop = drop_last
+        self._collate = collate  # None: as the workers collate (see _default_batch)
+        self._flatten = Flattener()
+        self._rebuild = Collation()
+        self._next_epoch = 0
+        self._closed = False
+
+    def __iter__(self) -> Any:
+        if self._closed:
+            raise ValueError("this loader is closed")
+        epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
+        return self._batches(epoch)
+
+    def _batches(self, epoch: int) -> Any:
+        if self._sample_order is None:  # an IterableDataset
+            return self._iterated()
+        return _InProcessEpoch(self, self._sample_order.epoch(epoch))
+
+    def _batch_at(self, records: Any, k: int) -> Any:
+        """Batch ``k`` of an epoch whose records are ``records``."""
+        if self._batch is None:
+            return self._collate(self._dataset[int(records[k])])
+        start = k * self._batch
+        samples = [self._dataset[int(i)] for i in records[start:min(start + self._batch, len(records))]]
+        return self._default_batch(samples) if self._collate is None else self._collate(samples)
+
+    def _iterated(self) -> Any:
+        samples = iter(self._dataset)
+        if self._batch is None:
+            for sample in samples:
+                yield self._collate(sample)
+            return
+        while True:
+            batch = []
+            for sample in samples:
+                batch.append(sample)
+                if len(batch) == self._batch:
+                    break
+            if not batch or (len(batch) < self._batch and self._drop):
+                return
+            yield self._default_batch(batch) if self._collate is None else self._collate(batch)
+            if len(batch) < self._batch:
+                return
+
+    def _default_batch(self, samples: list) -> Any:
+        """The samples collated as the workers' batches are (a field of ragged samples: a list)."""
+        flat = [self._flatten(sample, f"dataset sample {k} of the batch") for k, sample in enumerate(samples)]
+        outputs = []
+        for column in zip(*flat):
+            first = column[0]
+            if all(a.shape == first.shape and a.dtype == first.dtype for a in column):
+                outputs.append(torch.from_numpy(np.stack(column)))
+            else:
+                outputs.append([torch.from_numpy(np.array(a)) for a in column])
+        return self._rebuild(tuple(outputs))
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __enter__(self) -> "InProcessLoader":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+class _InProcessEpoch:
+    """One loop of an :class:`InProcessLoader` over a map-style dataset. An error loading a
+    batch is raised once, and the loop may go on with the next batch, as a DataLoader's."""
+
+    def __init__(self, loader: InProcessLoader, records: Any):
+        self._loader = loader
+        self._records = records
+        total = len(records)
+        size = loader._batch
+        self._count = total if size is None else total // size if loader._drop else -(-total // size)
+        self._next = 0
+
+    def __iter__(self) -> "_InProcessEpoch":
+        return self
+
+    def __next__(self) -> Any:
+        k = self._next
+        if k >= self._count:
+            raise StopIteration
+        self._next += 1  # first: a batch that raises is not tried again
+        return self._loader._batch_at(self._records, k)
+
+
+class DatasetLoader(_DataLoaderAttributes, TorchLoader):
+    """What :func:`from_dataset` returns: a :class:`~extsrc.torch.TorchLoader` with a
+    DataLoader's attributes (``dataset``, ``batch_size``, ``drop_last``, ``sampler``,
+    ``batch_sampler``, ``num_workers``, ``collate_fn``, ``pin_memory``, ``timeout``,
+    ``worker_init_fn``, ``prefetch_factor``, ``persistent_workers``, ``generator``,
+    ``in_order``, ``multiprocessing_context``), read-only once it is made: setting one raises
+    ``ValueError``, as DataLoader does. ``sampler`` and ``batch_sampler`` describe the order as
+    a DataLoader's would (sequential or random); the records come from the loader's
+    :class:`extsrc.Order`. ``len()`` is computed from ``len(dataset)`` when called, as
+    DataLoader's."""
+
+    @property  # type: ignore[override]
+    def pin_memory(self) -> bool:
+        """As given: with ``True`` and no CUDA, the loader warned and yields unpinned tensors."""
+        return self.__dict__.get("pin_memory", self._pin)
+
+    @pin_memory.setter
+    def pin_memory(self, value: bool) -> None:
+        self.__dict__["pin_memory"] = value  # reached only before _describe() ends
+
+
+class _HeapBuffers:
+    """Room for a packed batch in the worker's own memory (batch mode has no shared-memory room
+    before the engine writes what the callback returned)."""
+
+    @staticmethod
+    def array(nbytes: int, dtype: Any, output: int = 0) -> np.ndarray:
+        return np.empty(nbytes, dtype)
+
+
+class IterableBatches:
+    """The source of one worker of an ``IterableDataset``: an iterable whose every pass iterates
+    that worker's copy of the dataset (``get_worker_info().dataset``, the object
+    ``worker_init_fn`` saw) and yields its batches as DataLoader forms them in a worker:
+    ``batch_size`` samples (the last one shorter, or dropped with ``drop_last``), each batch
+    flattened for the engine (default collation) or made by ``collate_fn`` and packed whole."""
+
+    def __init__(self, batch_size: Optional[int], drop_last: bool,
+                 collate_fn: Optional[Callable[[Any], Any]], shared_seed: int):
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.collate_fn = collate_fn  # None: default collation, in shared memory
+        self.flatten = Flattener()
+        self.shared_seed = shared_seed
+        self.passes = 0  # epochs begun in this worker (every worker begins the same ones)
+
+    def __iter__(self) -> Any:
+        from torch.utils.data import get_worker_info, graph_settings
+
+        dataset = get_worker_info().dataset
+        if isinstance(dataset, IterDataPipe):
+            # One seed per epoch for every worker, as DataLoader gives a datapipe: shuffled
+            # alike in each worker, then sharded, every record comes once.
+            rng = torch.Generator().manual_seed(self.shared_seed + self.passes)
+            graph_settings.apply_random_seed(dataset, rng)
+        self.passes += 1
+        samples = iter(dataset)
+        size = 1 if self.batch_size is None else self.batch_size
+        count = 0
+        while True:
+            batch = []
+            for sample in samples:
+                batch.append(sample)
+                if len(batch) == size:
+                    break
+            if not batch or (len(batch) < size and self.drop_last):
+                return
+            where = f"batch {count} of this worker"
+            count += 1
+            if self.collate_fn is not None:
+                made = self.collate_fn(batch[0] if self.batch_size is None else batch)
+                description, buffer = pack_whole(made, _HeapBuffers, f"collate_fn's {where}")
+                yield [description], [buffer]
+                continue
+            flat = [self.flatten(sample, f"sample {k} of {where}") for k, sample in enumerate(batch)]
+            yield tuple(list(column) for column in zip(*flat))
+            if len(batch) < size:
+                return
+
+
+class IterableLoader(_DataLoaderAttributes):
+    """What :func:`from_dataset` returns for an ``IterableDataset`` with workers: each worker
+    iterates its own copy of the dataset (shard it by ``get_worker_info()``, as with a
+    DataLoader) and forms its batches; the loader yields them in DataLoader's order, one from
+    each worker in turn, skipping workers that are done. Each ``for`` loop is one pass of every
+    worker. ``close()`` (or ``with``) stops the workers."""
+
+    def __init__(self, pool: Any, loaders: list):
+        self._pool = pool
+        self._loaders = loaders  # one TorchLoader per worker, its source pinned to that worker
+        self._closed = False
+
+    def __iter__(self) -> Any:
+        if self._closed:
+            raise ValueError("this loader is closed")
+        epochs = [iter(loader) for loader in self._loaders]  # ends the loops running before
+        return self._round_robin(epochs)
+
+    @staticmethod
+    def _round_robin(epochs: list) -> Any:
+        active = list(epochs)
+        while active:
+            for epoch in list(active):
+                try:
+                    batch = next(epoch)
+                except StopIteration:
+                    active.remove(epoch)
+                    continue
+                yield batch
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for loader in self._loaders:
+            loader.close()
+        self._pool.close()
+
+    def __enter__(self) -> "IterableLoader":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+def _iterable_loader(dataset: Any, batch_size: Optional[int], drop_last: bool, collate_fn: Any,
+                     default: bool, num_workers: int, start_method: str, pickler: Any,
+                     prefetch_factor: Optional[int], timeout: float, device: Any, pin_memory: bool,
+                     worker_init: WorkerStart) -> IterableLoader:
+    """The loader of an IterableDataset: a pool of ``num_workers``, one source pinned to each."""
+    from extsrc.engine.pool import WorkerPool
+
+    pool = WorkerPool(num_workers, start_method=start_method, pickler=pickler)
+    loaders = []
+    try:
+        for worker in range(num_workers):
+            source = ParallelSource(
+                IterableBatches(batch_size, drop_last, None if default else collate_fn,
+                                worker_init.base_seed),
+                batch_size if default else 1,
+                batch=True,
+                num_outputs=AUTO_OUTPUTS if default else 2,
+                pool=pool,
+                prefetch=prefetch_factor or DEFAULT_PREFETCH_FACTOR,
+                last_batch="partial",
+                timeout=timeout or None,
+                name=f"from_dataset({type(dataset).__name__}), worker {worker}",
+                # Once per worker (it sets the worker up for every source of the pool).
+                worker_init=worker_init if worker == 0 else None,
+            )
+            loaders.append(TorchLoader._owning(source, device=device, pin_memory=pin_memory,
+                                               rebuild=Collation() if default else unpack_whole))
+        pool.start()
+    except BaseException:
+        for loader in loaders:
+            loader.close()
+        pool.close()
+        raise
+    return IterableLoader(pool, loaders)
+
+
 def from_dataset(
     dataset: Any,
     batch_size: Optional[int] = 1,
     *,
-    shuffle: bool = False,
+    shuffle: Optional[bool] = None,
     seed: int = 0,
     shard: Any = None,
     drop_last: bool = False,
     num_workers: int = 1,
+    collate_fn: Optional[Callable[[Any], Any]] = None,
+    generator: Optional[torch.Generator] = None,
+    worker_init_fn: Optional[Callable[[int], None]] = None,
     multiprocessing_context: Any = None,
     prefetch_factor: Optional[int] = None,
     timeout: float = 0,
-    persistent_workers: bool = True,
+    persistent_workers: bool = False,
     in_order: bool = True,
     pin_memory: bool = False,
     device: Any = None,
     pickler: Any = None,
     concurrency: int = 1,
     **dataloader_kwargs: Any,
-) -> TorchLoader:
-    """A :class:`~extsrc.torch.TorchLoader` over a map-style ``dataset``, in place of a DataLoader.
+) -> Union[DatasetLoader, InProcessLoader]:
+    """A :class:`DatasetLoader` (a :class:`~extsrc.torch.TorchLoader`) over a map-style
+    ``dataset``, in place of a DataLoader (an :class:`InProcessLoader` with ``num_workers=0``).
 
-    ``dataset`` has ``__len__`` and ``__getitem__(index)`` returning an
-    array, a tensor or a number, or a tuple, list, namedtuple or dict of
-    them (one level). Each batch is shaped as DataLoader's default collation
-    shapes it: one tensor per field with the batch along dimension 0 (a
-    field whose samples differ in shape gives a list of tensors instead of
-    an error), a tuple or list sample gives a list, a namedtuple a
-    namedtuple, a dict a dict. ``dataset[0]`` is read once in this process to
-    learn that layout.
+    ``dataset`` has ``__len__`` and ``__getitem__(index)``. Each batch is what
+    DataLoader's default collation makes of the samples: a tensor per array,
+    tensor or number field with the batch along dimension 0 (a field whose
+    samples differ in shape gives a list of tensors instead of an error), a
+    list of strings per string field, dicts, namedtuples and lists (for any
+    other sequence) nested as in the sample. Nothing of the dataset runs in
+    this process: the workers call ``dataset[index]``, and the layout of a
+    sample is learnt from their first results.
 
     Arguments as DataLoader's: ``batch_size``, ``shuffle``, ``drop_last``,
     ``num_workers`` (at least 1: the dataset always runs in worker
-    processes), ``multiprocessing_context`` (``"fork"`` by default,
-    ``"spawn"``, ``"forkserver"``, or such a context), ``prefetch_factor``
-    (batches per worker prepared ahead, default 2), ``timeout`` (seconds per
-    batch, 0 for none), ``pin_memory`` (the shared memory is page-locked
-    once: no pinning copy), ``persistent_workers`` and ``in_order`` (accepted:
-    the workers always persist until ``close()``, and batches always come in
-    order). Instead of a sampler: ``seed`` (the shuffled order of each epoch
-    is keyed by ``seed`` and the epoch) and ``shard`` (``(rank, world_size)``
-    or ``"auto"`` from torchrun's environment; shards are padded to equal
-    length, as DistributedSampler's). Also ``device`` (CUDA tensors, copied
-    on a side stream; see :class:`~extsrc.torch.TorchLoader`) and ``pickler``
-    (for spawn: see :class:`~extsrc.ParallelSource`), and ``concurrency``:
-    samples in flight per worker, for a dataset that waits on storage: its
-    ``__getitem__`` runs on that many threads per worker, or, if the dataset
-    has ``async def getitem_async(index)``, that is awaited instead.
+    processes), ``worker_init_fn(worker_id)`` (run in each worker before its
+    first sample, where ``torch.utils.data.get_worker_info()`` gives the
+    worker's ``id``, ``num_workers``, ``seed`` and ``dataset``),
+    ``multiprocessing_context`` (``"fork"`` by default, ``"spawn"``,
+    ``"forkserver"``, or such a context), ``prefetch_factor`` (batches per
+    worker prepared ahead, default 2), ``timeout`` (seconds per batch, 0 for
+    none; a late batch raises :class:`~extsrc.errors.SourceTimeoutError`, a
+    ``RuntimeError`` as DataLoader's), ``pin_memory`` (the shared memory is
+    page-locked once: no pinning copy; without CUDA a warning, as
+    DataLoader gives), ``persistent_workers`` and ``in_order`` (accepted: the
+    workers always persist until ``close()``, and batches always come in
+    order). Each worker uses one PyTorch thread and has its global
+    generators seeded from a base seed drawn here and its index, as
+    DataLoader's workers. Instead of a sampler: ``seed`` (the shuffled order
+    of each epoch is keyed by ``seed`` and the epoch) and ``shard``
+    (``(rank, world_size)`` or ``"auto"`` from torchrun's environment; shards
+    are padded to equal length, as DistributedSampler's). Also ``device``
+    (CUDA tensors, copied on a side stream; see
+    :class:`~extsrc.torch.TorchLoader`) and ``pickler`` (for spawn: see
+    :class:`~extsrc.ParallelSource`), and ``concurrency``: samples in flight
+    per worker, for a dataset that waits on storage: its ``__getitem__`` runs
+    on that many threads per worker, or, if the dataset has ``async def
+    getitem_async(index)``, that is awaited instead (default collation only).
 
     The workers start here (a DataLoader starts them at the first loop): with
     ``fork``, make the loader before CUDA is initialised (before
-    ``model.cuda()``), or use ``multiprocessing_context="spawn"``.
-    ``len(loader)`` is the number of batches per epoch. Close the loader
-    (``close()`` or ``with``) to stop its workers. Raises ``TypeError`` for
-    DataLoader arguments that do not map here, saying what to use instead.
+    ``model.cuda()``), or use ``multiprocessing_context="spawn"``. Close the
+    loader (``close()`` or ``with``) to stop its workers. Raises
+    ``TypeError`` for DataLoader arguments that do not map here, saying what
+    to use instead; what the dataset raises, or a sample default collation
+    cannot carry, is raised at its batch.
     """
     for name in dataloader_kwargs:
         if name in _NOT_MAPPED:
             raise TypeError(f"from_dataset does not take DataLoader's {name}=: {_NOT_MAPPED[name]}")
         raise TypeError(f"from_dataset() got an unexpected keyword argument {name!r}")
-    if isinstance(dataset, IterableDataset) or not (
-        hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
-    ):
+    iterable = isinstance(dataset, IterableDataset)
+    if not iterable and not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise TypeError(
-            f"from_dataset needs a map-style dataset (__len__ and __getitem__), got "
-            f"{type(dataset).__name__}; for an iterable, use extsrc.ParallelSource(generator_function, "
-            "batch_size, batch=True)"
+            f"from_dataset needs a map-style dataset (__len__ and __getitem__) or a "
+            f"torch.utils.data.IterableDataset, got {type(dataset).__name__}"
         )
-    if batch_size is None:
-        raise ValueError(
-            "batch_size=None (DataLoader's unbatched mode) is not supported: from_dataset always "
-            "makes batches; use batch_size=1 and take sample 0"
-        )
+    if iterable and shuffle not in (None, False) and not isinstance(dataset, IterDataPipe):
+        raise ValueError(f"DataLoader with IterableDataset: expected unspecified shuffle option, "
+                         f"but got shuffle={shuffle}: each worker iterates its copy of the dataset")
+    if collate_fn is not None and not callable(collate_fn):
+        raise TypeError(f"collate_fn must be a callable or None, got {type(collate_fn).__name__}")
+    if batch_size is None and drop_last:
+        raise ValueError("batch_size=None option disables auto-batching and is mutually exclusive "
+                         "with drop_last")
+    shuffle = bool(shuffle) if shuffle is None else shuffle
     for name, value in (("shuffle", shuffle), ("drop_last", drop_last), ("pin_memory", pin_memory),
                         ("persistent_workers", persistent_workers), ("in_order", in_order)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
-    if num_workers == 0:
-        raise ValueError(
-            "num_workers=0 runs a DataLoader's dataset in the main process; from_dataset always "
-            "runs it in worker processes: give num_workers >= 1"
-        )
+    if num_workers == 0 and prefetch_factor is not None:
+        raise ValueError("prefetch_factor option could only be specified in multiprocessing: give "
+                         "num_workers > 0, or prefetch_factor=None")
+    if num_workers == 0 and persistent_workers:
+        raise ValueError("persistent_workers option needs num_workers > 0")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
         raise ValueError(f"timeout must be a number of seconds >= 0 (0: none), got {timeout!r}")
     if prefetch_factor is not None and (isinstance(prefetch_factor, bool)
                                         or not isinstance(prefetch_factor, int) or prefetch_factor < 1):
         raise ValueError(f"prefetch_factor must be a positive int or None, got {prefetch_factor!r}")
+    if worker_init_fn is not None and not callable(worker_init_fn):
+        raise TypeError(f"worker_init_fn must be a callable or None, got {type(worker_init_fn).__name__}")
     start_method = _start_method(multiprocessing_context)
-    records = len(dataset)
-    if records == 0:
-        raise ValueError("the dataset is empty (len(dataset) == 0)")
-    first = dataset[0]
-    layout = SampleLayout.of(first)
-    layout.flatten(first, 0)  # a field that cannot be carried is an error here, not in a worker
-    order = Order(records, shuffle=shuffle, seed=seed, shard=shard, remainder="pad")
-    base_seed = int(torch.empty((), dtype=torch.int64).random_().item())  # as DataLoader draws it
-    try:
+    if isinstance(num_workers, int) and not isinstance(num_workers, bool) and num_workers > _usable_cpus():
+        warnings.warn(
+            f"from_dataset starts {num_workers} worker processes, and this process may use "
+            f"{_usable_cpus()} CPUs: more workers than CPUs slow loading down (and may exhaust "
+            "memory); give num_workers of at most the CPUs", UserWarning, stacklevel=2)
+    if pin_memory and not torch.cuda.is_available():
+        warnings.warn("pin_memory=True, and CUDA is not available here: the tensors are not pinned "
+                      "(page-locked) memory", UserWarning, stacklevel=2)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    # As DataLoader draws its workers' base seed (from `generator` if given, else PyTorch's global
+    # generator); with a generator and no seed=, the shuffled order is drawn from it too.
+    base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+    if generator is not None and seed == 0 and shuffle:
+        seed = int(torch.randint(1 << 31, (), generator=generator).item())
+    if isinstance(dataset, IterDataPipe):  # DataLoader hands its shuffle setting to a datapipe
+        from torch.utils.data import graph_settings
+
+        dataset = graph_settings.apply_shuffle_settings(dataset, shuffle=bool(shuffle))
+        shuffle = None
+    order: Optional[Order] = None
+    if not iterable:
+        records = len(dataset)
+        if records == 0:
+            raise ValueError("the dataset is empty (len(dataset) == 0)")
+        order = Order(records, shuffle=shuffle, seed=seed, shard=shard, remainder="pad")
+    # The samples collated in shared memory (the fast path), or whole batches, each made by a
+    # collate_fn in a worker: then the source's order is one of batches, one per source batch.
+    default = collate_fn in (None, default_collate) and batch_size is not None
+    if batch_size is None:
+        collate_fn = default_convert if collate_fn is None else collate_fn
+    else:
+        collate_fn = default_collate if collate_fn is None else collate_fn
+    sampler = None if iterable else RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
+    attributes = dict(
+        dataset=dataset, batch_size=batch_size, drop_last=drop_last, sampler=sampler,
+        batch_sampler=None if batch_size is None or iterable else BatchSampler(sampler, batch_size,
+                                                                               drop_last),
+        num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory, timeout=timeout,
+        worker_init_fn=worker_init_fn,
+        prefetch_factor=None if num_workers == 0 else prefetch_factor or DEFAULT_PREFETCH_FACTOR,
+        persistent_workers=persistent_workers, generator=generator, in_order=in_order,
+        multiprocessing_context=multiprocessing_context,
+    )
+    if num_workers == 0:
+        in_process = InProcessLoader(dataset, order, batch_size, drop_last,
+                                     None if default else collate_fn)
+        in_process._describe(attributes, order)
+        return in_process  # type: ignore[return-value]
+    if concurrency != 1 and (iterable or num_workers == 0):
+        raise ValueError(
+            f"concurrency={concurrency} needs a map-style dataset loaded by workers "
+            f"(num_workers > 0); got {'an IterableDataset' if iterable else 'num_workers=0'}")
+    if iterable:
+        iterable_loader = _iterable_loader(
+            dataset, batch_size, drop_last, collate_fn, default, num_workers, start_method, pickler,
+            prefetch_factor, timeout, device, pin_memory and torch.cuda.is_available(),
+            WorkerStart(dataset, base_seed, worker_init_fn))
+        iterable_loader._describe(attributes, order)
+        return iterable_loader  # type: ignore[return-value]
+    if default:
         samples = AsyncDatasetSamples if is_async(getattr(dataset, "getitem_async", None)) else DatasetSamples
+        callback: Any = samples(dataset)
+        source_order, source_batch = order, batch_size
+    else:
+        if concurrency != 1:
+            raise ValueError(
+                f"concurrency={concurrency} needs the default collation (collate_fn=None and a "
+                "batch_size): a collate_fn makes whole batches in one call, one at a time")
+        callback = CollatedBatches(dataset, batch_size, collate_fn, order)
+        batches = len(order) if batch_size is None else (
+            len(order) // batch_size if drop_last else math.ceil(len(order) / batch_size))
+        if batches == 0:
+            raise EmptyEpochError(
+                f"{len(order)} records (this shard's, of len(dataset) == {records}) make no batch "
+                f"of batch_size={batch_size} with drop_last=True; give drop_last=False or a "
+                f"batch_size of at most {len(order)} (a DataLoader would yield no batch at all)")
+        source_order, source_batch = Order(batches), 1
+    try:
         source = ParallelSource(
-            samples(dataset, layout, base_seed),
-            batch_size,
-            num_outputs=layout.num_outputs,
+            callback,
+            source_batch,
+            num_outputs=AUTO_OUTPUTS if default else 2,
+            in_place=not default,
             num_workers=num_workers,
             start_method=start_method,
             pickler=pickler,
-            prefetch=None if prefetch_factor is None or not isinstance(num_workers, int)
-            else prefetch_factor * num_workers,
+            prefetch=None if not isinstance(num_workers, int)
+            else (prefetch_factor or DEFAULT_PREFETCH_FACTOR) * num_workers,
             last_batch="drop" if drop_last else "partial",
             timeout=timeout or None,
-            order=order,
+            order=source_order,
             name=f"from_dataset({type(dataset).__name__})",
             concurrency=concurrency,
+            worker_init=WorkerStart(dataset, base_seed, worker_init_fn),
         )
     except EmptyEpochError:
         raise EmptyEpochError(
@@ -361,4 +684,8 @@ def from_dataset(
     except BaseException:
         source.close()
         raise
-    return TorchLoader._owning(source, device=device, pin_memory=pin_memory, rebuild=layout.rebuild)
+    loader = DatasetLoader._owning(source, device=device,
+                                   pin_memory=pin_memory and torch.cuda.is_available(),
+                                   rebuild=Collation() if default else unpack_whole)
+    loader._describe(attributes, order)
+    return loader

@@ -67,3 +67,29 @@ class Changing(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int):
         return (i, i, i) if i == 5 else (i, i)
+
+
+class ShardedStream(torch.utils.data.IterableDataset):
+    """Records 0..n-1, each worker yielding every num_workers-th from its id on (as DataLoader
+    users shard); or, once a worker_init_fn set ``start``/``step``, those."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.start = self.step = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        if self.start is not None:
+            start, step = self.start, self.step
+        else:
+            start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(start, self.n, step):
+            yield {"x": torch.full((3,), i), "i": i, "name": f"#{i}"}
+
+
+def shard_by_worker_init(worker_id):
+    info = torch.utils.data.get_worker_info()
+    info.dataset.start, info.dataset.step = worker_id, info.num_workers

@@ -1,0 +1,406 @@
+"""from_dataset behaves as torch.utils.data.DataLoader where a user would notice the difference."""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, get_worker_info
+
+from extsrc.torch import from_dataset
+
+from sample_datasets import ShardedStream, shard_by_worker_init
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from faultkit import run_isolated  # noqa: E402
+
+
+def test_workers_run_torch_ops_after_the_parent_used_intra_op_threads():
+    # GNU OpenMP's thread pool does not survive fork: a forked child that runs a parallel op
+    # waits forever for threads it does not have, unless it uses one thread, as DataLoader's
+    # workers do.
+    done = run_isolated("""
+        import torch
+        from extsrc.torch import from_dataset
+
+        class Convolved(torch.utils.data.Dataset):
+            def __len__(self):
+                return 8
+            def __getitem__(self, i):
+                image = torch.full((1, 3, 64, 64), float(i))
+                return torch.nn.functional.conv2d(image, torch.ones(4, 3, 3, 3))[0]
+
+        torch.set_num_threads(2)
+        x = torch.randn(1, 3, 256, 256)
+        torch.nn.functional.conv2d(x, torch.randn(8, 3, 5, 5))  # the parent's threads start
+        with from_dataset(Convolved(), batch_size=4, num_workers=2) as loader:
+            sums = [batch.sum().item() for batch in loader]
+        print("OK", len(sums))
+    """, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "OK 2" in done.stdout
+
+
+def test_workers_that_wait_for_each_other_in_getitem_do_not_deadlock():
+    # Every worker's first __getitem__ waits until all workers have called it: the loader must
+    # neither call __getitem__ itself nor give the workers their first samples one at a time.
+    done = run_isolated("""
+        import multiprocessing, torch
+        from extsrc.torch import from_dataset
+
+        class Synchronised(torch.utils.data.Dataset):
+            def __init__(self, parties):
+                self.barrier = multiprocessing.get_context("fork").Barrier(parties)
+                self.waited = False
+            def __len__(self):
+                return 12
+            def __getitem__(self, i):
+                if not self.waited:
+                    self.barrier.wait()
+                    self.waited = True
+                return i
+
+        with from_dataset(Synchronised(3), batch_size=1, num_workers=3) as loader:
+            print("OK", sorted(int(b) for b in loader))
+    """, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"OK {list(range(12))}" in done.stdout
+
+
+class _Fails(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        raise FileNotFoundError(f"/data/{i}.jpg")
+
+
+def test_an_error_in_getitem_is_raised_at_iteration_not_construction():
+    loader = from_dataset(_Fails(), batch_size=2, num_workers=1)  # as a DataLoader: no error yet
+    with loader:
+        with pytest.raises(FileNotFoundError, match=r"/data/0\.jpg"):
+            next(iter(loader))
+
+
+class _Growing(torch.utils.data.Dataset):
+    def __init__(self):
+        self.n = 10
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+def test_the_dataloader_attributes_are_there_and_read_only():
+    dataset = _Growing()
+    init = print
+    with from_dataset(dataset, batch_size=3, drop_last=True, num_workers=2, timeout=20,
+                      worker_init_fn=init, prefetch_factor=4) as loader:
+        theirs = DataLoader(dataset, batch_size=3, drop_last=True)
+        assert loader.dataset is dataset and loader.batch_size == 3 and loader.drop_last is True
+        assert loader.num_workers == 2 and loader.timeout == 20 and loader.worker_init_fn is init
+        assert loader.prefetch_factor == 4 and loader.pin_memory is False
+        assert loader.collate_fn is theirs.collate_fn and loader.generator is None
+        assert type(loader.sampler) is type(theirs.sampler)
+        assert list(loader.batch_sampler) == list(theirs.batch_sampler)
+        for name in ("dataset", "batch_size", "drop_last", "sampler", "batch_sampler", "num_workers",
+                     "collate_fn", "pin_memory", "timeout", "worker_init_fn", "prefetch_factor",
+                     "persistent_workers", "generator", "in_order", "multiprocessing_context"):
+            with pytest.raises(ValueError, match=f"{name} attribute should not be set"):
+                setattr(loader, name, getattr(loader, name))
+            with pytest.raises(ValueError):
+                setattr(theirs, "batch_size", 4)  # what a DataLoader does
+
+
+def test_len_follows_the_dataset_as_a_dataloaders_does():
+    dataset = _Growing()
+    with from_dataset(dataset, batch_size=3, num_workers=1) as loader:
+        theirs = DataLoader(dataset, batch_size=3)
+        assert len(loader) == len(theirs) == 4
+        dataset.n = 16
+        assert len(loader) == len(theirs) == 6
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is for machines without CUDA")
+def test_pin_memory_without_cuda_warns_and_gives_the_batches():
+    with pytest.warns(UserWarning, match="pin_memory=True"):
+        loader = from_dataset(_Growing(), batch_size=5, num_workers=1, pin_memory=True)
+    with loader:
+        assert loader.pin_memory is True
+        assert [b.tolist() for b in loader] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+
+
+class _Slow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        time.sleep(60)
+        return i
+
+
+def test_a_timeout_raises_a_runtime_error_as_a_dataloaders():
+    with from_dataset(_Slow(), batch_size=2, num_workers=1, timeout=1) as loader:
+        with pytest.raises(RuntimeError, match="timeout=1"):
+            next(iter(loader))
+
+
+def test_more_workers_than_cpus_warn():
+    cpus = len(os.sched_getaffinity(0))
+    with pytest.warns(UserWarning, match=f"{cpus + 1} worker processes"):
+        loader = from_dataset(_Growing(), batch_size=5, num_workers=cpus + 1)
+    loader.close()
+
+
+class _WorkerInfos(torch.utils.data.Dataset):
+    def __init__(self):
+        self.started = None
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        info = get_worker_info()
+        return {"id": info.id, "num_workers": info.num_workers, "seed": info.seed,
+                "same_dataset": info.dataset is self, "started": self.started,
+                "torch_seed": torch.initial_seed()}
+
+
+def _mark_started(worker_id):
+    get_worker_info().dataset.started = 100 + worker_id
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_worker_init_fn_and_get_worker_info_run_in_each_worker(start_method):
+    with from_dataset(_WorkerInfos(), batch_size=2, num_workers=2, worker_init_fn=_mark_started,
+                      multiprocessing_context=start_method) as loader:
+        batches = list(loader)
+    rows = [dict(zip(b, values)) for b in batches for values in zip(*(b[k].tolist() for k in b))]
+    assert {r["id"] for r in rows} == {0, 1}
+    for row in rows:
+        assert row["num_workers"] == 2 and row["same_dataset"] and row["started"] == 100 + row["id"]
+        assert row["torch_seed"] == row["seed"]  # as a DataLoader's workers: seeded with info.seed
+    seeds = {r["id"]: r["seed"] for r in rows}
+    assert seeds[1] == seeds[0] + 1  # base seed + worker id
+    assert get_worker_info() is None  # not in this process
+
+
+class _Nested(torch.utils.data.Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return {"path": f"/data/{i}.jpg", "meta": {"size": (i, 2 * i), "scale": i / 4,
+                                                      "crop": {"box": np.arange(4) + i}},
+                "image": torch.full((2, 2), i), "tags": [f"t{i}", b"raw"]}
+
+
+def test_nested_dicts_and_strings_are_collated_as_a_dataloader_collates_them():
+    theirs = list(DataLoader(_Nested(), batch_size=4))
+    with from_dataset(_Nested(), batch_size=4, num_workers=2) as loader:
+        ours = list(loader)
+    assert len(ours) == len(theirs) == 3
+    for a, b in zip(ours, theirs):
+        _same(a, b)
+
+
+def _same(ours, theirs, where=""):
+    assert type(ours) is type(theirs), f"{where}: {type(ours).__name__} vs {type(theirs).__name__}"
+    if isinstance(theirs, torch.Tensor):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), where
+    elif isinstance(theirs, dict):
+        assert list(ours) == list(theirs), where
+        for key in theirs:
+            _same(ours[key], theirs[key], f"{where}[{key!r}]")
+    elif isinstance(theirs, (list, tuple)):
+        assert len(ours) == len(theirs), where
+        for k, (a, b) in enumerate(zip(ours, theirs)):
+            _same(a, b, f"{where}[{k}]")
+    else:
+        assert ours == theirs, where
+
+
+class _Pairs(torch.utils.data.Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return torch.arange(4096, dtype=torch.float32) + i, i
+
+
+def _padded(samples):
+    """A collate_fn of the kind users write: stacked tensors, a count, names, an object."""
+    return {"x": torch.stack([s[0] for s in samples]), "count": len(samples),
+            "names": [f"#{s[1]}" for s in samples], "extra": None,
+            "ids": tuple(torch.tensor(s[1]) for s in samples)}
+
+
+def _ids(samples):
+    return [s["i"] for s in samples]
+
+
+def _in_shared_memory(tensor):
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "extsrc:" in line:
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                if start <= tensor.data_ptr() < end:
+                    return True
+    return False
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(batch_size=3, collate_fn=_padded),
+    dict(batch_size=4, collate_fn=_padded, drop_last=True),
+    dict(batch_size=3, collate_fn=lambda samples: samples),  # the last batch has fewer leaves
+    dict(batch_size=None),
+    dict(batch_size=None, collate_fn=lambda sample: sample[1] * 2),
+])
+def test_collate_fn_and_batch_size_none_give_a_dataloaders_batches(kwargs):
+    theirs = list(DataLoader(_Pairs(), **kwargs))
+    with from_dataset(_Pairs(), num_workers=2, **kwargs) as loader:
+        assert len(loader) == len(theirs)
+        ours = list(loader)
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        _same(a, b)
+
+
+def test_tensors_a_collate_fn_returns_come_through_shared_memory():
+    with from_dataset(_Pairs(), batch_size=3, collate_fn=_padded, num_workers=2) as loader:
+        batches = list(loader)
+        assert all(_in_shared_memory(b["x"]) for b in batches)  # not pickled: views of the batch
+        assert [b["x"][:, 0].tolist() for b in batches] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+
+
+class _CountsCalls(torch.utils.data.Dataset):
+    def __init__(self):
+        self.pids = set()
+
+    def __len__(self):
+        return 7
+
+    def __getitem__(self, i):
+        self.pids.add(os.getpid())
+        return {"x": np.full((2,), i), "name": f"n{i}"}
+
+
+@pytest.mark.parametrize("kwargs", [dict(batch_size=3), dict(batch_size=3, drop_last=True),
+                                    dict(batch_size=None), dict(batch_size=2, collate_fn=len)])
+def test_num_workers_0_loads_in_this_process_as_a_dataloader(kwargs):
+    dataset = _CountsCalls()
+    theirs = list(DataLoader(dataset, num_workers=0, **kwargs))
+    dataset.pids.clear()
+    with from_dataset(dataset, num_workers=0, **kwargs) as loader:
+        assert len(loader) == len(theirs) and loader.num_workers == 0
+        for _ in range(2):
+            ours = list(loader)
+            assert len(ours) == len(theirs)
+            for a, b in zip(ours, theirs):
+                _same(a, b)
+    assert dataset.pids == {os.getpid()}  # here, for a debugger to stop in
+    with pytest.raises(ValueError, match="prefetch_factor"):
+        from_dataset(dataset, num_workers=0, prefetch_factor=2)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(batch_size=4, num_workers=2),
+    dict(batch_size=4, num_workers=2, drop_last=True),
+    dict(batch_size=None, num_workers=2),
+    dict(batch_size=5, num_workers=2, collate_fn=_ids),
+    dict(batch_size=3, num_workers=0),
+])
+def test_an_iterable_dataset_gives_a_dataloaders_batches_in_its_order(kwargs):
+    theirs = list(DataLoader(ShardedStream(23), **kwargs))
+    with from_dataset(ShardedStream(23), **kwargs) as loader:
+        assert len(loader) == len(DataLoader(ShardedStream(23), **kwargs))
+        for _ in range(2):  # each loop is a new pass of every worker
+            ours = list(loader)
+            assert len(ours) == len(theirs)
+            for a, b in zip(ours, theirs):
+                _same(a, b)
+
+
+def test_an_iterable_dataset_sharded_by_worker_init_fn_in_spawned_workers():
+    with from_dataset(ShardedStream(10), batch_size=2, num_workers=2, multiprocessing_context="spawn",
+                      worker_init_fn=shard_by_worker_init) as loader:
+        ids = [i for batch in loader for i in batch["i"].tolist()]
+    assert sorted(ids) == list(range(10))  # each record once: the workers' copies were sharded
+
+
+class _FailsOnOdd(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i % 4 == 2:
+            raise KeyError(i)
+        return i
+
+
+def test_in_process_an_error_is_raised_at_its_batch_and_the_loop_goes_on():
+    with from_dataset(_FailsOnOdd(), batch_size=2, num_workers=0) as loader:
+        it, got = iter(loader), []
+        for _ in range(len(loader)):
+            try:
+                got.append(next(it).tolist())
+            except KeyError as exc:
+                got.append(f"KeyError {exc}")
+        assert got == [[0, 1], "KeyError 2", [4, 5], "KeyError 6"]
+        with pytest.raises(StopIteration):
+            next(it)
+
+
+def test_a_generator_decides_the_shuffled_order_and_the_seeds():
+    def epochs(seed):
+        with from_dataset(_Growing(), batch_size=5, shuffle=True, num_workers=0,
+                          generator=torch.Generator().manual_seed(seed)) as loader:
+            assert loader.generator is not None
+            return [torch.cat(list(loader)).tolist() for _ in range(2)]
+    first = epochs(42)
+    assert first == epochs(42) and first != epochs(7)
+    assert sorted(first[0]) == list(range(10)) and first[0] != first[1]
+
+
+def test_a_datapipe_is_shuffled_and_sharded_as_a_dataloader_does():
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    pipe = IterableWrapper(range(20)).shuffle().sharding_filter()
+    with from_dataset(pipe, batch_size=None, shuffle=True, num_workers=2) as loader:
+        values = list(loader)
+    assert sorted(values) == list(range(20)) and values != list(range(20))
+
+
+def _refuses(worker_id):
+    raise RuntimeError(f"no setup in worker {worker_id}")
+
+
+def test_an_error_in_worker_init_fn_is_raised_at_iteration_as_a_runtime_error():
+    with from_dataset(_Growing(), batch_size=2, num_workers=2, worker_init_fn=_refuses) as loader:
+        with pytest.raises(RuntimeError, match="no setup in worker"):
+            list(loader)
+
+
+class _HoldsItsRecordType(torch.utils.data.Dataset):
+    Pair = collections.namedtuple("Pair", ["value", "name"])  # pickle cannot find it by name
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return self.Pair(i, str(i))
+
+
+def test_a_namedtuple_class_pickle_cannot_find_by_name_still_gives_its_fields():
+    with from_dataset(_HoldsItsRecordType(), batch_size=2, num_workers=1) as loader:
+        batches = list(loader)
+    assert [type(b).__name__ for b in batches] == ["Pair", "Pair"]
+    assert [b.value.tolist() for b in batches] == [[0, 1], [2, 3]]
+    assert [b.name for b in batches] == [("0", "1"), ("2", "3")]
