@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -52,7 +52,9 @@ from extsrc.errors import EmptyEpochError, EpochSupersededError, SampleError, So
 from extsrc.shm.slots import Lease
 
 if TYPE_CHECKING:  # pragma: no cover
-    from extsrc.engine.pool import WorkerPool, Waiter
+    from _thread import LockType as Waiter
+
+    from extsrc.engine.pool import WorkerPool
     from extsrc.engine.producer import Producer, Run
     from extsrc.options import SourceOptions
 
@@ -184,6 +186,7 @@ class Taker:
         while True:
             lease: Optional[Lease] = None
             waiter: Optional["Waiter"] = None
+            pending: Optional[PendingBatch] = None
             # 1. Find (or apply a record committed by a call that did not get to hand it over).
             with pool.lock:
                 if epoch.taken is not None:
@@ -209,7 +212,7 @@ class Taker:
                 if taken is None:
                     continue  # another thread handed it over, or it was dropped
                 return taken.outcome
-            assert lease is not None
+            assert lease is not None and pending is not None
             try:
                 outcome = self._finish(pending.build(lease, decision.size, producer.num_outputs))
             except SampleError:
@@ -311,10 +314,10 @@ class Taker:
     def _finish(self, outcome: BatchOutput) -> BatchOutput:
         """Outputs that came uniform but spilled (the first batch) become one dense array."""
         single = self.producer.num_outputs is None
-        outputs = (outcome,) if single else outcome
+        outputs: Tuple[Batch, ...] = (outcome,) if isinstance(outcome, Batch) else outcome
         if all(samples.is_dense or not samples for samples in outputs):
             return outcome
-        finished = []
+        finished: List[Batch] = []
         for samples in outputs:
             if not samples.is_dense and len(samples) == 1:
                 samples = Batch(dense=samples[0][np.newaxis])  # one sample: a view, no copy
