@@ -448,7 +448,7 @@ class SourceRunner:
             try:
                 num_outputs = self._learn_outputs(produced[0], describe(start))
             except SampleError as exc:
-                raise at(start, exc)
+                raise at(start, exc) from None  # the same exception, marked
         for k, sample in enumerate(produced):
             if not isinstance(sample, (tuple, list)) or len(sample) != num_outputs:
                 got = (

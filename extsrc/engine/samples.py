@@ -121,7 +121,7 @@ class SampleChecker:
             array = to_sample_array(value, output, where, self.dtypes[output] if declared else None,
                                     self.ndims[output] if declared else None, self.num_outputs)
         except SampleError as exc:
-            raise at(position, exc)
+            raise at(position, exc) from None  # the same exception, marked
         if first is not None and (array.dtype != first.dtype or array.ndim != first.ndim):
             raise at(position, SampleError(
                 f"{where}, output {output}: expected dtype {describe_dtype(first.dtype, array.dtype)} "
