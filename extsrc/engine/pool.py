@@ -278,6 +278,8 @@ class WorkerPool:
             self._waker.wake()
         if thread is not None and thread is not threading.current_thread():
             thread.join(IO_THREAD_JOIN_S)
+        if self._waker is not None and (thread is None or not thread.is_alive()):
+            self._waker.close()  # nothing polls it any more (else the I/O thread closes it)
         with self.lock:
             if self._workers:  # the I/O thread did not get to it (or never ran)
                 self._stop_workers(self._workers)
@@ -466,6 +468,8 @@ class WorkerPool:
             worker_processes.stop(workers, ask=self._state is PoolState.CLOSED)
             with self.lock:
                 self.notify()
+            if self._waker is not None:
+                self._waker.close()  # the loop polls it no more; a later wake() does nothing
 
     def _poller(self) -> Tuple[Any, Dict[int, WorkerHandle], Dict[int, WorkerHandle]]:
         """One poll set for the life of the pool: the waker, each worker's socket and sentinel."""

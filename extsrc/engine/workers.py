@@ -16,6 +16,7 @@ import multiprocessing.process
 import os
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -171,14 +172,17 @@ def describe_exit(worker: WorkerHandle, start_method: str) -> Tuple[str, str]:
 class Waker:
     """Wakes the pool's I/O thread; safe from any thread, at any time.
 
-    Lock-free on purpose (see :mod:`extsrc.engine.pool`): the pipe stays open
-    until the waker is garbage, so a late wake-up writes into a pipe nobody
-    reads (and a full pipe is ignored), never into a reused descriptor.
+    A small C-level lock (taken in ``with`` statements only, so no
+    ``KeyboardInterrupt`` can leave it held) makes :meth:`close` and
+    :meth:`wake` exclusive: once closed, a late wake-up does nothing, and
+    never writes into a descriptor number the process has since reused. A
+    full pipe is ignored (a wake-up is pending already).
     """
 
     def __init__(self) -> None:
         self._pid = os.getpid()
         self._open = True
+        self._lock = threading.Lock()
         with forking.lock:
             self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             forking.register(self)
@@ -187,11 +191,12 @@ class Waker:
         return self._read
 
     def wake(self) -> None:
-        if self._open:
-            try:
-                os.write(self._write, b"\0")
-            except OSError:
-                pass  # full: a wake-up is pending already
+        with self._lock:
+            if self._open:
+                try:
+                    os.write(self._write, b"\0")
+                except OSError:
+                    pass  # full: a wake-up is pending already
 
     def drain(self) -> None:
         try:
@@ -200,19 +205,23 @@ class Waker:
         except OSError:
             pass
 
-    def _close(self) -> None:
-        if self._open and self._pid == os.getpid():
-            self._open = False
-            os.close(self._read)
-            os.close(self._write)
+    def close(self) -> None:
+        """Closes the pipe (idempotent). Only once nothing polls :meth:`fileno` any more."""
+        with self._lock:
+            if self._open and self._pid == os.getpid():
+                self._open = False
+                os.close(self._read)
+                os.close(self._write)
 
     def __del__(self) -> None:
         try:
-            self._close()
+            self.close()
         except Exception:
             pass
 
     def forget_after_fork(self) -> None:
+        # The lock may have been held by a thread that is not in the child: a fresh one.
+        self._lock = threading.Lock()
         if self._open:
             self._open = False
             for fd in (self._read, self._write):
