@@ -4,6 +4,9 @@ Every case asserts the message the user sees, the time from fault to error,
 that no worker process outlives the run, and that /dev/shm gains no entry.
 """
 
+import os
+import signal
+
 import pytest
 
 from faultkit import run_fault
@@ -368,7 +371,9 @@ def run(report):
     assert result.new_shm == []
 
 
-def test_workers_die_with_a_parent_killed_while_callbacks_hold_the_gil_in_c():
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_workers_die_with_a_parent_killed_while_callbacks_hold_the_gil_in_c(method):
+    # With forkserver a worker's parent is the fork server, which outlives the user's process.
     scenario = ENGINE + '''
 import json
 def hog(info):
@@ -376,14 +381,16 @@ def hog(info):
         sum(range(10 ** 12))  # hours in C, holding the GIL: no Python thread of the worker can run
     return np.zeros(4)
 def run(report):
-    src = extsrc.ParallelSource(hog, 4, num_workers=2)
+    src = extsrc.ParallelSource(hog, 4, num_workers=2, start_method="METHOD")
     it = iter(src)
     next(it)
     pids = src.worker_pids()
     time.sleep(0.5)  # both workers are inside sum() now
     print("RESULT " + json.dumps({"type": None, "message": None, "seconds": 0, "pids": pids}), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
-'''
+'''.replace("METHOD", method)
     result = run_fault(scenario, timeout=60)
+    for pid in result.leftover_pids:  # this test's own workers, spinning for hours otherwise
+        os.kill(pid, signal.SIGKILL)
     assert result.returncode == -9
     assert result.pids and result.leftover_pids == [], "workers outlived their killed parent"

@@ -24,7 +24,7 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 from extsrc import forking
 from extsrc.engine.channel import Channel, OwnedFds
 from extsrc.engine.protocol import Stop, Task, WorkerSetup
-from extsrc.engine.worker import worker_main
+from extsrc.engine.worker import LifelineEnd, worker_main
 
 # A worker asked to stop finishes its current callback first; most are done in
 # milliseconds, and one second covers a loaded machine. After that: SIGTERM,
@@ -34,14 +34,59 @@ STOP_GRACE_S = 1.0
 EXIT_STATUS_WAIT_S = 1.0
 
 
+class Lifeline:
+    """The pool's end of a worker's lifeline (see :mod:`extsrc.engine.worker`).
+
+    Only the pool's process holds the write end (a forked child closes its
+    copy at once, see :mod:`extsrc.forking`); the kernel kills the worker
+    when it closes, so it is closed only once the worker has been reaped,
+    or when the process dies.
+    """
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        with forking.lock:
+            self.read_fd, self._write_fd = os.pipe2(os.O_CLOEXEC)
+            forking.register(self)
+
+    def close_read_end(self) -> None:
+        """Once the worker has its own copy of the read end (after ``Process.start()``)."""
+        fd, self.read_fd = self.read_fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Closes both ends (idempotent); a worker still alive is killed by the kernel."""
+        self.close_read_end()
+        fd, self._write_fd = self._write_fd, -1
+        if fd >= 0 and self._pid == os.getpid():
+            os.close(fd)
+
+    def forget_after_fork(self) -> None:
+        # The write end only: a fork worker being started needs its read end.
+        fd, self._write_fd = self._write_fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
 class WorkerHandle:
     """One worker process: its channel, the tasks it holds, the messages waiting for it."""
 
-    def __init__(self, index: int, process: Any, channel: Channel):
+    def __init__(self, index: int, process: Any, channel: Channel, lifeline: Lifeline):
         self.index = index
         self.process = process
         self.pid: int = process.pid
         self.channel = channel
+        self.lifeline = lifeline
         self.outstanding: Dict[int, Task] = {}  # ticket -> task, in the order sent
         self.busy_since = time.monotonic()
         self.outbox: Deque[Tuple[Any, Optional[OwnedFds]]] = deque()  # (message, fds to send)
@@ -64,10 +109,11 @@ def launch(context: Any, setup: WorkerSetup, run_main: bool) -> WorkerHandle:
     main script again, as ``multiprocessing`` would (see :func:`_main_hidden`).
     """
     pool_end, worker_end = Channel.pair()
+    lifeline = Lifeline()
     try:
         process = context.Process(
             target=worker_main,
-            args=(setup, worker_end),
+            args=(setup, worker_end, LifelineEnd(lifeline.read_fd)),
             name=f"extsrc-worker-{setup.index}",
             daemon=True,
         )
@@ -75,12 +121,14 @@ def launch(context: Any, setup: WorkerSetup, run_main: bool) -> WorkerHandle:
             process.start()
     except BaseException:
         pool_end.close()
+        lifeline.close()
         raise
     finally:
         worker_end.close()
+        lifeline.close_read_end()
     # The pool reaps its workers itself (see the module docstring).
     multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
-    return WorkerHandle(setup.index, process, pool_end)
+    return WorkerHandle(setup.index, process, pool_end, lifeline)
 
 
 @contextlib.contextmanager
@@ -135,6 +183,7 @@ def stop(workers: Sequence[WorkerHandle], ask: bool) -> None:
     for worker in workers:
         if worker.process.exitcode is not None:
             worker.process.close()
+        worker.lifeline.close()
 
 
 def describe_exit(worker: WorkerHandle, start_method: str) -> Tuple[str, str]:
