@@ -14,6 +14,7 @@ import pytest
 from extsrc import ParallelSource, PoolClosedError, WorkerPool
 
 from faultkit import run_isolated
+from procs import named_shm_in_use, own_shm_entries
 from sources import pid_sample, sample_of
 
 
@@ -27,6 +28,17 @@ def alive(pid):
             return stat.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+def held_files(pid):
+    """What the process's descriptors point at."""
+    targets = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+    return targets
 
 
 def worker_pids(src):
@@ -82,21 +94,23 @@ def test_new_epoch_waits_for_slots_still_busy_with_the_abandoned_one():
 
 
 def test_samples_are_never_named_in_dev_shm():
-    before = set(os.listdir("/dev/shm"))
     with ParallelSource(sample_of, 4, num_workers=2) as src:
         it = iter(src)
-        for _ in range(3):
-            next(it)
-        assert set(os.listdir("/dev/shm")) == before
+        batches = [next(it) for _ in range(3)]
+        mine = [os.getpid()] + src.worker_pids()
+        assert named_shm_in_use(mine) == [] and own_shm_entries(mine) == set()
+        assert int(batches[-1][0][0]) == 8
 
 
 def test_dev_shm_backend_unlinks_at_once(monkeypatch):
     monkeypatch.setenv("EXTSRC_SHM_BACKEND", "devshm")
-    before = set(os.listdir("/dev/shm"))
     with ParallelSource(sample_of, 4, num_workers=2) as src:
         it = iter(src)
         batches = [next(it) for _ in range(3)]
-        assert set(os.listdir("/dev/shm")) == before
+        mine = [os.getpid()] + src.worker_pids()
+        assert named_shm_in_use(mine) == [] and own_shm_entries(mine) == set()
+        assert any(target.startswith("/dev/shm/") for target in held_files(os.getpid())), \
+            "the devshm backend was not used"
         assert int(batches[-1][0][0]) == 8
 
 
