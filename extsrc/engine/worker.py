@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+import resource
 import select
 import signal
 import traceback
@@ -77,10 +78,23 @@ def _die_with_parent(parent_pid: Optional[int], reliable: bool, lifeline: Lifeli
     lifeline.arm()
 
 
+def _raise_descriptor_limit() -> None:
+    """Lets the worker open as many descriptors as it may: each slot of each source costs
+    it two, and a worker that cannot receive them could not go on. The pool's process keeps
+    the limit its user chose."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError):
+            pass
+
+
 def worker_main(setup: WorkerSetup, channel: Channel, lifeline: LifelineEnd) -> None:
     """Entry point of a worker process (the ``target`` of its ``Process``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _die_with_parent(setup.parent_pid, setup.die_with_parent, lifeline)
+    _raise_descriptor_limit()
     if setup.forked:
         forking.drop_inherited_memory()
     runners: Dict[int, SourceRunner] = {}

@@ -32,6 +32,12 @@ from extsrc.engine.worker import LifelineEnd, worker_main
 STOP_GRACE_S = 1.0
 # Reading the exit status of a worker whose socket or sentinel says it ended.
 EXIT_STATUS_WAIT_S = 1.0
+# Descriptors the pool's process holds per running worker: its channel, its lifeline, its
+# sentinel; and at most this many more while one starts (socket pair, the lifeline's read end,
+# multiprocessing's pipes and its connection to a fork server). A fork server whose client runs
+# out of descriptors half way through a request exits, taking every worker it started along.
+DESCRIPTORS_PER_WORKER = 3
+DESCRIPTORS_TO_START_ONE = 10
 
 
 class Lifeline:
