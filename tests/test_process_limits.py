@@ -100,3 +100,50 @@ def test_out_of_address_space_is_an_os_error_naming_the_limit_and_spares_the_sou
             assert is_os_error and name in ("OSError", "SharedMemoryError"), seen
             assert "RLIMIT_AS" in message and "ulimit -v" in message, message
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+COPY_SCRIPT = '''
+import json, resource
+import numpy as np
+import extsrc
+
+def large(info):
+    return np.full(8 << 20, info.idx_in_epoch % 251, np.uint8)
+
+def vm_size():
+    with open("/proc/self/status") as status:
+        return next(int(l.split()[1]) * 1024 for l in status if l.startswith("VmSize:"))
+
+if __name__ == "__main__":
+    for mib in range(32, 260, 16):
+        src = extsrc.ParallelSource(large, 8, num_workers=2, prefetch=1, batches_held=1)
+        src.start()
+        resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (mib << 20), resource.RLIM_INFINITY))
+        seen, right = None, True
+        try:
+            for i, batch in enumerate(src):
+                right = right and batch.is_dense and int(batch[3][0]) == (i * 8 + 3) % 251
+                if i == 2:
+                    break
+            del batch
+        except BaseException as exc:
+            seen = [type(exc).__name__, str(exc)]
+        finally:
+            src.close()
+            resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        print("ROUND " + json.dumps([mib, seen, right]), flush=True)
+'''
+
+
+def test_the_dense_copy_of_a_first_batch_is_checked_against_the_address_space_limit():
+    # The first batch's uniform output is written apart by the workers and copied into one
+    # dense array (64 MiB here); under ulimit -v that copy must fail as SharedMemoryError
+    # naming itself and the limit, not as NumPy's bare MemoryError.
+    out = run_isolated(COPY_SCRIPT, timeout=240)
+    results = rounds(out)
+    assert any(seen is None for _mib, seen, _right in results), "no round had room enough"
+    for mib, seen, right in results:
+        assert right, f"with {mib} MiB to spare, a batch was wrong or not dense"
+        if seen is not None:
+            assert seen[0] == "SharedMemoryError" and "RLIMIT_AS" in seen[1], (mib, seen)
+    assert any(seen is not None and "dense copy" in seen[1] for _mib, seen, _right in results)

@@ -35,6 +35,7 @@ from extsrc.engine.runner import BATCH_GENERATOR, BATCH_ITERABLE, classify
 from extsrc.engine.stats import SourceStats
 from extsrc.errors import EmptyEpochError, SampleError, SourceTimeoutError
 from extsrc.options import UNSET, SourceOptions
+from extsrc.shm import limits
 from extsrc.shm.slots import SlotState
 
 
@@ -550,14 +551,28 @@ class ParallelSource:
         raise StopIteration
 
     def _finish(self, outcome: BatchOutput) -> BatchOutput:
-        """Outputs that came uniform but spilled (the first batch) become one dense array."""
+        """Outputs that came uniform but spilled become one dense array: a copy, in private
+        memory, of the first batch only (until then the workers cannot know the output's
+        layout, so each wrote its samples to its own overflow area), so that every batch of
+        a uniform output is dense. Raises :class:`SharedMemoryError` naming the copy when the
+        process's memory limits leave no room for it."""
         outputs = (outcome,) if self.options.num_outputs is None else outcome
         if all(samples.is_dense or not samples for samples in outputs):
             return outcome
         finished = []
-        for samples in outputs:
+        for j, samples in enumerate(outputs):
             if not samples.is_dense and samples and _uniform(samples):
-                samples = Batch(dense=np.stack(samples))  # a copy, for this batch only
+                nbytes = sum(s.nbytes for s in samples)
+                what = (f"a dense copy of output {j} of a batch of source {self.name} (its "
+                        "samples were written apart, as in a source's first batch, before the "
+                        "output's layout is known)")
+                error = limits.copy_error(nbytes, what)
+                if error is not None:
+                    raise error
+                try:
+                    samples = Batch(dense=np.stack(samples))
+                except MemoryError as exc:
+                    raise limits.copy_error(nbytes, what, exc) from None
             finished.append(samples)
         return finished[0] if self.options.num_outputs is None else tuple(finished)
 

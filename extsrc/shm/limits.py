@@ -366,3 +366,21 @@ def thread_start_error(exc: BaseException, what: str) -> OSError:
         "address space is left, and a thread reserves its stack (8 MiB by default) from it. "
         "Raise the limit (ulimit -v unlimited).",
     )
+
+
+def copy_error(nbytes: int, what: str, cause: Optional[BaseException] = None) -> Optional[SharedMemoryError]:
+    """The error for a private copy of ``nbytes`` (``what`` names it) that the process's limits
+    leave no room for (RLIMIT_AS, a memory cgroup, MemAvailable), or that failed with
+    ``cause`` (a ``MemoryError``); ``None`` when there is room and nothing failed."""
+    # Address space is all this copy takes; of memory, extsrc leaves HEADROOM to the rest.
+    for limit, spare in ((_address_space(), 0), (tightest(memory_limits()), HEADROOM)):
+        if limit is not None and (cause is not None or nbytes + spare > limit.room):
+            return SharedMemoryError(
+                errno.ENOMEM,
+                f"cannot make {what} ({format_bytes(nbytes)}): {limit.describe()}, so "
+                f"{format_bytes(limit.room)} is left. Raise the limit, or lower the batch size.",
+            )
+    if cause is not None:
+        return SharedMemoryError(errno.ENOMEM, f"cannot make {what} ({format_bytes(nbytes)}): "
+                                               f"out of memory ({str(cause) or 'MemoryError'}).")
+    return None
