@@ -16,6 +16,8 @@ from extsrc import (
 )
 from extsrc.errors import WorkerTraceback
 
+from faultkit import run_isolated
+
 
 def fails_at(n, exc):
     def source(info):
@@ -218,3 +220,60 @@ def test_a_failure_while_writing_a_sample_says_where_with_the_worker_traceback(m
     assert "raised by the callback" not in cause.text
     assert any("extsrc worker 0" in note and "idx_in_epoch=0" in note
                for note in caught.value.__notes__)
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver", "fork"])
+def test_an_exception_class_of_the_main_script_arrives_with_its_type(method):
+    # Under spawn the worker rebuilds the class by value with the callback; the consumer still
+    # catches the main script's own class, with its attributes and the worker traceback.
+    out = run_isolated(
+        f"""
+        import numpy as np
+        import extsrc
+
+        class BadRecord(ValueError):
+            def __init__(self, record, why):
+                super().__init__(record, why)
+                self.record = record
+
+        def load(info):
+            if info.idx_in_epoch == 5:
+                raise BadRecord(info.idx_in_epoch, "corrupt")
+            return np.zeros(3)
+
+        if __name__ == "__main__":
+            with extsrc.ParallelSource(load, 4, num_workers=2, start_method="{method}") as src:
+                try:
+                    list(src)
+                except BadRecord as exc:
+                    print("CAUGHT", type(exc) is BadRecord, exc.record, exc.args,
+                          "raise BadRecord" in str(exc.__cause__))
+                except Exception as exc:
+                    print("OTHER", type(exc).__name__, exc)
+        """
+    )
+    assert "CAUGHT True 5 (5, 'corrupt') True" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_an_exception_the_consumer_cannot_rebuild_arrives_as_callback_error_with_its_text():
+    out = run_isolated(
+        """
+        import numpy as np
+        import extsrc
+
+        def load(info):
+            class Local(Exception):  # no name the consumer can find
+                pass
+            if info.idx_in_epoch == 5:
+                raise Local("record 5 is corrupt")
+            return np.zeros(3)
+
+        if __name__ == "__main__":
+            with extsrc.ParallelSource(load, 4, num_workers=2, start_method="spawn") as src:
+                try:
+                    list(src)
+                except extsrc.CallbackError as exc:
+                    print("CALLBACK", exc)
+        """
+    )
+    assert "CALLBACK load.<locals>.Local: record 5 is corrupt" in out.stdout, out.stdout + out.stderr[-2000:]

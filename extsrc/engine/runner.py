@@ -12,13 +12,13 @@ the worker carries on.
 from __future__ import annotations
 
 import inspect
-import pickle
 import time
 import traceback
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from extsrc.engine.pickling import dumps_exception
 from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.samples import SampleChecker, at
 from extsrc.errors import ExtsrcError, SampleError, SharedMemoryError
@@ -386,11 +386,7 @@ def failure(task: Task, worker: int, position: int, where: Optional[Any], exc: B
     if from_callback and tb is not None and tb.tb_next is not None:
         tb = tb.tb_next  # start at the callback, not at the worker's loop
     text = "".join(traceback.format_exception(type(exc), exc, tb))
-    try:
-        payload: Optional[bytes] = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
-        pickle.loads(payload)
-    except Exception:
-        payload = None
+    payload = dumps_exception(exc)
     return TaskFailed(
         task.source_id, task.ticket, worker, position, where, payload,
         type(exc).__qualname__, str(exc), text, from_callback,
