@@ -22,6 +22,10 @@ from typing import List, Optional
 
 from procs import own_shm_entries
 
+# How long a fault may take to reach the consumer before the test calls it a hang. A guard, not
+# a measure: the error comes within a second or two alone, and a machine loaded by other programs
+# (CI runners, a second test run) may take many times that.
+HANG_GUARD_S = 60.0
 # After the scenario's process ended, how long its workers may take to follow it. A hang guard,
 # not a measure: they die within milliseconds; a loaded machine may delay them by seconds.
 LEFTOVER_WAIT_S = 5.0
@@ -85,6 +89,7 @@ def run_fault(scenario: str, timeout: float = 60, env: Optional[dict] = None,
     a session of its own, whose processes left over after a hang are killed.
     Only /dev/shm entries named for the run's own processes count as new.
     """
+    timeout = max(timeout, HANG_GUARD_S)  # a start under load may take long: only a hang fails
     script = _HARNESS.format(scenario=textwrap.dedent(scenario))
     path = os.path.join(cwd or os.getcwd(), f"_fault_{os.getpid()}_{time.monotonic_ns()}.py")
     with open(path, "w") as f:

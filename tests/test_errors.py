@@ -16,7 +16,7 @@ from extsrc import (
 )
 from extsrc.errors import WorkerTraceback
 
-from faultkit import run_isolated
+from faultkit import HANG_GUARD_S, run_isolated
 
 
 def fails_at(n, exc):
@@ -131,7 +131,7 @@ def test_killed_worker_is_reported_with_signal_and_samples():
     started = time.monotonic()
     with pytest.raises(WorkerDiedError) as caught:
         list(src)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < HANG_GUARD_S  # reported, not hung
     message = str(caught.value)
     assert "SIGKILL" in message and "idx_in_epoch 8..15" in message
     with pytest.raises(PoolClosedError, match="SIGKILL"):
@@ -160,7 +160,7 @@ def test_timeout_names_the_stuck_samples():
     started = time.monotonic()
     with pytest.raises(SourceTimeoutError, match=r"timeout=1.0 s.*samples 0..3 of batch 1.*idx_in_epoch 4..7"):
         next(it)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < HANG_GUARD_S  # reported, not hung
     src.close()
 
 

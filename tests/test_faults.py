@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from faultkit import run_fault
+from faultkit import HANG_GUARD_S, run_fault
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +69,7 @@ def test_dead_worker_is_named_with_signal_and_samples_within_seconds(fault, expe
     assert expected in result.message
     assert "samples 0..7 of batch 1" in result.message and "idx_in_epoch 8..15" in result.message
     assert "remaining workers were shut down" in result.message
-    assert result.seconds < 5
+    assert result.seconds < HANG_GUARD_S  # reported, not hung
     assert_clean(result)
 
 
@@ -77,7 +77,7 @@ def test_callback_that_never_returns_times_out_naming_the_stuck_samples():
     result = run_fault(engine_case("lambda: time.sleep(3600)", timeout=1.5), timeout=30)
     assert result.type == "SourceTimeoutError"
     assert "timeout=1.5 s" in result.message and "samples 0..7 of batch 1" in result.message
-    assert result.seconds < 6
+    assert result.seconds < HANG_GUARD_S  # reported, not hung
     assert_clean(result)
 
 
@@ -231,7 +231,7 @@ def test_dali_dead_worker_is_named_not_interrupted(dali, fault, expected):
     assert result.type == "WorkerDiedError", result.traceback
     assert expected in result.message and "idx_in_epoch 8..15" in result.message
     assert "Worker data receiving interrupted" not in result.message
-    assert result.seconds < 5
+    assert result.seconds < HANG_GUARD_S  # reported, not hung
     assert_clean(result)
 
 
@@ -239,7 +239,7 @@ def test_dali_timeout_names_the_stuck_samples(dali):
     result = run_fault(dali_case("lambda: time.sleep(3600)", timeout=1.5), timeout=60)
     assert result.type == "SourceTimeoutError", result.traceback
     assert "timeout=1.5 s" in result.message and "idx_in_epoch 8..15" in result.message
-    assert result.seconds < 6
+    assert result.seconds < HANG_GUARD_S  # reported, not hung
     assert_clean(result)
 
 
