@@ -110,23 +110,12 @@ class SampleBuffers:
         self.num_outputs = 1 if num_outputs is None else num_outputs
 
     def array(self, shape: Any, dtype: Any = np.uint8, output: int = 0) -> np.ndarray:
-        count = self.num_outputs
-        if isinstance(output, (bool, np.bool_)) or not isinstance(output, (int, np.integer)) \
-                or not 0 <= output < count:
-            expected = "0 (the source has 1 output)" if count == 1 else \
-                f"an int from 0 to {count - 1} (the source has {count} outputs)"
-            raise SampleError(self._where(shape, dtype, output) + f": expected output {expected}, "
-                              f"got {output!r}")
-        output = int(output)
-        try:
-            dims = [shape] if np.ndim(shape) == 0 else list(shape)
-            if not all(isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_))
-                       and n >= 0 for n in dims):
-                raise TypeError
-        except TypeError:
-            raise SampleError(self._where(shape, dtype, output) + ": expected a shape of ints "
-                              f">= 0 (an int or a sequence of them), got {shape!r}") from None
-        shape = tuple(int(n) for n in dims)
+        if type(output) is not int or not 0 <= output < self.num_outputs:
+            output = self._checked_output(shape, dtype, output)
+        if type(shape) is int and shape >= 0:
+            shape = (shape,)
+        elif type(shape) is not tuple or not all(type(n) is int and n >= 0 for n in shape):
+            shape = self._checked_shape(shape, dtype, output)
         try:
             dtype = np.dtype(dtype)
         except TypeError as exc:
@@ -142,6 +131,28 @@ class SampleBuffers:
         except SharedMemoryError as exc:
             raise SharedMemoryError(exc.errno, self._where(shape, dtype, output) + f" asks for "
                                     f"{format_bytes(nbytes)}: {exc.strerror}") from None
+
+    def _checked_output(self, shape: Any, dtype: Any, output: Any) -> int:
+        """``output`` as an int (a NumPy integer), or the error naming the call and sample."""
+        count = self.num_outputs
+        if isinstance(output, np.integer) and 0 <= output < count:
+            return int(output)
+        expected = "0 (the source has 1 output)" if count == 1 else \
+            f"an int from 0 to {count - 1} (the source has {count} outputs)"
+        raise SampleError(self._where(shape, dtype, output) + f": expected output {expected}, "
+                          f"got {output!r}")
+
+    def _checked_shape(self, shape: Any, dtype: Any, output: int) -> Tuple[int, ...]:
+        """``shape`` as a tuple of ints (from NumPy integers, a list, an array), or the error."""
+        try:
+            dims = [shape] if np.ndim(shape) == 0 else list(shape)
+            if all(isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_))
+                   and n >= 0 for n in dims):
+                return tuple(int(n) for n in dims)
+        except TypeError:
+            pass
+        raise SampleError(self._where(shape, dtype, output) + ": expected a shape of ints >= 0 "
+                          f"(an int or a sequence of them), got {shape!r}")
 
     def _where(self, shape: Any, dtype: Any, output: Any) -> str:
         """The call and the sample it was for, for an error (only then: describing costs)."""
