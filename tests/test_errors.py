@@ -17,6 +17,7 @@ from extsrc import (
 from extsrc.errors import WorkerTraceback
 
 from faultkit import HANG_GUARD_S, run_isolated
+from sources import StopsAt
 
 
 def fails_at(n, exc):
@@ -277,3 +278,17 @@ def test_an_exception_the_consumer_cannot_rebuild_arrives_as_callback_error_with
         """
     )
     assert "CALLBACK load.<locals>.Local: record 5 is corrupt" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_a_worker_that_dies_between_epochs_is_raised_as_itself_by_the_next_epoch():
+    src = ParallelSource(StopsAt(8), 4, num_workers=2)
+    assert len(list(src)) == 2  # the epoch ended; the workers wait for the next one
+    os.kill(src.worker_pids()[0], signal.SIGKILL)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while src.worker_pids() and time.monotonic() < deadline:  # the pool notices and stops
+        time.sleep(0.05)
+    with pytest.raises(WorkerDiedError, match="SIGKILL"):
+        list(src)
+    with pytest.raises(PoolClosedError, match="SIGKILL"):
+        list(src)
+    src.close()

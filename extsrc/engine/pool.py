@@ -215,8 +215,10 @@ class WorkerPool:
 
     # -- life cycle -----------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Starts the workers; no-op if running. Raises if closed or broken.
+    def start(self, client_id: Optional[int] = None) -> None:
+        """Starts the workers; no-op if running. Raises if closed or broken: a source
+        (``client_id``) that has not raised the fault of a broken pool yet gets the fault
+        itself, whenever it broke (see :meth:`check_usable`).
 
         With ``fork``, call it before CUDA is initialised. Pickling errors of a
         source (spawn, forkserver) are raised here, with the pool still NEW.
@@ -225,7 +227,7 @@ class WorkerPool:
             self.check_owner()
             if self._state is PoolState.RUNNING:
                 return
-            self.check_usable(None)
+            self.check_usable(client_id)
             method = self.options.start_method
             if method == "fork" and cuda_initialized():
                 raise RuntimeError(FORK_AFTER_CUDA)

@@ -333,7 +333,7 @@ class ParallelSource:
     def __iter__(self) -> Iterator[BatchOutput]:
         """Starts the next epoch (ending an unfinished one) and returns its iterator."""
         self._check_open()
-        self._pool.start()
+        self._pool.start(self._producer.source_id)  # a fault while idle is raised here, once
         with self._pool.lock:
             self._pool.check_usable(self._producer.source_id)
             previous = self._epoch
