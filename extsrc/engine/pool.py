@@ -63,7 +63,9 @@ from extsrc.engine.channel import OwnedFds
 from extsrc.engine.workers import WorkerHandle, Waker
 from extsrc.errors import ForkedChildError, InternalError, PoolClosedError, WorkerDiedError
 from extsrc import forking
-from extsrc.shm.limits import check_descriptors, out_of_descriptors, thread_start_error
+from extsrc.shm.limits import (
+    DESCRIPTOR_ERRNOS, check_descriptors, out_of_descriptors, thread_start_error,
+)
 from extsrc.options import UNSET, PoolOptions
 
 MAX_OUTSTANDING = 2  # tasks per worker: one running, one waiting, so a worker never idles
@@ -263,7 +265,7 @@ class WorkerPool:
                 if self._waker is not None:
                     self._waker.close()
                 self._waker = None
-                if isinstance(exc, OSError):
+                if isinstance(exc, OSError) and exc.errno in DESCRIPTOR_ERRNOS:
                     raise out_of_descriptors(exc, f"starting worker {starting} of the pool",
                                              OSError) from exc
                 raise
