@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from procs import live_children
+from procs import live_children, own_shm_entries
 
 # Asked of the CUDA driver in a child process (no library needed): initialising CUDA in the
 # pytest process would forbid the fork tests.
@@ -46,20 +46,16 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(skip)
 
 
-def _shm_entries() -> set:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except OSError:
-        return set()
-
-
 @pytest.fixture(autouse=True)
 def no_leftovers():
-    """Fails a test that leaves extsrc workers running or files in /dev/shm."""
-    before = _shm_entries()
+    """Fails a test that leaves extsrc workers running or files in /dev/shm (its own: those of
+    this process and its children; other programs' entries come and go)."""
     children_before = set(live_children())
+    seen = {os.getpid()} | children_before
+    before = own_shm_entries(seen)
     yield
     deadline = time.monotonic() + 5  # a pool shut down after a fault reaps its workers in its thread
+    seen |= set(live_children())
     leftover = set(live_children()) - children_before
     while leftover and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -67,7 +63,7 @@ def no_leftovers():
     for pid in leftover:
         os.kill(pid, signal.SIGKILL)
     assert not leftover, f"child processes left running: {sorted(leftover)}"
-    new = {e for e in _shm_entries() - before if "extsrc" in e or e.startswith("psm_")}
+    new = own_shm_entries(seen) - before
     assert not new, f"/dev/shm entries left behind: {new}"
 
 

@@ -11,12 +11,24 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional
+
+from procs import own_shm_entries
+
+# How long a fault may take to reach the consumer before the test calls it a hang. A guard, not
+# a measure: the error comes within a second or two alone, and a machine loaded by other programs
+# (CI runners, a second test run) may take many times that.
+HANG_GUARD_S = 60.0
+# After the scenario's process ended, how long its workers may take to follow it. A hang guard,
+# not a measure: they die within milliseconds; a loaded machine may delay them by seconds.
+LEFTOVER_WAIT_S = 5.0
 
 _HARNESS = '''
 import json, sys, time, traceback
@@ -70,32 +82,61 @@ def _alive(pid: int) -> bool:
 
 def run_fault(scenario: str, timeout: float = 60, env: Optional[dict] = None,
               wrap: Optional[List[str]] = None, cwd: Optional[str] = None) -> FaultResult:
-    """Runs ``scenario`` (see module doc); fails the test on a hang past ``timeout``."""
+    """Runs ``scenario`` (see module doc); fails the test on a hang past ``timeout``.
+
+    The scenario's output goes to files, not pipes, so that a worker outliving
+    it (what some tests look for) cannot keep the harness waiting; the run is
+    a session of its own, whose processes left over after a hang are killed.
+    Only /dev/shm entries named for the run's own processes count as new.
+    """
+    timeout = max(timeout, HANG_GUARD_S)  # a start under load may take long: only a hang fails
     script = _HARNESS.format(scenario=textwrap.dedent(scenario))
-    shm_before = set(os.listdir("/dev/shm"))
     path = os.path.join(cwd or os.getcwd(), f"_fault_{os.getpid()}_{time.monotonic_ns()}.py")
     with open(path, "w") as f:
         f.write(script)
     try:
         command = (wrap or []) + [sys.executable, path]
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **(env or {})}, cwd=cwd)
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(command, stdout=out, stderr=err, text=True, cwd=cwd,
+                                    env={**os.environ, **(env or {})}, start_new_session=True)
+            try:
+                returncode = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                _kill_session(proc.pid)
+                proc.wait()
+                out.seek(0)
+                err.seek(0)
+                raise AssertionError(f"the scenario hung for {timeout} s:\n{out.read()}\n{err.read()}") from None
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(), err.read()
     finally:
         os.unlink(path)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-    assert line is not None, f"scenario printed no result (rc {proc.returncode}):\n{proc.stderr}"
+    line = next((l for l in stdout.splitlines() if l.startswith("RESULT ")), None)
+    assert line is not None, f"scenario printed no result (rc {returncode}):\n{stderr}"
     data = json.loads(line[len("RESULT "):])
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + LEFTOVER_WAIT_S
     while any(_alive(p) for p in data["pids"]) and time.monotonic() < deadline:
         time.sleep(0.05)
+    leftover = [p for p in data["pids"] if _alive(p)]
+    if leftover:
+        _kill_session(proc.pid)  # the run's own processes: they would outlive the test
     return FaultResult(
         type=data["type"], message=data["message"], cause=data.get("cause", ""),
         exc_types=data.get("mro", []), seconds=data["seconds"], pids=data["pids"],
-        stderr=proc.stderr, stdout=proc.stdout, returncode=proc.returncode,
-        leftover_pids=[p for p in data["pids"] if _alive(p)],
-        new_shm=sorted(set(os.listdir("/dev/shm")) - shm_before),
+        stderr=stderr, stdout=stdout, returncode=returncode,
+        leftover_pids=leftover,
+        new_shm=sorted(own_shm_entries([proc.pid] + data["pids"])),
         traceback=data.get("traceback", ""),
     )
+
+
+def _kill_session(session_id: int) -> None:
+    """Kills what is left of a scenario's session (its process group has the same id)."""
+    try:
+        os.killpg(session_id, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def unshare_small_dev_shm(size: str = "16m") -> Optional[List[str]]:

@@ -16,6 +16,9 @@ from extsrc import (
 )
 from extsrc.errors import WorkerTraceback
 
+from faultkit import HANG_GUARD_S, run_isolated
+from sources import StopsAt
+
 
 def fails_at(n, exc):
     def source(info):
@@ -129,7 +132,7 @@ def test_killed_worker_is_reported_with_signal_and_samples():
     started = time.monotonic()
     with pytest.raises(WorkerDiedError) as caught:
         list(src)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < HANG_GUARD_S  # reported, not hung
     message = str(caught.value)
     assert "SIGKILL" in message and "idx_in_epoch 8..15" in message
     with pytest.raises(PoolClosedError, match="SIGKILL"):
@@ -158,7 +161,7 @@ def test_timeout_names_the_stuck_samples():
     started = time.monotonic()
     with pytest.raises(SourceTimeoutError, match=r"timeout=1.0 s.*samples 0..3 of batch 1.*idx_in_epoch 4..7"):
         next(it)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < HANG_GUARD_S  # reported, not hung
     src.close()
 
 
@@ -218,3 +221,74 @@ def test_a_failure_while_writing_a_sample_says_where_with_the_worker_traceback(m
     assert "raised by the callback" not in cause.text
     assert any("extsrc worker 0" in note and "idx_in_epoch=0" in note
                for note in caught.value.__notes__)
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver", "fork"])
+def test_an_exception_class_of_the_main_script_arrives_with_its_type(method):
+    # Under spawn the worker rebuilds the class by value with the callback; the consumer still
+    # catches the main script's own class, with its attributes and the worker traceback.
+    out = run_isolated(
+        f"""
+        import numpy as np
+        import extsrc
+
+        class BadRecord(ValueError):
+            def __init__(self, record, why):
+                super().__init__(record, why)
+                self.record = record
+
+        def load(info):
+            if info.idx_in_epoch == 5:
+                raise BadRecord(info.idx_in_epoch, "corrupt")
+            return np.zeros(3)
+
+        if __name__ == "__main__":
+            with extsrc.ParallelSource(load, 4, num_workers=2, start_method="{method}") as src:
+                try:
+                    list(src)
+                except BadRecord as exc:
+                    print("CAUGHT", type(exc) is BadRecord, exc.record, exc.args,
+                          "raise BadRecord" in str(exc.__cause__))
+                except Exception as exc:
+                    print("OTHER", type(exc).__name__, exc)
+        """
+    )
+    assert "CAUGHT True 5 (5, 'corrupt') True" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_an_exception_the_consumer_cannot_rebuild_arrives_as_callback_error_with_its_text():
+    out = run_isolated(
+        """
+        import numpy as np
+        import extsrc
+
+        def load(info):
+            class Local(Exception):  # no name the consumer can find
+                pass
+            if info.idx_in_epoch == 5:
+                raise Local("record 5 is corrupt")
+            return np.zeros(3)
+
+        if __name__ == "__main__":
+            with extsrc.ParallelSource(load, 4, num_workers=2, start_method="spawn") as src:
+                try:
+                    list(src)
+                except extsrc.CallbackError as exc:
+                    print("CALLBACK", exc)
+        """
+    )
+    assert "CALLBACK load.<locals>.Local: record 5 is corrupt" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_a_worker_that_dies_between_epochs_is_raised_as_itself_by_the_next_epoch():
+    src = ParallelSource(StopsAt(8), 4, num_workers=2)
+    assert len(list(src)) == 2  # the epoch ended; the workers wait for the next one
+    os.kill(src.worker_pids()[0], signal.SIGKILL)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while src.worker_pids() and time.monotonic() < deadline:  # the pool notices and stops
+        time.sleep(0.05)
+    with pytest.raises(WorkerDiedError, match="SIGKILL"):
+        list(src)
+    with pytest.raises(PoolClosedError, match="SIGKILL"):
+        list(src)
+    src.close()

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from extsrc import Order, ParallelSource, SampleError
+from extsrc import Order, ParallelSource, SampleError, SharedMemoryError
 from extsrc.shm.slots import lease_of
 
 
@@ -132,3 +132,35 @@ def test_a_task_of_small_samples_then_large_ones_delivers_every_sample():
             assert [s.size for s in batch] == [8] + [(1 << 20) + k for k in range(1, 6)]
             for k, sample in enumerate(batch):
                 assert (sample == (6 * b + k) % 251).all(), (b, k)
+
+
+class Misuses:
+    """An in-place callback that asks ``buffers.array`` for something wrong at sample 6."""
+
+    def __init__(self, args, kwargs):
+        self.args, self.kwargs = args, kwargs
+
+    def __call__(self, info, buffers):
+        if info.idx_in_epoch == 6:
+            return buffers.array(*self.args, **self.kwargs)
+        row = buffers.array(3, np.float32)
+        row[:] = info.idx_in_epoch
+        return row
+
+
+@pytest.mark.parametrize("args, kwargs, error, expected", [
+    ((3, np.float32), {"output": 1}, SampleError, "expected output 0 (the source has 1 output), got 1"),
+    ((3, np.float32), {"output": "images"}, SampleError, "expected output 0 (the source has 1 output), got 'images'"),
+    (((3, -1), np.float32), {}, SampleError, "expected a shape of ints >= 0"),
+    (("three", np.float32), {}, SampleError, "expected a shape of ints >= 0"),
+    ((3, "float99"), {}, SampleError, "expected a NumPy dtype, got 'float99'"),
+    (((1 << 30, 1 << 30), np.float64), {}, SharedMemoryError, "more than any machine has"),
+    ((1 << 45, np.uint8), {}, SharedMemoryError, "asks for 32768.0 GiB: cannot reserve"),
+])
+def test_buffers_misuse_names_the_call_the_sample_and_what_was_expected(args, kwargs, error, expected):
+    with ParallelSource(Misuses(args, kwargs), 4, num_workers=2, in_place=True) as src:
+        with pytest.raises(error) as caught:
+            list(src)
+    message = caught.value.strerror if isinstance(caught.value, OSError) else str(caught.value)
+    assert expected in message, message
+    assert message.startswith("buffers.array(") and "idx_in_epoch=6" in message, message

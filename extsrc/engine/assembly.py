@@ -10,13 +10,13 @@ batch keeps the lease, and with it the memory, alive.
 
 from __future__ import annotations
 
-import pickle
 from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
 from extsrc.batch import Batch
 from extsrc.errors import CallbackError, ExtsrcError, SampleError, WorkerTraceback
+from extsrc.engine.pickling import loads_exception
 from extsrc.engine.protocol import TaskDone, TaskFailed
 from extsrc.engine.samples import describe_dtype
 from extsrc.shm.layout import Region
@@ -170,12 +170,7 @@ def _check_uniform(samples: List[np.ndarray], output: int, batch: PendingBatch) 
 
 def rebuild_exception(failure: TaskFailed, source_name: str) -> BaseException:
     """The worker's exception, re-created in the consumer with its worker traceback."""
-    error: Optional[BaseException] = None
-    if failure.error is not None:
-        try:
-            error = pickle.loads(failure.error)
-        except Exception:
-            error = None
+    error = loads_exception(failure.error) if failure.error is not None else None
     if error is None:
         error = CallbackError(f"{failure.type_name}: {failure.message}")
     if failure.in_callback:

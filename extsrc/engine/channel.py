@@ -180,8 +180,14 @@ class OwnedFds:
 
     def __init__(self, fds: Sequence[int]):
         self._pid = os.getpid()
+        self.fds: Tuple[int, ...] = ()
         with forking.lock:
-            self.fds: Tuple[int, ...] = tuple(os.dup(fd) for fd in fds)
+            try:
+                for fd in fds:
+                    self.fds += (os.dup(fd),)
+            except BaseException:
+                self.close()  # the duplicates made before the one that failed
+                raise
             forking.register(self)
 
     def close(self) -> None:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import io
 import pickle
+import sys
 import types
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from extsrc.errors import SourcePicklingError
 
@@ -58,8 +60,6 @@ class DefaultPickler:
 
     @staticmethod
     def dumps(obj: Any) -> bytes:
-        import io
-
         buffer = io.BytesIO()
         _by_value_pickler_class()(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
         return buffer.getvalue()
@@ -164,3 +164,56 @@ def _short_repr(obj: Any, limit: int = 120) -> str:
     except Exception:
         text = f"<{type(obj).__name__} object>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# -- exceptions, worker -> consumer -------------------------------------------------------------
+
+
+def dumps_exception(exc: BaseException) -> Optional[bytes]:
+    """``exc`` pickled for the consumer, or ``None`` if it cannot travel.
+
+    A class of ``__main__`` travels by its name, to be found in the
+    consumer's ``__main__``: under spawn/forkserver a worker has the class
+    (rebuilt by value with the callback) but not the consumer's main module,
+    so a plain pickle would fail in the worker, and one by value would make
+    a class of its own that ``except`` in the consumer does not catch. The
+    consumer falls back to :class:`~extsrc.errors.CallbackError` when the
+    payload does not load there (:func:`loads_exception`).
+    """
+    try:
+        payload = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(payload)
+        return payload
+    except Exception:
+        pass
+    try:
+        buffer = io.BytesIO()
+        _MainByNamePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(exc)
+        return buffer.getvalue()
+    except Exception:
+        return None
+
+
+def loads_exception(payload: bytes) -> Optional[BaseException]:
+    """What :func:`dumps_exception` made, in the consumer; ``None`` if it does not load here."""
+    try:
+        error = pickle.loads(payload)
+    except Exception:
+        return None
+    return error if isinstance(error, BaseException) else None
+
+
+class _MainByNamePickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if (isinstance(obj, type) and obj.__module__ == "__main__"
+                and "<locals>" not in obj.__qualname__):
+            return _main_attribute, (obj.__qualname__,)
+        return NotImplemented
+
+
+def _main_attribute(qualname: str) -> Any:
+    """``__main__.<qualname>`` of the process loading the pickle."""
+    value: Any = sys.modules["__main__"]
+    for part in qualname.split("."):
+        value = getattr(value, part)
+    return value

@@ -63,6 +63,9 @@ from extsrc.engine.channel import OwnedFds
 from extsrc.engine.workers import WorkerHandle, Waker
 from extsrc.errors import ForkedChildError, InternalError, PoolClosedError, WorkerDiedError
 from extsrc import forking
+from extsrc.shm.limits import (
+    DESCRIPTOR_ERRNOS, check_descriptors, out_of_descriptors, thread_start_error,
+)
 from extsrc.options import UNSET, PoolOptions
 
 MAX_OUTSTANDING = 2  # tasks per worker: one running, one waiting, so a worker never idles
@@ -214,8 +217,10 @@ class WorkerPool:
 
     # -- life cycle -----------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Starts the workers; no-op if running. Raises if closed or broken.
+    def start(self, client_id: Optional[int] = None) -> None:
+        """Starts the workers; no-op if running. Raises if closed or broken: a source
+        (``client_id``) that has not raised the fault of a broken pool yet gets the fault
+        itself, whenever it broke (see :meth:`check_usable`).
 
         With ``fork``, call it before CUDA is initialised. Pickling errors of a
         source (spawn, forkserver) are raised here, with the pool still NEW.
@@ -224,7 +229,7 @@ class WorkerPool:
             self.check_owner()
             if self._state is PoolState.RUNNING:
                 return
-            self.check_usable(None)
+            self.check_usable(client_id)
             method = self.options.start_method
             if method == "fork" and cuda_initialized():
                 raise RuntimeError(FORK_AFTER_CUDA)
@@ -238,8 +243,11 @@ class WorkerPool:
             # The default pickler carries everything of __main__ by value: the workers need not
             # import the main script again (see extsrc.engine.workers._main_hidden).
             run_main = method == "fork" or not self.options.pickler.by_value_main
-            self._waker = Waker()
+            check_descriptors(2 + self.options.num_workers * worker_processes.DESCRIPTORS_PER_WORKER
+                              + worker_processes.DESCRIPTORS_TO_START_ONE,
+                              f"starting {self.options.num_workers} workers")
             try:
+                self._waker = Waker()
                 for index in range(self.options.num_workers):
                     setup = WorkerSetup(
                         index=index,
@@ -250,14 +258,29 @@ class WorkerPool:
                         pickler=pickler,
                     )
                     self._workers.append(worker_processes.launch(context, setup, run_main))
-            except BaseException:
+            except BaseException as exc:
+                starting = len(self._workers)
                 worker_processes.stop(self._workers, ask=False)
                 self._workers = []
+                if self._waker is not None:
+                    self._waker.close()
                 self._waker = None
+                if isinstance(exc, OSError) and exc.errno in DESCRIPTOR_ERRNOS:
+                    raise out_of_descriptors(exc, f"starting worker {starting} of the pool",
+                                             OSError) from exc
                 raise
-            self._state = PoolState.RUNNING
+            self._state = PoolState.RUNNING  # the thread waits for the lock held here
             self._thread = threading.Thread(target=self._run, name="extsrc-pool-io", daemon=True)
-            self._thread.start()
+            try:
+                self._thread.start()
+            except RuntimeError as exc:  # no thread could be made (e.g. RLIMIT_AS): back to NEW
+                self._thread = None
+                self._state = PoolState.NEW
+                worker_processes.stop(self._workers, ask=False)
+                self._workers = []
+                self._waker.close()
+                self._waker = None
+                raise thread_start_error(exc, "the pool's I/O thread") from None
 
     def close(self) -> None:
         """Stops the workers and frees the shared memory of every source. Idempotent.
@@ -278,6 +301,8 @@ class WorkerPool:
             self._waker.wake()
         if thread is not None and thread is not threading.current_thread():
             thread.join(IO_THREAD_JOIN_S)
+        if self._waker is not None and (thread is None or not thread.is_alive()):
+            self._waker.close()  # nothing polls it any more (else the I/O thread closes it)
         with self.lock:
             if self._workers:  # the I/O thread did not get to it (or never ran)
                 self._stop_workers(self._workers)
@@ -406,14 +431,27 @@ class WorkerPool:
         return removed
 
     def add_slot(self, source_id: int, slot_id: int, region_fd: int, overflow_fds: Sequence[int]) -> None:
-        """*engine*, lock held: sends every worker a new slot (descriptors are duplicated)."""
+        """*engine*, lock held: sends every worker a new slot (descriptors are duplicated).
+
+        Raises :class:`~extsrc.errors.SharedMemoryError` naming the limit when
+        the process is out of descriptors; then no worker is told of the slot.
+        """
         if self._state is not PoolState.RUNNING:
             return
         from extsrc.shm.segment import backend
 
         kind = backend()
-        for worker in self._workers:
-            fds = OwnedFds((region_fd, overflow_fds[worker.index]))
+        duplicates: List[OwnedFds] = []
+        try:
+            for worker in self._workers:
+                duplicates.append(OwnedFds((region_fd, overflow_fds[worker.index])))
+        except OSError as exc:
+            for fds in duplicates:
+                fds.close()
+            client = self._clients[source_id]()
+            name = client.name if client is not None else f"#{source_id}"
+            raise out_of_descriptors(exc, f"shared memory of source {name}, slot {slot_id}") from None
+        for worker, fds in zip(self._workers, duplicates):
             worker.outbox.append((AddSlot(source_id, slot_id, kind), fds))
         self.wake()
 
@@ -466,6 +504,8 @@ class WorkerPool:
             worker_processes.stop(workers, ask=self._state is PoolState.CLOSED)
             with self.lock:
                 self.notify()
+            if self._waker is not None:
+                self._waker.close()  # the loop polls it no more; a later wake() does nothing
 
     def _poller(self) -> Tuple[Any, Dict[int, WorkerHandle], Dict[int, WorkerHandle]]:
         """One poll set for the life of the pool: the waker, each worker's socket and sentinel."""

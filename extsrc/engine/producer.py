@@ -251,6 +251,8 @@ class Producer:
             try:
                 slot = self.slots.acquire(region_bytes, self._total_need(region_bytes), seq)
             except SharedMemoryError as exc:
+                if exc.errno in limits.DESCRIPTOR_ERRNOS and self.pending:
+                    return  # out of descriptors: go on with the slots there are, try again later
                 self.error = (iteration, limits.with_advice(exc, backend(),
                                                             self._total_need(region_bytes)))
                 return

@@ -11,9 +11,11 @@ the worker carries on.
 
 from __future__ import annotations
 
+import errno
 import inspect
 import os
 import pickle
+import math
 import time
 import traceback
 from typing import Any, List, Optional, Sequence, Tuple, Union
@@ -21,11 +23,13 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from extsrc.engine.concurrent import AsyncEngine, Hung, ThreadEngine, is_async
+from extsrc.engine.pickling import dumps_exception
 from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.samples import SampleChecker, at
 from extsrc.errors import EpochLengthError, ExtsrcError, SampleError, SharedMemoryError, SourceTimeoutError
 from extsrc.options import AUTO_OUTPUTS
 from extsrc.order import RecordCache
+from extsrc.shm.limits import format_bytes
 from extsrc.shm.writer import TaskWriter
 from extsrc.sample_info import BatchInfo, SampleInfo, noting_sample_info
 
@@ -128,6 +132,9 @@ class CpuClock:
 
 def _no_cpu_clock() -> Tuple[int, int]:
     return -1, -1
+# No sample asks for this much in earnest (2**48 bytes, 256 TiB): a larger buffers.array() is
+# a wrong shape, refused before any size arithmetic can overflow.
+MAX_BUFFER_BYTES = 1 << 48
 
 
 class SampleBuffers:
@@ -140,21 +147,73 @@ class SampleBuffers:
     dense array when shape and dtype are those of the output's earlier
     samples, else room of its own. Valid until the callback returns; a
     callback may still return another array instead (it is then copied).
-    Raises :class:`~extsrc.errors.SampleError` for a dtype or ndim other than
-    the declared ones.
+    Raises :class:`~extsrc.errors.SampleError` for an ``output`` the source
+    does not have, a shape that is not ints >= 0, something that is not a
+    dtype, or a dtype or ndim other than the declared ones; and
+    :class:`~extsrc.errors.SharedMemoryError` when the memory cannot be had.
+    Each names the call, the sample and what was expected.
     """
 
-    __slots__ = ("write", "position")
+    __slots__ = ("write", "position", "num_outputs")
 
-    def __init__(self) -> None:
+    def __init__(self, num_outputs: Optional[int] = None) -> None:
         self.write: Any = None
         self.position = 0
+        self.num_outputs = 1 if num_outputs is None else num_outputs
 
     def array(self, shape: Any, dtype: Any = np.uint8, output: int = 0) -> np.ndarray:
-        shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(n) for n in shape)
-        if any(n < 0 for n in shape):
-            raise ValueError(f"buffers.array: a shape of sizes >= 0, got {shape}")
-        return self.write.alloc(output, self.position, shape, np.dtype(dtype))
+        if type(output) is not int or not 0 <= output < self.num_outputs:
+            output = self._checked_output(shape, dtype, output)
+        if type(shape) is int and shape >= 0:
+            shape = (shape,)
+        elif type(shape) is not tuple or not all(type(n) is int and n >= 0 for n in shape):
+            shape = self._checked_shape(shape, dtype, output)
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError as exc:
+            raise SampleError(self._where(shape, dtype, output) + f": expected a NumPy dtype, got "
+                              f"{dtype!r} ({exc})") from None
+        nbytes = dtype.itemsize * math.prod(shape)
+        if nbytes > MAX_BUFFER_BYTES:
+            raise SharedMemoryError(
+                errno.ENOMEM, self._where(shape, dtype, output) + f": asks for "
+                f"{format_bytes(nbytes)}, more than any machine has; check the shape")
+        try:
+            return self.write.alloc(output, self.position, shape, dtype)
+        except SharedMemoryError as exc:
+            raise SharedMemoryError(exc.errno, self._where(shape, dtype, output) + f" asks for "
+                                    f"{format_bytes(nbytes)}: {exc.strerror}") from None
+
+    def _checked_output(self, shape: Any, dtype: Any, output: Any) -> int:
+        """``output`` as an int (a NumPy integer), or the error naming the call and sample."""
+        count = self.num_outputs
+        if isinstance(output, np.integer) and 0 <= output < count:
+            return int(output)
+        expected = "0 (the source has 1 output)" if count == 1 else \
+            f"an int from 0 to {count - 1} (the source has {count} outputs)"
+        raise SampleError(self._where(shape, dtype, output) + f": expected output {expected}, "
+                          f"got {output!r}")
+
+    def _checked_shape(self, shape: Any, dtype: Any, output: int) -> Tuple[int, ...]:
+        """``shape`` as a tuple of ints (from NumPy integers, a list, an array), or the error."""
+        try:
+            dims = [shape] if np.ndim(shape) == 0 else list(shape)
+            if all(isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_))
+                   and n >= 0 for n in dims):
+                return tuple(int(n) for n in dims)
+        except TypeError:
+            pass
+        raise SampleError(self._where(shape, dtype, output) + ": expected a shape of ints >= 0 "
+                          f"(an int or a sequence of them), got {shape!r}")
+
+    def _where(self, shape: Any, dtype: Any, output: Any) -> str:
+        """The call and the sample it was for, for an error (only then: describing costs)."""
+        try:
+            shown = np.dtype(dtype).name
+        except TypeError:
+            shown = repr(dtype)
+        return (f"buffers.array({shape!r}, {shown}, output={output!r}) for "
+                f"{self.write.describe(self.position)}")
 
 
 def load_source(setup: SourceSetup, pickler: Any) -> Tuple[Any, Any]:
@@ -188,7 +247,7 @@ class SourceRunner:
         self.one_pass_ended = False  # the source is its own iterator, and it ran out
         self.records = None if setup.order is None else RecordCache(setup.order)
         self.seed = 0 if setup.order is None else setup.order.seed
-        self.buffers = SampleBuffers() if setup.in_place else None
+        self.buffers = SampleBuffers(setup.num_outputs) if setup.in_place else None
         self.clock = time.perf_counter_ns if setup.timed else _no_clock
         # Outputs per sample: declared, or (num_outputs="auto") those of this worker's first
         # sample; the consumer checks that every worker's agree.
@@ -617,11 +676,7 @@ def failure(task: Task, worker: int, position: int, where: Optional[Any], exc: B
     if from_callback and tb is not None and tb.tb_next is not None:
         tb = tb.tb_next  # start at the callback, not at the worker's loop
     text = "".join(traceback.format_exception(type(exc), exc, tb))
-    try:
-        payload: Optional[bytes] = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
-        pickle.loads(payload)
-    except Exception:
-        payload = None
+    payload = dumps_exception(exc)
     return TaskFailed(
         task.source_id, task.ticket, worker, position, where, payload,
         type(exc).__qualname__, str(exc), text, from_callback,

@@ -332,7 +332,7 @@ class ParallelSource:
         :class:`~extsrc.errors.EpochSupersededError`.
         """
         self._check_open()
-        self._pool.start()
+        self._pool.start(self._producer.source_id)  # a fault while idle is raised here, once
         with self._pool.lock:
             self._pool.check_usable(self._producer.source_id)
             if self._producer.stats is not None and self._producer.stats.batches == 0:

@@ -48,7 +48,9 @@ import numpy as np
 
 from extsrc.batch import Batch
 from extsrc.engine.assembly import BatchOutput, Decision, PendingBatch
-from extsrc.errors import EmptyEpochError, EpochSupersededError, SampleError, SourceTimeoutError
+from extsrc.errors import (EmptyEpochError, EpochSupersededError, SampleError, SharedMemoryError,
+                           SourceTimeoutError)
+from extsrc.shm import limits
 from extsrc.shm.slots import Lease
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -215,10 +217,10 @@ class Taker:
             assert lease is not None and pending is not None
             try:
                 outcome = self._finish(pending.build(lease, decision.size, producer.num_outputs))
-            except SampleError:
+            except (SampleError, SharedMemoryError):
                 with pool.lock:
                     if epoch.state is EpochState.RUNNING and epoch.next_yield == pending.iteration:
-                        self.end(epoch)  # the batch is bad: the epoch ends with its error
+                        self.end(epoch)  # the batch cannot be made: the epoch ends with its error
                 raise
             record = Taken(pending, lease, outcome, decision.size, decision.ended, asked, ready)
             with pool.lock:
@@ -312,17 +314,31 @@ class Taker:
         raise StopIteration
 
     def _finish(self, outcome: BatchOutput) -> BatchOutput:
-        """Outputs that came uniform but spilled (the first batch) become one dense array."""
+        """Outputs that came uniform but spilled become one dense array: a copy, in private
+        memory, of the first batch only (until then the workers cannot know the output's
+        layout, so each wrote its samples to its own overflow area), so that every batch of
+        a uniform output is dense. Raises :class:`SharedMemoryError` naming the copy when the
+        process's memory limits leave no room for it."""
         single = self.producer.num_outputs is None
         outputs: Tuple[Batch, ...] = (outcome,) if isinstance(outcome, Batch) else outcome
         if all(samples.is_dense or not samples for samples in outputs):
             return outcome
         finished: List[Batch] = []
-        for samples in outputs:
+        for j, samples in enumerate(outputs):
             if not samples.is_dense and len(samples) == 1:
                 samples = Batch(dense=samples[0][np.newaxis])  # one sample: a view, no copy
             elif not samples.is_dense and samples and _uniform(samples):
-                samples = Batch(dense=np.stack(samples))  # a copy, for this batch only
+                nbytes = sum(s.nbytes for s in samples)
+                what = (f"a dense copy of output {j} of a batch of source {self.name} (its "
+                        "samples were written apart, as in a source's first batch, before the "
+                        "output's layout is known)")
+                error = limits.copy_error(nbytes, what)
+                if error is not None:
+                    raise error
+                try:
+                    samples = Batch(dense=np.stack(samples))
+                except MemoryError as exc:
+                    raise limits.copy_error(nbytes, what, exc) from None
             finished.append(samples)
         return finished[0] if single else tuple(finished)
 

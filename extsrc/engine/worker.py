@@ -5,21 +5,26 @@ sent (:class:`~extsrc.engine.protocol.AddSlot`) and nothing else: a fork
 worker first unmaps and closes what it inherited from the parent.
 
 It exits when the pool sends :class:`~extsrc.engine.protocol.Stop`, when its
-channel closes (the pool closed, or the parent died), or when the parent
-dies while a callback runs: the kernel kills it (``PR_SET_PDEATHSIG``) even
-if the callback holds the GIL in a long C call; a watchdog thread covers
-the one case where that signal cannot be relied on (workers started from a
-thread other than the main thread, since the signal follows the starting
-thread).
+channel closes (the pool closed, or the parent died), or when the pool's
+process dies while a callback runs: the kernel kills it, even if the
+callback holds the GIL in a long C call, by two means that need no thread
+of the worker. ``PR_SET_PDEATHSIG`` ties it to the thread that started it,
+which is the right one only with ``fork``/``spawn`` from the main thread;
+the *lifeline* ties it to the pool's process whatever started it (a fork
+server, another thread): a pipe whose write end only the pool's process
+holds, and whose read end the worker owns with ``O_ASYNC`` and
+``F_SETSIG=SIGKILL``, so that the kernel sends the worker ``SIGKILL`` when
+the last write end closes (see :class:`extsrc.engine.workers.Lifeline`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
+import resource
+import select
 import signal
-import threading
-import time
 import traceback
 from typing import Dict, Optional
 
@@ -29,10 +34,40 @@ from extsrc.engine.protocol import AddSlot, DropSlot, SetupFailed, Stop, Task, W
 from extsrc.engine.runner import SourceRunner, load_source
 
 _PR_SET_PDEATHSIG = 1
-WATCHDOG_PERIOD_S = 0.5  # how often a worker checks that its parent lives, when it must
+_F_SETSIG = getattr(fcntl, "F_SETSIG", 10)  # Linux: the signal sent when the descriptor is ready
 
 
-def _die_with_parent(parent_pid: Optional[int], reliable: bool) -> None:
+class LifelineEnd:
+    """The worker's end of its lifeline (see the module docstring): a descriptor that
+    travels to the worker with its ``Process`` (inherited by ``fork``, passed by
+    ``spawn``/``forkserver``)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def arm(self) -> None:
+        """In the worker: from now on the kernel kills this process once the pool's
+        process is gone; exits at once if it is gone already."""
+        fcntl.fcntl(self.fd, fcntl.F_SETOWN, os.getpid())
+        fcntl.fcntl(self.fd, _F_SETSIG, signal.SIGKILL)
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) | os.O_ASYNC)
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        if poller.poll(0):  # the write end closed before the signal was armed
+            os._exit(0)
+
+    def __reduce__(self):
+        # Only for handing the end to a spawn/forkserver worker in Process.start().
+        from multiprocessing import reduction
+
+        return (_rebuild_lifeline_end, (reduction.DupFd(self.fd),))
+
+
+def _rebuild_lifeline_end(dup) -> LifelineEnd:
+    return LifelineEnd(dup.detach())
+
+
+def _die_with_parent(parent_pid: Optional[int], reliable: bool, lifeline: LifelineEnd) -> None:
     if parent_pid is None:
         parent_pid = os.getppid()
     if reliable:
@@ -40,22 +75,26 @@ def _die_with_parent(parent_pid: Optional[int], reliable: bool) -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before the signal was armed
         os._exit(0)
-    if not reliable:
-        threading.Thread(target=_watch_parent, args=(parent_pid,), name="extsrc-watchdog",
-                         daemon=True).start()
+    lifeline.arm()
 
 
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        time.sleep(WATCHDOG_PERIOD_S)
-        if os.getppid() != parent_pid:
-            os._exit(0)
+def _raise_descriptor_limit() -> None:
+    """Lets the worker open as many descriptors as it may: each slot of each source costs
+    it two, and a worker that cannot receive them could not go on. The pool's process keeps
+    the limit its user chose."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError):
+            pass
 
 
-def worker_main(setup: WorkerSetup, channel: Channel) -> None:
+def worker_main(setup: WorkerSetup, channel: Channel, lifeline: LifelineEnd) -> None:
     """Entry point of a worker process (the ``target`` of its ``Process``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    _die_with_parent(setup.parent_pid, setup.die_with_parent)
+    _die_with_parent(setup.parent_pid, setup.die_with_parent, lifeline)
+    _raise_descriptor_limit()
     if setup.forked:
         forking.drop_inherited_memory()
     runners: Dict[int, SourceRunner] = {}

@@ -16,6 +16,7 @@ import multiprocessing.process
 import os
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -23,7 +24,7 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 from extsrc import forking
 from extsrc.engine.channel import Channel, OwnedFds
 from extsrc.engine.protocol import Stop, Task, WorkerSetup
-from extsrc.engine.worker import worker_main
+from extsrc.engine.worker import LifelineEnd, worker_main
 
 # A worker asked to stop finishes its current callback first; most are done in
 # milliseconds, and one second covers a loaded machine. After that: SIGTERM,
@@ -31,16 +32,67 @@ from extsrc.engine.worker import worker_main
 STOP_GRACE_S = 1.0
 # Reading the exit status of a worker whose socket or sentinel says it ended.
 EXIT_STATUS_WAIT_S = 1.0
+# Descriptors the pool's process holds per running worker: its channel, its lifeline, its
+# sentinel; and at most this many more while one starts (socket pair, the lifeline's read end,
+# multiprocessing's pipes and its connection to a fork server). A fork server whose client runs
+# out of descriptors half way through a request exits, taking every worker it started along.
+DESCRIPTORS_PER_WORKER = 3
+DESCRIPTORS_TO_START_ONE = 10
+
+
+class Lifeline:
+    """The pool's end of a worker's lifeline (see :mod:`extsrc.engine.worker`).
+
+    Only the pool's process holds the write end (a forked child closes its
+    copy at once, see :mod:`extsrc.forking`); the kernel kills the worker
+    when it closes, so it is closed only once the worker has been reaped,
+    or when the process dies.
+    """
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        with forking.lock:
+            self.read_fd, self._write_fd = os.pipe2(os.O_CLOEXEC)
+            forking.register(self)
+
+    def close_read_end(self) -> None:
+        """Once the worker has its own copy of the read end (after ``Process.start()``)."""
+        fd, self.read_fd = self.read_fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Closes both ends (idempotent); a worker still alive is killed by the kernel."""
+        self.close_read_end()
+        fd, self._write_fd = self._write_fd, -1
+        if fd >= 0 and self._pid == os.getpid():
+            os.close(fd)
+
+    def forget_after_fork(self) -> None:
+        # The write end only: a fork worker being started needs its read end.
+        fd, self._write_fd = self._write_fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 class WorkerHandle:
     """One worker process: its channel, the tasks it holds, the messages waiting for it."""
 
-    def __init__(self, index: int, process: Any, channel: Channel):
+    def __init__(self, index: int, process: Any, channel: Channel, lifeline: Lifeline):
         self.index = index
         self.process = process
         self.pid: int = process.pid
         self.channel = channel
+        self.lifeline = lifeline
         self.outstanding: Dict[int, Task] = {}  # ticket -> task, in the order sent
         self.busy_since = time.monotonic()
         self.outbox: Deque[Tuple[Any, Optional[OwnedFds]]] = deque()  # (message, fds to send)
@@ -63,10 +115,11 @@ def launch(context: Any, setup: WorkerSetup, run_main: bool) -> WorkerHandle:
     main script again, as ``multiprocessing`` would (see :func:`_main_hidden`).
     """
     pool_end, worker_end = Channel.pair()
+    lifeline = Lifeline()
     try:
         process = context.Process(
             target=worker_main,
-            args=(setup, worker_end),
+            args=(setup, worker_end, LifelineEnd(lifeline.read_fd)),
             name=f"extsrc-worker-{setup.index}",
             daemon=True,
         )
@@ -74,12 +127,14 @@ def launch(context: Any, setup: WorkerSetup, run_main: bool) -> WorkerHandle:
             process.start()
     except BaseException:
         pool_end.close()
+        lifeline.close()
         raise
     finally:
         worker_end.close()
+        lifeline.close_read_end()
     # The pool reaps its workers itself (see the module docstring).
     multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
-    return WorkerHandle(setup.index, process, pool_end)
+    return WorkerHandle(setup.index, process, pool_end, lifeline)
 
 
 @contextlib.contextmanager
@@ -134,6 +189,7 @@ def stop(workers: Sequence[WorkerHandle], ask: bool) -> None:
     for worker in workers:
         if worker.process.exitcode is not None:
             worker.process.close()
+        worker.lifeline.close()
 
 
 def describe_exit(worker: WorkerHandle, start_method: str) -> Tuple[str, str]:
@@ -171,14 +227,17 @@ def describe_exit(worker: WorkerHandle, start_method: str) -> Tuple[str, str]:
 class Waker:
     """Wakes the pool's I/O thread; safe from any thread, at any time.
 
-    Lock-free on purpose (see :mod:`extsrc.engine.pool`): the pipe stays open
-    until the waker is garbage, so a late wake-up writes into a pipe nobody
-    reads (and a full pipe is ignored), never into a reused descriptor.
+    A small C-level lock (taken in ``with`` statements only, so no
+    ``KeyboardInterrupt`` can leave it held) makes :meth:`close` and
+    :meth:`wake` exclusive: once closed, a late wake-up does nothing, and
+    never writes into a descriptor number the process has since reused. A
+    full pipe is ignored (a wake-up is pending already).
     """
 
     def __init__(self) -> None:
         self._pid = os.getpid()
         self._open = True
+        self._lock = threading.Lock()
         with forking.lock:
             self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             forking.register(self)
@@ -187,11 +246,12 @@ class Waker:
         return self._read
 
     def wake(self) -> None:
-        if self._open:
-            try:
-                os.write(self._write, b"\0")
-            except OSError:
-                pass  # full: a wake-up is pending already
+        with self._lock:
+            if self._open:
+                try:
+                    os.write(self._write, b"\0")
+                except OSError:
+                    pass  # full: a wake-up is pending already
 
     def drain(self) -> None:
         try:
@@ -200,19 +260,23 @@ class Waker:
         except OSError:
             pass
 
-    def _close(self) -> None:
-        if self._open and self._pid == os.getpid():
-            self._open = False
-            os.close(self._read)
-            os.close(self._write)
+    def close(self) -> None:
+        """Closes the pipe (idempotent). Only once nothing polls :meth:`fileno` any more."""
+        with self._lock:
+            if self._open and self._pid == os.getpid():
+                self._open = False
+                os.close(self._read)
+                os.close(self._write)
 
     def __del__(self) -> None:
         try:
-            self._close()
+            self.close()
         except Exception:
             pass
 
     def forget_after_fork(self) -> None:
+        # The lock may have been held by a thread that is not in the child: a fresh one.
+        self._lock = threading.Lock()
         if self._open:
             self._open = False
             for fd in (self._read, self._write):

@@ -233,7 +233,7 @@ class RayPool(WorkerPool):
 
     # -- life cycle -----------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, client_id: Optional[int] = None) -> None:
         """Creates the actors; no-op if running. Raises if closed or broken.
 
         Connects to Ray first if this process is not connected (``ray.init()``:
@@ -247,7 +247,7 @@ class RayPool(WorkerPool):
             self.check_owner()
             if self._state is PoolState.RUNNING:
                 return
-            self.check_usable(None)
+            self.check_usable(client_id)
             pickler = self.options.pickler
             clients = [ref() for ref in self._clients]
             sources = tuple(c.worker_source(pickler) for c in clients if c is not None)

@@ -350,6 +350,90 @@ def shortage_advice(kind: str, total_needed: int, limit: Optional[Limit] = None)
 def with_advice(error: SharedMemoryError, kind: str, total_needed: int) -> SharedMemoryError:
     """``error`` with :func:`shortage_advice` appended, unless it already gives advice."""
     text = str(error.strerror)
-    if "This source needs about" in text:
+    if "This source needs about" in text or error.errno in DESCRIPTOR_ERRNOS:
         return error
     return SharedMemoryError(error.errno, text + shortage_advice(kind, total_needed))
+
+
+# -- descriptors ---------------------------------------------------------------------------
+
+DESCRIPTOR_ERRNOS = (errno.EMFILE, errno.ENFILE)
+
+
+def out_of_descriptors(exc: OSError, what: str, error_type: type = SharedMemoryError) -> OSError:
+    """``exc`` (``EMFILE``/``ENFILE``) as an ``error_type`` that names the limit and what to do.
+
+    ``what`` is what needed the descriptor (``"shared memory for source '#0', slot 3"``).
+    Any other ``exc`` is returned unchanged.
+    """
+    if exc.errno not in DESCRIPTOR_ERRNOS:
+        return exc
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if exc.errno == errno.ENFILE:
+        reason = "the machine's table of open files is full (ENFILE, fs.file-max)"
+    else:
+        reason = f"this process may have {soft} open descriptors (RLIMIT_NOFILE, ulimit -n)"
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        shown = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+        advice = (f"raise the limit (ulimit -n {shown} in the shell, or at the start of the "
+                  "program resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard)) with the hard "
+                  f"limit, {shown} here)")
+    else:
+        advice = "raise the hard limit (ulimit -Hn, or the container's nofile limit)"
+    return error_type(
+        exc.errno,
+        f"cannot open a descriptor for {what}: {reason}. Each source holds about "
+        "(1 + num_workers) descriptors per batch it keeps ready, and a pool a few per worker: "
+        f"close the sources no longer used, lower prefetch or batches_held, or {advice}.",
+    )
+
+
+def check_descriptors(needed: int, what: str, error_type: type = OSError) -> None:
+    """Raises ``error_type`` (see :func:`out_of_descriptors`) if fewer than ``needed``
+    descriptors are left under RLIMIT_NOFILE: a step that would run out part way (starting
+    workers) is refused before it begins."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return
+    try:
+        in_use = len(os.listdir("/proc/self/fd")) - 1  # less the one listdir itself opened
+    except OSError as exc:
+        if exc.errno not in DESCRIPTOR_ERRNOS:
+            return  # no /proc: the step itself will tell
+        in_use = soft
+    if in_use + needed > soft:
+        raise out_of_descriptors(OSError(errno.EMFILE, os.strerror(errno.EMFILE)),
+                                 f"{what} (it needs about {needed})", error_type)
+
+
+def thread_start_error(exc: BaseException, what: str) -> OSError:
+    """Why a thread could not start (``exc``, a ``RuntimeError``), naming the address space
+    limit when there is one: each thread reserves its stack from it."""
+    limit = _address_space()
+    if limit is None:
+        return OSError(errno.EAGAIN, f"cannot start {what}: {exc} (the process or user may have "
+                                     "reached its limit of threads, ulimit -u)")
+    return OSError(
+        errno.ENOMEM,
+        f"cannot start {what} ({exc}): {limit.describe()}, so {format_bytes(limit.room)} of "
+        "address space is left, and a thread reserves its stack (8 MiB by default) from it. "
+        "Raise the limit (ulimit -v unlimited).",
+    )
+
+
+def copy_error(nbytes: int, what: str, cause: Optional[BaseException] = None) -> Optional[SharedMemoryError]:
+    """The error for a private copy of ``nbytes`` (``what`` names it) that the process's limits
+    leave no room for (RLIMIT_AS, a memory cgroup, MemAvailable), or that failed with
+    ``cause`` (a ``MemoryError``); ``None`` when there is room and nothing failed."""
+    # Address space is all this copy takes; of memory, extsrc leaves HEADROOM to the rest.
+    for limit, spare in ((_address_space(), 0), (tightest(memory_limits()), HEADROOM)):
+        if limit is not None and (cause is not None or nbytes + spare > limit.room):
+            return SharedMemoryError(
+                errno.ENOMEM,
+                f"cannot make {what} ({format_bytes(nbytes)}): {limit.describe()}, so "
+                f"{format_bytes(limit.room)} is left. Raise the limit, or lower the batch size.",
+            )
+    if cause is not None:
+        return SharedMemoryError(errno.ENOMEM, f"cannot make {what} ({format_bytes(nbytes)}): "
+                                               f"out of memory ({str(cause) or 'MemoryError'}).")
+    return None

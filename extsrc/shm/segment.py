@@ -66,15 +66,20 @@ class Segment:
         """A new, empty segment of the backend in force."""
         kind = backend()
         with forking.lock:
-            if kind == "memfd":
-                fd = os.memfd_create(f"extsrc:{label}", os.MFD_CLOEXEC)
-            else:
-                try:  # a file that never has a name, so nothing can ever see or leak it
-                    fd = os.open("/dev/shm", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
-                except (OSError, AttributeError):
-                    path = f"/dev/shm/extsrc-{os.getpid()}-{os.urandom(6).hex()}"
-                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                    os.unlink(path)
+            try:
+                if kind == "memfd":
+                    fd = os.memfd_create(f"extsrc:{label}", os.MFD_CLOEXEC)
+                else:
+                    try:  # a file that never has a name, so nothing can ever see or leak it
+                        fd = os.open("/dev/shm", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+                    except (OSError, AttributeError) as exc:
+                        if isinstance(exc, OSError) and exc.errno in limits.DESCRIPTOR_ERRNOS:
+                            raise
+                        path = f"/dev/shm/extsrc-{os.getpid()}-{os.urandom(6).hex()}"
+                        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                        os.unlink(path)
+            except OSError as exc:
+                raise limits.out_of_descriptors(exc, f"shared memory for {label}") from None
             return cls(fd, kind, label)
 
     @property

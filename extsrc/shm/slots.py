@@ -106,7 +106,7 @@ class Slot:
             for worker in range(num_workers):
                 self.overflow.append(Segment.create(f"{label}, slot {slot_id}, worker {worker}"))
         except BaseException:
-            self._close_segments()
+            self.close_segments()
             raise
         self.region_map: Optional[Mapping] = None
         self.overflow_maps: List[Optional[Mapping]] = [None] * num_workers
@@ -115,7 +115,7 @@ class Slot:
         self.lease_generation = 0
         self.retire_when_free = False
 
-    def _close_segments(self) -> None:
+    def close_segments(self) -> None:
         self.region.close()
         for segment in self.overflow:
             segment.close()
@@ -226,8 +226,12 @@ class SlotPool:
         slot_id = self._next_id
         self._next_id += 1
         slot = Slot(slot_id, self.label, self.num_workers)
+        try:
+            self.link.add_slot(self.source_id, slot_id, slot.region.fd, [s.fd for s in slot.overflow])
+        except BaseException:
+            slot.close_segments()  # no worker knows of it
+            raise
         self.slots[slot_id] = slot
-        self.link.add_slot(self.source_id, slot_id, slot.region.fd, [s.fd for s in slot.overflow])
         return slot
 
     def watch(self, on_map: Callable[[int, int], None], on_unmap: Callable[[int, int], None]) -> None:
@@ -342,7 +346,7 @@ class SlotPool:
     def _retire(self, slot: Slot) -> None:
         self._move(slot, SlotState.RETIRED)
         del self.slots[slot.slot_id]
-        slot._close_segments()
+        slot.close_segments()
         slot.region_map = None
         slot.overflow_maps = []
         if not self._closed:
@@ -383,7 +387,7 @@ class SlotPool:
         for slot in list(self.slots.values()):
             if tell_workers:
                 self.link.drop_slot(self.source_id, slot.slot_id)
-            slot._close_segments()
+            slot.close_segments()
             slot.region_map = None
             slot.overflow_maps = []
             slot.state = SlotState.RETIRED

@@ -6,7 +6,7 @@ the error, and that no actor process outlives the run.
 
 import pytest
 
-from faultkit import run_fault
+from faultkit import HANG_GUARD_S, run_fault
 
 pytestmark = pytest.mark.ray
 
@@ -67,7 +67,7 @@ finally:
     assert "on node " in message and "node id " in message
     assert "samples 0..7 of batch 1 of epoch 0 (idx_in_epoch 8..15)" in message
     assert "killed by `ray.kill`" in message and "remaining workers were shut down" in message
-    assert result.seconds < 10
+    assert result.seconds < HANG_GUARD_S  # reported, not hung
     assert_clean(result)
 
 
@@ -87,7 +87,7 @@ next(it)
     assert result.type == "WorkerDiedError", result.stderr
     assert "extsrc ray worker 1 (Ray actor" in result.message
     assert "died while it held samples 0..7 of batch" in result.message
-    assert result.seconds < 10
+    assert result.seconds < HANG_GUARD_S  # reported, not hung
     assert_clean(result)
 
 
@@ -105,7 +105,7 @@ for _ in it:
 '''), timeout=FAULT_TIMEOUT_S)
     assert result.type == "SourceTimeoutError", result.stderr
     assert "timeout=2 s" in result.message and "samples 0..3 of batch 3" in result.message
-    assert result.seconds < 8
+    assert result.seconds < HANG_GUARD_S  # reported, not hung
     assert_clean(result)
 
 
@@ -124,7 +124,7 @@ for _ in it:
 '''), timeout=FAULT_TIMEOUT_S)
     assert result.type == "WorkerDiedError", result.stderr
     assert "no longer connected to Ray" in result.message
-    assert result.seconds < 10
+    assert result.seconds < HANG_GUARD_S  # reported, not hung
     assert_clean(result)
 
 
@@ -140,7 +140,7 @@ next(iter(src))
     assert result.type == "RuntimeError", result.stderr
     assert "was not running 3 s after start()" in result.message
     assert "resources={'tpu_pod': 1}" in result.message and "2 of 2 CPU free" in result.message
-    assert result.seconds < 10
+    assert result.seconds < HANG_GUARD_S  # reported, not hung
 
 
 def test_sources_the_actors_cannot_load_are_reported_with_the_traceback():
@@ -159,4 +159,4 @@ next(iter(src))
     assert result.type == "RuntimeError", result.stderr
     assert "extsrc ray worker" in result.message and "could not load the sources" in result.message
     assert "cannot open /data/index on this node" in result.message and "__setstate__" in result.message
-    assert result.seconds < 30
+    assert result.seconds < HANG_GUARD_S  # reported, not hung

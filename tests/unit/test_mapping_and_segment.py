@@ -11,6 +11,8 @@ from extsrc.shm import limits
 from extsrc.shm.mapping import Mapping, array_base, owner_of, view
 from extsrc.shm.segment import Segment
 
+from procs import named_shm_in_use, own_shm_entries
+
 
 def test_a_segment_is_reserved_in_whole_pages_and_only_grows():
     segment = Segment.create("unit")
@@ -89,9 +91,9 @@ def test_cgroup_limits_are_read_from_this_process_and_its_parents():
 
 def test_the_dev_shm_backend_leaves_no_name_in_dev_shm(monkeypatch):
     monkeypatch.setenv("EXTSRC_SHM_BACKEND", "devshm")
-    before = set(os.listdir("/dev/shm"))
     segment = Segment.create("unit")
-    assert segment.kind == "devshm" and set(os.listdir("/dev/shm")) == before
+    assert segment.kind == "devshm"
+    assert named_shm_in_use([os.getpid()]) == [] and own_shm_entries([os.getpid()]) == set()
     segment.close()
 
 
