@@ -154,6 +154,27 @@ class Pipeline(_dali_pipeline.Pipeline):
             return self.reader_meta(name)["epoch_size_padded"]
         return {k: v["epoch_size_padded"] for k, v in self.reader_meta().items()}
 
+    def external_source_shm_statistics(self) -> Dict[str, List[int]]:
+        """DALI's report of the parallel external sources' shared memory, with extsrc's figures.
+
+        ``capacities``: the bytes of each batch slot of every parallel source (a
+        slot holds one whole batch: its dense region and the workers' overflow
+        segments); ``per_sample_capacities``: each of those divided by the
+        pipeline's batch size. Slots are made as batches are prepared, from the
+        first one's size, so both lists are empty before the first ``run()``
+        (DALI's start at a preset size); ``bytes_per_sample_hint`` does not
+        change them. Empty without parallel sources and after ``close()``.
+        """
+        capacities: List[int] = []
+        if not self._extsrc_closed:
+            for feeder in self._extsrc_feeders:
+                capacities.extend(feeder.source.shared_memory_capacities())
+        batch_size = max(1, int(self.max_batch_size or 1))
+        return {
+            "capacities": capacities,
+            "per_sample_capacities": [c // batch_size for c in capacities],
+        }
+
     def extsrc_stats(self, reset: bool = False) -> Dict[str, Any]:
         """The statistics of each parallel external source, by name (see ``ParallelSource.stats``).
 
