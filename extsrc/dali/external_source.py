@@ -95,7 +95,7 @@ def _positional_arg_count(source: Any, most: int = 1) -> int:
             raise TypeError(
                 "The `source` callable must accept either 0 or 1 positional arguments to indicate "
                 "whether it accepts the batch or sample indexing information. Found more than one "
-                f"positional argument, which is not allowed: {source!r} takes {count}."
+                f"positional argument, which is not allowed. The source {source!r} takes {count}."
             )
         raise TypeError(f"source {source!r}: expected a callable with at most {allowed}, got {count}")
     return count
