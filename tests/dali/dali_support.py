@@ -177,3 +177,25 @@ def echo_argument(arg):
     if hasattr(arg, "idx_in_epoch"):
         return np.array([3, arg.idx_in_epoch], np.int64)
     return [np.array([2, arg.iteration], np.int64)] * 2
+
+
+class FileListSource:
+    """A sample callable as DALI's parallel external source tutorial writes it: reads
+    ``file_list.txt`` ("name label" lines) in ``folder``, returns (encoded bytes, int32 label)
+    for ``idx_in_epoch``, and ends the epoch (StopIteration) after the last full batch."""
+
+    def __init__(self, folder: str, batch_size: int):
+        self.folder = folder
+        with open(os.path.join(folder, "file_list.txt")) as f:
+            pairs = [line.split() for line in f if line.strip()]
+        self.files = [p[0] for p in pairs]
+        self.labels = [int(p[1]) for p in pairs]
+        self.full_iterations = len(self.files) // batch_size
+
+    def __call__(self, sample_info):
+        if sample_info.iteration >= self.full_iterations:
+            raise StopIteration
+        i = sample_info.idx_in_epoch
+        with open(os.path.join(self.folder, self.files[i]), "rb") as f:
+            encoded = np.frombuffer(f.read(), dtype=np.uint8)
+        return encoded, np.array([self.labels[i]], dtype=np.int32)
