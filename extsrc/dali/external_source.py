@@ -193,7 +193,10 @@ class _Feeder:
         position = (info.epoch_idx, info.iteration)
         if self._exhausted:
             raise StopIteration
-        if position != self._expected or self._epoch is None:
+        # A callable follows DALI's numbers. An iterable or generator is one stream, as in DALI:
+        # a reset() caused by another source's end does not rewind it (it goes on where it
+        # was); only its own end starts its next pass (see _after_end).
+        if self._epoch is None or (self.callable_source and position != self._expected):
             self._restart(position)
         try:
             batch = next(self._epoch)
