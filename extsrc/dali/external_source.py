@@ -307,10 +307,13 @@ def external_source(
     ``batch_info=True``), an iterable or a generator function, and returns
     whole batches; with ``batch=False`` (sample mode) ``source(SampleInfo)``
     returns a sample, or a tuple of ``num_outputs`` samples. With ``order=`` or
-    ``in_place=True`` (sample mode only) ``batch`` defaults to False. An iterable is
-    iterated again (``iter()``) at each new epoch; one that does not start a
-    new pass then gives an empty epoch, as in DALI. ``cycle`` ("no", "raise", "quiet") applies to iterables and
-    generator functions as in DALI. ``prefetch_queue_depth`` is the number of
+    ``in_place=True`` (sample mode only) ``batch`` defaults to False.
+
+    An iterable or generator is one stream, as in DALI: a ``reset()`` caused
+    by another source's end does not rewind it; after its own end it is
+    iterated again (``iter()``) for the next epoch, and one that does not
+    start a new pass then gives empty epochs. ``cycle`` ("no", "raise",
+    "quiet") applies to iterables and generator functions as in DALI. ``prefetch_queue_depth`` is the number of
     batches the workers prepare ahead (default: two per worker, at least the
     pipeline's ``prefetch_queue_depth``); ``bytes_per_sample_hint`` is
     accepted and not needed (the engine sizes its memory from the first
