@@ -319,7 +319,7 @@ class SourceRunner:
             self.iterator_epoch = epoch_idx
         return self.iterator
 
-    def _exhausted(self, epoch_idx: int) -> "ExhaustedIteratorError":
+    def _exhausted(self, epoch_idx: int) -> ExhaustedIteratorError:
         source = self.callback
         return ExhaustedIteratorError(
             f"source {self.setup.name}: the source is a one-pass iterator "
