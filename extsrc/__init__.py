@@ -4,9 +4,10 @@ Core (imports NumPy only): :class:`ParallelSource`, :class:`WorkerPool`,
 :class:`Batch`, :class:`SampleInfo`, :class:`BatchInfo`, :class:`Order`,
 :func:`pickle_by_value` and the exceptions in :mod:`extsrc.errors`.
 
-DALI drop-in (imported on first use, needs ``extsrc[dali]``): ``extsrc.fn`` and
-``extsrc.pipeline_def``, so that ``from extsrc import fn, pipeline_def``
-replaces ``from nvidia.dali import fn, pipeline_def``.
+DALI drop-in (imported on first use, needs ``extsrc[dali]``): ``extsrc.fn``,
+``extsrc.pipeline_def`` and ``extsrc.Pipeline``, so that ``from extsrc import
+fn, pipeline_def, Pipeline`` replaces ``from nvidia.dali import fn,
+pipeline_def, Pipeline``.
 
 PyTorch and CuPy (imported on first use): ``extsrc.torch`` (``TorchLoader``,
 ``from_dataset``) and ``extsrc.cupy`` (``to_device``).
@@ -61,9 +62,10 @@ __all__ = [
     "pickle_by_value",
     "fn",
     "pipeline_def",
+    "Pipeline",
 ]
 
-_DALI_NAMES = ("fn", "pipeline_def")
+_DALI_NAMES = ("fn", "pipeline_def", "Pipeline")
 _OPTIONAL_MODULES = ("torch", "cupy")  # extsrc.torch, extsrc.cupy: imported on first use
 
 

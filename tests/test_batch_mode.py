@@ -88,7 +88,7 @@ def test_a_generator_object_that_ran_out_says_so_at_the_next_epoch():
 
     with ParallelSource(batches(), 2, batch=True) as src:
         assert [int(b[0][0]) for b in src] == [0, 1, 2]
-        with pytest.raises(SampleError, match="one-pass iterator .*epoch 1 would be empty.*generator function itself"):
+        with pytest.raises(SampleError, match="one-pass iterator .*epoch 1 is empty.*generator function itself"):
             list(src)
 
 

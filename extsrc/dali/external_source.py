@@ -33,6 +33,7 @@ from nvidia.dali import types as _dali_types
 from nvidia.dali.pipeline import Pipeline as _DaliPipeline
 
 from extsrc.batch import Batch
+from extsrc.engine.runner import ExhaustedIteratorError
 from extsrc.engine.source import ParallelSource
 from extsrc.options import LAST_BATCH_POLICIES, default_prefetch
 
@@ -89,6 +90,13 @@ def _positional_arg_count(source: Any, most: int = 1) -> int:
             )
         count += 1
     if count > most:
+        if most == 1:
+            # DALI's words first, so that a search for DALI's message finds this one.
+            raise TypeError(
+                "The `source` callable must accept either 0 or 1 positional arguments to indicate "
+                "whether it accepts the batch or sample indexing information. Found more than one "
+                f"positional argument, which is not allowed. The source {source!r} takes {count}."
+            )
         raise TypeError(f"source {source!r}: expected a callable with at most {allowed}, got {count}")
     return count
 
@@ -185,11 +193,16 @@ class _Feeder:
         position = (info.epoch_idx, info.iteration)
         if self._exhausted:
             raise StopIteration
-        if position != self._expected or self._epoch is None:
+        # A callable follows DALI's numbers. An iterable or generator is one stream, as in DALI:
+        # a reset() caused by another source's end does not rewind it (it goes on where it
+        # was); only its own end starts its next pass (see _after_end).
+        if self._epoch is None or (self.callable_source and position != self._expected):
             self._restart(position)
         try:
             batch = self._epoch.__next__()  # not next(): see extsrc.engine.take
-        except StopIteration:
+        except (StopIteration, ExhaustedIteratorError):
+            # An iterator that did not start a new pass when iterated again gives DALI an empty
+            # epoch (as DALI's own parallel source does), not an error.
             batch = self._after_end(position)
         except Exception:
             self._epoch, self._expected = None, None  # next call resumes at DALI's position
@@ -216,9 +229,9 @@ class _Feeder:
             self._epoch = iter(self.source)
             try:
                 return self._epoch.__next__()
-            except StopIteration:
+            except (StopIteration, ExhaustedIteratorError):
                 self._epoch, self._expected = None, None
-                raise
+                raise StopIteration from None
         self._epoch, self._expected = None, None
         if self.cycle == _CYCLE_OFF and not self.callable_source:
             self._exhausted = True
@@ -292,12 +305,18 @@ def external_source(
     :func:`extsrc.pipeline_def` (or :class:`extsrc.dali.Pipeline`); its
     ``py_num_workers``, ``py_start_method`` and ``py_callback_pickler`` set up
     one extsrc :class:`~extsrc.WorkerPool` shared by all its parallel sources.
-    ``batch`` defaults to False (sample mode: ``source(SampleInfo)`` returns a
-    sample, or a tuple of ``num_outputs`` samples); with ``batch=True`` the
-    source is a callable taking the iteration (or ``BatchInfo`` with
+    ``batch`` defaults to True, as in DALI's ``fn.external_source``: the source
+    is a callable taking the iteration (or ``BatchInfo`` with
     ``batch_info=True``), an iterable or a generator function, and returns
-    whole batches. ``cycle`` ("no", "raise", "quiet") applies to iterables and
-    generator functions as in DALI. ``prefetch_queue_depth`` is the number of
+    whole batches; with ``batch=False`` (sample mode) ``source(SampleInfo)``
+    returns a sample, or a tuple of ``num_outputs`` samples. With ``order=`` or
+    ``in_place=True`` (sample mode only) ``batch`` defaults to False.
+
+    An iterable or generator is one stream, as in DALI: a ``reset()`` caused
+    by another source's end does not rewind it; after its own end it is
+    iterated again (``iter()``) for the next epoch, and one that does not
+    start a new pass then gives empty epochs. ``cycle`` ("no", "raise",
+    "quiet") applies to iterables and generator functions as in DALI. ``prefetch_queue_depth`` is the number of
     batches the workers prepare ahead (default: two per worker, at least the
     pipeline's ``prefetch_queue_depth``); ``bytes_per_sample_hint`` is
     accepted and not needed (the engine sizes its memory from the first
@@ -384,7 +403,9 @@ def external_source(
         raise ValueError(f"`num_outputs` must be a positive int, got {num_outputs!r}")
     mode = _cycle_mode(cycle)
     if batch is None:
-        batch = False
+        # DALI 2.4's fn.external_source defaults to batch=True, also with parallel=True. order= and
+        # in_place=True (extsrc's own) work per sample only: with them the default is sample mode.
+        batch = order is None and not in_place
     generator_like = _is_generator_function(source)
     if callable(source) and not generator_like:
         if mode != _CYCLE_OFF:
@@ -395,8 +416,9 @@ def external_source(
         if _positional_arg_count(source, 2 if in_place else 1) == 0:
             what = "a SampleInfo" if not batch else "the iteration number (or a BatchInfo with batch_info=True)"
             raise TypeError(
-                f"{caller}: a parallel source is called with one argument, {what}; "
-                f"got {source!r}, which takes none"
+                f"{caller}, source {source!r}: Callable passed to External Source in parallel mode "
+                f"(when `parallel=True`) must accept exactly one argument: here (batch={batch}) "
+                f"{what}. Got a callable that does not accept arguments instead."
             )
         engine_source = source
     else:
@@ -408,8 +430,9 @@ def external_source(
         if not batch:
             what = "a generator function" if generator_like else "an iterable"
             raise TypeError(
-                f"{caller}: the source is {what}, which yields whole batches; pass batch=True "
-                "(sample mode, batch=False, needs a callable taking a SampleInfo)"
+                f"Parallel external source with {what} must be run in a batch mode: {what} "
+                "yields whole batches, so pass batch=True (sample mode, batch=False, needs a "
+                "callable taking a SampleInfo)"
             )
         if inspect.isgenerator(source) and mode != _CYCLE_OFF:
             raise TypeError(
@@ -438,8 +461,9 @@ def external_source(
     if pipe._enable_checkpointing and not callable_source:
         warnings.warn(
             "Checkpointing enabled in a pipeline with a parallel external source whose source "
-            "is an iterable or a generator function. Its position cannot be saved: after "
-            "restoring a checkpoint it starts its epoch from the beginning.",
+            "is an iterable or a generator function. DALI doesn't capture state of such "
+            "'source' (nor does extsrc): its position cannot be saved, and after restoring a "
+            "checkpoint it starts its epoch from the beginning.",
             Warning,
             stacklevel=2,
         )

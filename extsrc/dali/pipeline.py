@@ -49,15 +49,18 @@ class Pipeline(_dali_pipeline.Pipeline):
     def __init__(
         self,
         *args: Any,
-        py_num_workers: int = 1,
+        py_num_workers: Optional[int] = 1,
         py_start_method: str = UNSET,
         py_callback_pickler: Any = None,
         py_backend: str = "processes",
         py_ray_options: Optional[dict] = None,
         **kwargs: Any,
     ):
-        if not isinstance(py_num_workers, int) or isinstance(py_num_workers, bool) or py_num_workers < 0:
-            raise ValueError(f"py_num_workers must be a non-negative int, got {py_num_workers!r}")
+        # None and 0 are accepted, as DALI accepts them: only a parallel source needs workers.
+        if py_num_workers is not None and (
+            not isinstance(py_num_workers, int) or isinstance(py_num_workers, bool) or py_num_workers < 0
+        ):
+            raise ValueError(f"py_num_workers must be None or a non-negative int, got {py_num_workers!r}")
         py_backend = check_backend("py_backend", py_backend)
         if py_backend == "ray":
             if py_start_method is not UNSET:
@@ -93,8 +96,8 @@ class Pipeline(_dali_pipeline.Pipeline):
     # -- what DALI reports ------------------------------------------------------
 
     @property
-    def py_num_workers(self) -> int:
-        """Number of extsrc worker processes serving the parallel external sources."""
+    def py_num_workers(self) -> Optional[int]:
+        """Number of extsrc worker processes serving the parallel external sources (as given)."""
         return self._extsrc_num_workers
 
     @property
@@ -151,6 +154,27 @@ class Pipeline(_dali_pipeline.Pipeline):
             return self.reader_meta(name)["epoch_size_padded"]
         return {k: v["epoch_size_padded"] for k, v in self.reader_meta().items()}
 
+    def external_source_shm_statistics(self) -> Dict[str, List[int]]:
+        """DALI's report of the parallel external sources' shared memory, with extsrc's figures.
+
+        ``capacities``: the bytes of each batch slot of every parallel source (a
+        slot holds one whole batch: its dense region and the workers' overflow
+        segments); ``per_sample_capacities``: each of those divided by the
+        pipeline's batch size. Slots are made as batches are prepared, from the
+        first one's size, so both lists are empty before the first ``run()``
+        (DALI's start at a preset size); ``bytes_per_sample_hint`` does not
+        change them. Empty without parallel sources and after ``close()``.
+        """
+        capacities: List[int] = []
+        if not self._extsrc_closed:
+            for feeder in self._extsrc_feeders:
+                capacities.extend(feeder.source.shared_memory_capacities())
+        batch_size = max(1, int(self.max_batch_size or 1))
+        return {
+            "capacities": capacities,
+            "per_sample_capacities": [c // batch_size for c in capacities],
+        }
+
     def extsrc_stats(self, reset: bool = False) -> Dict[str, Any]:
         """The statistics of each parallel external source, by name (see ``ParallelSource.stats``).
 
@@ -192,10 +216,12 @@ class Pipeline(_dali_pipeline.Pipeline):
 
     def _extsrc_pool_for_new_source(self) -> WorkerPool:
         self._extsrc_check_open()
-        if self._extsrc_num_workers < 1:
+        if self._extsrc_num_workers is None or self._extsrc_num_workers < 1:
+            # DALI's words first, so that a search for DALI's message finds this one.
             raise RuntimeError(
-                f"a parallel external source needs py_num_workers >= 1, got "
-                f"{self._extsrc_num_workers}; raise py_num_workers or drop parallel=True"
+                "The external source cannot run in parallel mode without Python workers pool: "
+                f"the pipeline has py_num_workers={self._extsrc_num_workers!r}. Pass "
+                "py_num_workers=N (N >= 1) to the pipeline, or drop parallel=True"
             )
         if self._extsrc_pool is None:
             if self._extsrc_backend == "ray":

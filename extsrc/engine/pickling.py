@@ -116,10 +116,21 @@ class Pickler:
         return getattr(impl, "__name__", type(impl).__name__)
 
     def dumps(self, obj: Any, what: str = "source") -> bytes:
-        """Pickles ``obj``; raises :class:`SourcePicklingError` naming ``what`` and the fixes."""
+        """Pickles ``obj``; raises :class:`SourcePicklingError` naming ``what`` and the fixes.
+
+        An exception of a pickler given by the user that is not a ``PicklingError`` (e.g. a
+        ``ValueError`` about its arguments) is raised as it is, with a note naming ``what``.
+        """
         try:
             return self.impl.dumps(obj, **self.dumps_kwargs)
         except Exception as exc:
+            if self.impl is not DefaultPickler and not isinstance(exc, pickle.PicklingError):
+                # The user's own pickler raised something of its own (a ValueError about its
+                # arguments, ...): it reaches the user as it is, with where it happened.
+                if hasattr(exc, "add_note"):  # Python 3.11+
+                    exc.add_note(f"(extsrc: raised by pickler {self.name!r} pickling the {what} "
+                                 f"{_short_repr(obj)} for spawned workers)")
+                raise
             if inspect.isgenerator(obj):
                 raise SourcePicklingError(
                     f"cannot pickle the {what} {_short_repr(obj)} for spawned workers: it is a "

@@ -245,6 +245,9 @@ class SourceRunner:
         self.iterator: Any = None
         self.iterator_epoch = -1
         self.one_pass_ended = False  # the source is its own iterator, and it ran out
+        # The running pass is the source itself again after it ran out: its __iter__ may have
+        # started a new pass (and returned self), or not; its first next() tells.
+        self.retried_pass = False
         self.records = None if setup.order is None else RecordCache(setup.order)
         self.seed = 0 if setup.order is None else setup.order.seed
         self.buffers = SampleBuffers(setup.num_outputs) if setup.in_place else None
@@ -534,12 +537,14 @@ class SourceRunner:
                 batch = self.call_batch(info if setup.batch_info else task.iteration)
             else:
                 batch = next(self._iterator_for(task.epoch_idx))
+                self.retried_pass = False
         except StopIteration:
             if self.iterator is self.callback:
                 self.one_pass_ended = True
+            if self.retried_pass:
+                self.retried_pass = False
+                return self._failed(task, 0, info, self._exhausted(task.epoch_idx), from_callback=False)
             return TaskDone(task.source_id, task.ticket, self.worker, 0, True, (), 0)
-        except ExhaustedIteratorError as exc:
-            return self._failed(task, 0, info, exc, from_callback=False)
         except BaseException as exc:
             return self._failed(task, 0, info, exc)
 
@@ -591,17 +596,22 @@ class SourceRunner:
             if self.setup.kind == BATCH_GENERATOR:
                 self.iterator = source()
             else:
-                if self.one_pass_ended and iter(source) is source:
-                    raise ExhaustedIteratorError(
-                        f"source {self.setup.name}: the source is a one-pass iterator "
-                        f"({type(source).__name__}, e.g. a generator object) that ran out in an "
-                        f"earlier epoch, so epoch {epoch_idx} would be empty. Pass the generator "
-                        "function itself (source=gen, not gen()), or an iterable whose __iter__ "
-                        "starts a new pass"
-                    )
+                # Every epoch calls iter() again: an iterable whose __iter__ resets its state and
+                # returns itself starts a new pass (DALI does the same after each reset()).
                 self.iterator = iter(source)
+                self.retried_pass = self.one_pass_ended and self.iterator is source
             self.iterator_epoch = epoch_idx
         return self.iterator
+
+    def _exhausted(self, epoch_idx: int) -> ExhaustedIteratorError:
+        source = self.callback
+        return ExhaustedIteratorError(
+            f"source {self.setup.name}: the source is a one-pass iterator "
+            f"({type(source).__name__}, e.g. a generator object) that ran out in an "
+            f"earlier epoch, and iter() on it did not start a new pass, so epoch {epoch_idx} "
+            "is empty. Pass the generator function itself (source=gen, not gen()), or an "
+            "iterable whose __iter__ starts a new pass"
+        )
 
     def _columns_of_batch(self, batch, info: BatchInfo) -> List[Sequence[Any]]:
         num_outputs = self.num_outputs

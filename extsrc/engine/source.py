@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 
@@ -280,6 +280,13 @@ class ParallelSource:
         self._pool.check_owner()
         with self._pool.lock:
             return self._producer.slots.reserved_bytes()
+
+    def shared_memory_capacities(self) -> List[int]:
+        """Shared memory of each batch slot this source holds now, in bytes (one batch per slot;
+        empty before the first batch and after close)."""
+        self._pool.check_owner()
+        with self._pool.lock:
+            return self._producer.slots.capacities()
 
     # -- life cycle ------------------------------------------------------------------------------
 

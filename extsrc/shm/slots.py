@@ -362,6 +362,11 @@ class SlotPool:
     def count(self, state: SlotState) -> int:
         return sum(1 for s in self.slots.values() if s.state is state)
 
+    def capacities(self) -> List[int]:
+        """Shared memory each slot holds now (region and overflow segments), in bytes, by slot id."""
+        return [slot.region.size + sum(s.size for s in slot.overflow)
+                for _, slot in sorted(self.slots.items())]
+
     def reserved_bytes(self) -> int:
         """Shared memory the slots hold now (region and overflow segments), in bytes."""
         total = 0

@@ -43,7 +43,7 @@ def mixed_decoder(start_method: str = "fork") -> None:
 
     @pipeline_def(batch_size=4, num_threads=2, device_id=0, py_num_workers=2, py_start_method=start_method)
     def pipe():
-        jpegs = fn.external_source(JpegFiles(), parallel=True, dtype=types.UINT8)
+        jpegs = fn.external_source(JpegFiles(), parallel=True, batch=False, dtype=types.UINT8)
         images = fn.decoders.image(jpegs, device="mixed", output_type=types.RGB)
         return images, fn.resize(images, size=[16, 16]), jpegs
 
@@ -80,7 +80,7 @@ def fork_after_cuda_refused() -> None:
 
     @pipeline_def(batch_size=4, num_threads=2, device_id=0, py_num_workers=1)
     def pipe():
-        return fn.decoders.image(fn.external_source(JpegFiles(), parallel=True), device="mixed")
+        return fn.decoders.image(fn.external_source(JpegFiles(), parallel=True, batch=False), device="mixed")
 
     with pipe() as first:
         first.build()  # starts the workers, then creates the CUDA context
@@ -105,7 +105,7 @@ def outputs_kept_on_gpu() -> None:
 
     @pipeline_def(batch_size=2, num_threads=2, device_id=0, py_num_workers=2)
     def pipe():
-        x = fn.external_source(stamped, parallel=True)
+        x = fn.external_source(stamped, parallel=True, batch=False)
         return x, x.gpu() * 2
 
     kept = []

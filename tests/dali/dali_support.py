@@ -118,3 +118,84 @@ def extsrc_workers() -> list:
     from procs import live_children
 
     return live_children()
+
+
+class RewindingBatches:
+    """Batch iterable whose ``__iter__`` rewinds it and returns the object itself (the way
+    DALI's own tests write re-iterable sources); ``n_batches`` batches per pass, stamped with
+    the pass number."""
+
+    def __init__(self, batch_size: int, n_batches: int):
+        self.batch_size = batch_size
+        self.n_batches = n_batches
+        self.passes = -1
+        self.position = 0
+
+    def __iter__(self):
+        self.passes += 1
+        self.position = 0
+        return self
+
+    def __next__(self):
+        if self.position >= self.n_batches:
+            raise StopIteration
+        batch = [np.array([self.passes, self.position, k], np.int64) for k in range(self.batch_size)]
+        self.position += 1
+        return batch
+
+
+class OnePassBatches(RewindingBatches):
+    """Like RewindingBatches, but iter() does not rewind: one pass, ever."""
+
+    def __iter__(self):
+        return self
+
+
+class PicklerRefusingKwargs:
+    """A pickler (dumps/loads) that raises ValueError when dumps gets no ``token=7``."""
+
+    @staticmethod
+    def dumps(obj, **kwargs):
+        import pickle
+
+        if kwargs.get("token") != 7:
+            raise ValueError(f"this pickler needs token=7, got {kwargs}")
+        return pickle.dumps(obj)
+
+    @staticmethod
+    def loads(data, **kwargs):
+        import pickle
+
+        return pickle.loads(data)
+
+
+def echo_argument(arg):
+    """Batch of two samples saying how it was called: [1, iteration] for an int argument,
+    [2, iteration] for a BatchInfo, [3, idx_in_epoch] for a SampleInfo."""
+    if isinstance(arg, int):
+        return [np.array([1, arg], np.int64)] * 2
+    if hasattr(arg, "idx_in_epoch"):
+        return np.array([3, arg.idx_in_epoch], np.int64)
+    return [np.array([2, arg.iteration], np.int64)] * 2
+
+
+class FileListSource:
+    """A sample callable as DALI's parallel external source tutorial writes it: reads
+    ``file_list.txt`` ("name label" lines) in ``folder``, returns (encoded bytes, int32 label)
+    for ``idx_in_epoch``, and ends the epoch (StopIteration) after the last full batch."""
+
+    def __init__(self, folder: str, batch_size: int):
+        self.folder = folder
+        with open(os.path.join(folder, "file_list.txt")) as f:
+            pairs = [line.split() for line in f if line.strip()]
+        self.files = [p[0] for p in pairs]
+        self.labels = [int(p[1]) for p in pairs]
+        self.full_iterations = len(self.files) // batch_size
+
+    def __call__(self, sample_info):
+        if sample_info.iteration >= self.full_iterations:
+            raise StopIteration
+        i = sample_info.idx_in_epoch
+        with open(os.path.join(self.folder, self.files[i]), "rb") as f:
+            encoded = np.frombuffer(f.read(), dtype=np.uint8)
+        return encoded, np.array([self.labels[i]], dtype=np.int32)

@@ -25,7 +25,7 @@ CPU = dict(num_threads=1, device_id=None)
 def _pipe(source, **es_kwargs):
     @pipeline_def(batch_size=4, py_num_workers=2, **CPU)
     def pipe():
-        return fn.external_source(source, parallel=True, **es_kwargs)
+        return fn.external_source(source, parallel=True, **{"batch": False, **es_kwargs})
 
     return pipe()
 
@@ -86,8 +86,8 @@ def test_a_failed_batch_is_asked_for_again_by_the_next_run():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(source=lambda: np.zeros(2)), TypeError, "called with one argument"),
-        (dict(source=[np.zeros((1, 2))]), TypeError, "pass batch=True"),
+        (dict(source=lambda: np.zeros(2)), TypeError, "must accept exactly one argument"),
+        (dict(source=[np.zeros((1, 2))], batch=False), TypeError, "must be run in a batch mode"),
         (dict(source=Counting(4), no_copy=False), ValueError, "no_copy"),
         (dict(source=Counting(4), prefetch_queue_depth=0), ValueError, "prefetch_queue_depth"),
         (dict(source=Counting(4), cycle="raise"), ValueError, "cycle"),
@@ -99,7 +99,7 @@ def test_a_failed_batch_is_asked_for_again_by_the_next_run():
 def test_invalid_arguments_are_refused_at_definition(kwargs, error, match):
     @pipeline_def(batch_size=2, **CPU)
     def pipe():
-        return fn.external_source(parallel=True, **kwargs)
+        return fn.external_source(parallel=True, **{"batch": False, **kwargs})
 
     with pytest.raises(error, match=match):
         pipe()
@@ -130,7 +130,7 @@ def test_a_source_defined_after_the_workers_started_is_refused():
         nvidia.dali.Pipeline.push_current(p)
         try:
             with pytest.raises(RuntimeError, match="after the pipeline's workers started"):
-                fn.external_source(Counting(8), parallel=True)
+                fn.external_source(Counting(8), parallel=True, batch=False)
         finally:
             nvidia.dali.Pipeline.pop_current()
         assert len(run_epoch(p)) == 2

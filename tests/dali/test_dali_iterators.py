@@ -151,7 +151,7 @@ def test_reader_meta_without_an_order_says_so():
 
     @pipeline_def(batch_size=BATCH, py_num_workers=1, **CPU)
     def pipe():
-        return fn.external_source(counting, parallel=True, name="src")
+        return fn.external_source(counting, parallel=True, batch=False, name="src")
 
     with pipe() as p:
         with pytest.raises(ValueError, match="no order="):

@@ -28,7 +28,7 @@ def _alive(pid: int) -> bool:
 
 @pipeline_def(batch_size=2, py_num_workers=2, **CPU)
 def counting(n=6):
-    return fn.external_source(Counting(n), parallel=True)
+    return fn.external_source(Counting(n), parallel=True, batch=False)
 
 
 def test_close_stops_workers_and_is_idempotent():
@@ -114,8 +114,8 @@ def test_spawn_with_lambda_and_closure_default_pickler():
 
     @pipeline_def(batch_size=2, py_num_workers=1, py_start_method="spawn", **CPU)
     def pipe():
-        a = fn.external_source(lambda info: np.array([info.idx_in_batch], np.int32), parallel=True)
-        b = fn.external_source(scaled, parallel=True)
+        a = fn.external_source(lambda info: np.array([info.idx_in_batch], np.int32), parallel=True, batch=False)
+        b = fn.external_source(scaled, parallel=True, batch=False)
         return a, b
 
     with pipe() as p:
@@ -134,7 +134,7 @@ def test_spawn_with_dill_pickler():
         py_callback_pickler=(dill, {"recurse": True}), **CPU,
     )
     def pipe():
-        return fn.external_source(lookup, parallel=True)
+        return fn.external_source(lookup, parallel=True, batch=False)
 
     with pipe() as p:
         (out,) = p.run()
@@ -180,7 +180,7 @@ def test_checkpointing_an_iterable_source_warns():
 
 @pipeline_def(batch_size=3, py_num_workers=2, enable_checkpointing=True, **CPU)
 def checkpointed():
-    x = fn.external_source(Counting(15), parallel=True, dtype=types.INT64)
+    x = fn.external_source(Counting(15), parallel=True, batch=False, dtype=types.INT64)
     noise = fn.random.uniform(range=[0.0, 1.0], shape=[2], seed=7)
     return x, noise
 

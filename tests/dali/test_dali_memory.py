@@ -46,7 +46,7 @@ def _check(outputs, iteration, epoch, batch_size):
 def _stamped_pipeline(**kwargs):
     @pipeline_def(batch_size=2, py_num_workers=2, **CPU, **kwargs)
     def pipe():
-        dense, ragged = fn.external_source(Stamped(12), num_outputs=2, parallel=True)
+        dense, ragged = fn.external_source(Stamped(12), num_outputs=2, parallel=True, batch=False)
         # The source's outputs are the pipeline's outputs, directly and through a
         # reshape (which shares its input's memory).
         return dense, ragged, fn.reshape(dense, shape=[8, 8])
@@ -98,7 +98,7 @@ def test_batches_reach_dali_without_a_copy(monkeypatch):
 
     @pipeline_def(batch_size=4, py_num_workers=1, **CPU)
     def pipe():
-        return tuple(fn.external_source(Stamped(16), num_outputs=2, parallel=True))
+        return tuple(fn.external_source(Stamped(16), num_outputs=2, parallel=True, batch=False))
 
     with pipe() as p:
         original = p._feed_input

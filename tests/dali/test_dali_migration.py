@@ -96,12 +96,12 @@ def test_fn_namespace_is_dalis_apart_from_external_source():
 
 @extsrc.pipeline_def
 def bare(n):
-    return extsrc.fn.external_source(Counting(n), parallel=True)
+    return extsrc.fn.external_source(Counting(n), parallel=True, batch=False)
 
 
 @extsrc.pipeline_def(batch_size=2, num_threads=1, device_id=None, py_num_workers=1)
 def with_args(n):
-    return extsrc.fn.external_source(Counting(n), parallel=True)
+    return extsrc.fn.external_source(Counting(n), parallel=True, batch=False)
 
 
 def test_pipeline_def_with_and_without_arguments_and_call_time_overrides():
@@ -123,7 +123,7 @@ def test_dali_pipeline_arguments_pass_through():
         exec_dynamic=False, output_dtype=types.INT64, output_ndim=1,
     )
     def pipe():
-        return extsrc.fn.external_source(Counting(6), parallel=True)
+        return extsrc.fn.external_source(Counting(6), parallel=True, batch=False)
 
     with pipe() as p:
         assert p.prefetch_queue_depth == 3 and p.seed == 123 and not p.exec_dynamic
@@ -133,7 +133,7 @@ def test_dali_pipeline_arguments_pass_through():
 def test_legacy_pipeline_api():
     pipe = extsrc.dali.Pipeline(batch_size=3, num_threads=1, device_id=None, py_num_workers=1)
     with pipe:  # graph definition: makes it current, does not close it
-        pipe.set_outputs(extsrc.fn.external_source(Counting(6), parallel=True))
+        pipe.set_outputs(extsrc.fn.external_source(Counting(6), parallel=True, batch=False))
     with pipe:  # a defined pipeline: closed on exit
         assert [len(it[0]) for it in run_epoch(pipe)] == [3, 3]
     with pytest.raises(extsrc.PoolClosedError):
@@ -143,7 +143,7 @@ def test_legacy_pipeline_api():
 def test_parallel_source_needs_an_extsrc_pipeline():
     @nvidia.dali.pipeline_def(batch_size=2, num_threads=1, device_id=None)
     def pipe():
-        return extsrc.fn.external_source(Counting(4), parallel=True)
+        return extsrc.fn.external_source(Counting(4), parallel=True, batch=False)
 
     with pytest.raises(TypeError, match="from extsrc import pipeline_def"):
         pipe()

@@ -27,7 +27,7 @@ CPU = dict(num_threads=1, device_id=None)
 def test_sample_mode_sample_info_and_epochs():
     @pipeline_def(batch_size=3, py_num_workers=2, **CPU)
     def pipe():
-        return fn.external_source(Counting(7), parallel=True)  # batch defaults to False
+        return fn.external_source(Counting(7), parallel=True, batch=False)
 
     with pipe() as p:
         epochs = []
@@ -103,7 +103,7 @@ def test_num_outputs_with_ragged_output():
     @pipeline_def(batch_size=3, py_num_workers=2, **CPU)
     def pipe():
         images, labels = fn.external_source(
-            ImageAndLabel(6), num_outputs=2, parallel=True, dtype=[types.UINT8, types.INT32]
+            ImageAndLabel(6), num_outputs=2, parallel=True, batch=False, dtype=[types.UINT8, types.INT32]
         )
         return images, labels
 
@@ -120,7 +120,7 @@ def test_num_outputs_with_ragged_output():
 def test_num_outputs_one_gives_a_list_of_one_node():
     @pipeline_def(batch_size=2, py_num_workers=1, **CPU)
     def pipe():
-        nodes = fn.external_source(lambda info: (np.array([info.idx_in_epoch]),), num_outputs=1, parallel=True)
+        nodes = fn.external_source(lambda info: (np.array([info.idx_in_epoch]),), num_outputs=1, parallel=True, batch=False)
         assert isinstance(nodes, list) and len(nodes) == 1
         return nodes[0]
 
@@ -131,8 +131,8 @@ def test_num_outputs_one_gives_a_list_of_one_node():
 def test_sources_of_a_pipeline_share_one_pool():
     @pipeline_def(batch_size=4, py_num_workers=2, **CPU)
     def pipe():
-        a = fn.external_source(worker_pid, parallel=True)
-        b = fn.external_source(worker_pid, parallel=True)
+        a = fn.external_source(worker_pid, parallel=True, batch=False)
+        b = fn.external_source(worker_pid, parallel=True, batch=False)
         c = fn.external_source(BatchOfIteration(4, 100), parallel=True, batch=True)
         return a, b, c
 
@@ -152,7 +152,7 @@ def test_sources_of_a_pipeline_share_one_pool():
 def test_last_batch(last_batch, sizes):
     @pipeline_def(batch_size=4, py_num_workers=2, **CPU)
     def pipe():
-        return fn.external_source(Counting(10), parallel=True, last_batch=last_batch)
+        return fn.external_source(Counting(10), parallel=True, batch=False, last_batch=last_batch)
 
     with pipe() as p:
         for epoch in range(2):
@@ -167,7 +167,7 @@ def test_last_batch(last_batch, sizes):
 def test_partial_batch_goes_through_dali_operators():
     @pipeline_def(batch_size=4, py_num_workers=1, **CPU)
     def pipe():
-        x = fn.external_source(Counting(6), parallel=True, last_batch="partial", dtype=types.INT64)
+        x = fn.external_source(Counting(6), parallel=True, batch=False, last_batch="partial", dtype=types.INT64)
         return fn.cast(x, dtype=types.FLOAT) * 0.5
 
     with pipe() as p:
@@ -178,7 +178,7 @@ def test_partial_batch_goes_through_dali_operators():
 def test_declared_dtype_and_layout_are_checked_in_the_worker():
     @pipeline_def(batch_size=2, py_num_workers=1, **CPU)
     def wrong_dtype():
-        return fn.external_source(Counting(4), parallel=True, dtype=types.FLOAT)
+        return fn.external_source(Counting(4), parallel=True, batch=False, dtype=types.FLOAT)
 
     with wrong_dtype() as p:
         with pytest.raises(extsrc.SampleError, match="expected dtype float32"):
@@ -186,7 +186,7 @@ def test_declared_dtype_and_layout_are_checked_in_the_worker():
 
     @pipeline_def(batch_size=2, py_num_workers=1, **CPU)
     def wrong_layout():
-        return fn.external_source(Counting(4), parallel=True, layout="HWC")
+        return fn.external_source(Counting(4), parallel=True, batch=False, layout="HWC")
 
     with wrong_layout() as p:
         with pytest.raises(extsrc.SampleError, match="expected 3 dimensions"):
@@ -196,7 +196,7 @@ def test_declared_dtype_and_layout_are_checked_in_the_worker():
 def test_layout_reaches_dali():
     @pipeline_def(batch_size=2, py_num_workers=1, **CPU)
     def pipe():
-        return tuple(fn.external_source(ImageAndLabel(4), num_outputs=2, parallel=True, layout=["HWC"]))
+        return tuple(fn.external_source(ImageAndLabel(4), num_outputs=2, parallel=True, batch=False, layout=["HWC"]))
 
     with pipe() as p:
         images, labels = p.run()
@@ -211,7 +211,7 @@ def test_an_in_place_source_writes_its_samples_into_shared_memory_through_the_dr
 
     @pipeline_def(batch_size=4, py_num_workers=2, **CPU)
     def pipe():
-        return fn.external_source(fill, parallel=True, in_place=True)
+        return fn.external_source(fill, parallel=True, batch=False, in_place=True)
 
     with pipe() as p:
         p.build()
@@ -226,7 +226,7 @@ def test_a_pipeline_reports_the_statistics_of_each_parallel_source():
 
     @pipeline_def(batch_size=4, py_num_workers=2, **CPU)
     def pipe():
-        return fn.external_source(slow, parallel=True, name="images")
+        return fn.external_source(slow, parallel=True, batch=False, name="images")
 
     with pipe() as p:
         p.build()

@@ -31,7 +31,7 @@ class ImageAndLabel:
 
 @pipeline_def(batch_size=4, py_num_workers=2, enable_checkpointing=True, **CPU)
 def images(source):
-    image, label = fn.external_source(source, num_outputs=2, parallel=True, last_batch="partial",
+    image, label = fn.external_source(source, num_outputs=2, parallel=True, batch=False, last_batch="partial",
                                       dtype=[types.UINT8, types.INT32])
     return fn.flip(image, horizontal=1), label
 
