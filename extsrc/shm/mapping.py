@@ -75,21 +75,26 @@ class Mapping:
     def __init__(self, fd: int, size: int):
         if size <= 0:
             raise ValueError(f"a mapping needs a positive size, got {size}")
-        address = _libc.mmap(None, size, _PROT_READ_WRITE, _MAP_SHARED | _MAP_POPULATE, fd, 0)
-        if address is None or address == _MAP_FAILED:
-            code = ctypes.get_errno() or errno.ENOMEM
-            raise MapError(code, f"mmap of {size} bytes failed: {os.strerror(code)}")
-        self.address: int = address
+        self.address = 0
         self.size = size
         self.leased = False  # a held batch lives here: a forked child must see it
         self.on_close: list = []  # called with (address, size) right before it is unmapped
         self._pid = os.getpid()
         self._inherited = True
-        self._interface = {
-            "shape": (size,), "typestr": "|u1", "data": (address, False), "version": 3,
-        }
-        self._advise(inherited=False)
-        forking.register_memory(self)
+        # Mapped, advised and registered under the fork lock: a fork by another thread in
+        # between would give the child memory it does not know to drop (a pool's fork worker
+        # would keep another source's memory alive).
+        with forking.lock:
+            address = _libc.mmap(None, size, _PROT_READ_WRITE, _MAP_SHARED | _MAP_POPULATE, fd, 0)
+            if address is None or address == _MAP_FAILED:
+                code = ctypes.get_errno() or errno.ENOMEM
+                raise MapError(code, f"mmap of {size} bytes failed: {os.strerror(code)}")
+            self.address = address
+            self._interface = {
+                "shape": (size,), "typestr": "|u1", "data": (address, False), "version": 3,
+            }
+            self._advise(inherited=False)
+            forking.register_memory(self)
 
     @property
     def is_open(self) -> bool:
