@@ -35,6 +35,17 @@ STARTUP_S = 30.0  # a server that is not listening after this long failed to sta
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 
 
+def stop_process(process: subprocess.Popen) -> None:
+    """Ends a server process: SIGTERM, then SIGKILL after :data:`STOP_GRACE_S`; waits for it."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def _pattern() -> np.ndarray:
     return np.random.default_rng(20).integers(0, 256, PATTERN_BYTES, dtype=np.uint8)
 
@@ -170,13 +181,7 @@ class ObjectServer:
         return self.process.pid
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
         if self.process.stdout is not None:
             self.process.stdout.close()
         self._log.close()

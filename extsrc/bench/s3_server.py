@@ -18,6 +18,8 @@ import urllib.error
 import urllib.request
 from typing import Any, Dict
 
+from extsrc.bench.object_server import STOP_GRACE_S, stop_process
+
 # moto accepts any credentials; clients refuse to sign without some.
 CREDENTIALS: Dict[str, str] = {
     "aws_access_key_id": "testing",
@@ -26,7 +28,6 @@ CREDENTIALS: Dict[str, str] = {
 }
 STARTUP_S = 60.0  # moto imports much on its first start
 POLL_S = 0.1
-STOP_GRACE_S = 5.0
 
 
 def _free_port() -> int:
@@ -75,13 +76,7 @@ class S3Server:
         return boto3.client("s3", endpoint_url=self.endpoint_url, **CREDENTIALS)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
         if self.process.stderr is not None:
             self.process.stderr.close()
 
