@@ -15,6 +15,9 @@ from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
+from extsrc.checks import is_int
+from extsrc.order import Order
+
 START_METHODS = ("fork", "spawn", "forkserver")
 LAST_BATCH_POLICIES = ("drop", "partial", "pad")
 BACKENDS = ("processes", "ray")
@@ -55,10 +58,6 @@ class _Unset:
 
 
 UNSET: Any = _Unset()
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def positive_int(name: str, value: Any) -> int:
@@ -280,8 +279,6 @@ class SourceOptions:
         if last_batch not in LAST_BATCH_POLICIES:
             raise ValueError(f"last_batch must be one of {LAST_BATCH_POLICIES}, got {last_batch!r}")
         if order is not None:
-            from extsrc.order import Order
-
             if not isinstance(order, Order):
                 raise TypeError(f"order must be an extsrc.Order, got {type(order).__name__}")
             if batch:

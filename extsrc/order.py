@@ -29,7 +29,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union, overlo
 
 import numpy as np
 
-from extsrc.options import is_int
+from extsrc.checks import is_int
 
 REMAINDERS = ("drop", "pad")
 MAX_RECORDS = 1 << 62  # positions and records fit int64 on every path

@@ -1,0 +1,14 @@
+"""Predicates shared by the checks of user arguments (:mod:`extsrc.options`, :mod:`extsrc.order`).
+
+A ``bool`` is never a number here: ``num_workers=True`` is an error, not 1.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer (Python's or NumPy's), and not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
