@@ -77,6 +77,16 @@ def register(resource: ForgetsAfterFork) -> None:
         _forgetful.add(resource)
 
 
+def close_inherited(fds: "tuple[int, ...] | list[int]") -> None:
+    """In a forked child (from ``forget_after_fork``): closes descriptors of the parent's that it
+    inherited; one already closed is no error (a child must come up whatever it holds)."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def register_memory(mapping: DroppableMemory) -> None:
     """Has a pool's fork worker unmap ``mapping`` at start (see :func:`drop_inherited_memory`)."""
     with _lock:

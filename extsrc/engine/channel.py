@@ -198,11 +198,7 @@ class OwnedFds:
 
     def forget_after_fork(self) -> None:
         fds, self.fds = self.fds, ()
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        forking.close_inherited(fds)
 
     def __del__(self) -> None:
         try:

@@ -72,10 +72,7 @@ class Lifeline:
         # The write end only: a fork worker being started needs its read end.
         fd, self._write_fd = self._write_fd, -1
         if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+            forking.close_inherited((fd,))
 
     def __del__(self) -> None:
         try:

@@ -237,13 +237,7 @@ def _rebuild(structure: Structure, tensors: Tuple[Any, ...], position: Any,
         return tuple(strings) if transposed else strings
     in_sequence = kind != MAPPING
     children = [_rebuild(child, tensors, position, in_sequence) for child in structure[2]]
-    if kind == MAPPING:
-        mapping_type, keys, canonical = structure[1]
-        by_key = dict(zip(canonical, children))
-        return mapping_type((key, by_key[key]) for key in keys)
-    if kind == NAMEDTUPLE:
-        return structure[1](*children)
-    return children
+    return _container(structure, children, list)
 
 
 def _rebuild_whole(structure: Structure, leaves: Tuple[Any, ...], position: Any) -> Any:
@@ -258,13 +252,20 @@ def _rebuild_whole(structure: Structure, leaves: Tuple[Any, ...], position: Any)
     if kind == SCALAR:
         return leaves[next(position)].item()
     children = [_rebuild_whole(child, leaves, position) for child in structure[2]]
+    return _container(structure, children, structure[1])
+
+
+def _container(structure: Structure, children: List[Any], sequence_type: Any) -> Any:
+    """``children`` in the container ``structure`` describes: a mapping (its keys in their
+    order), a namedtuple, or else ``sequence_type(children)``."""
+    kind = structure[0]
     if kind == MAPPING:
         mapping_type, keys, canonical = structure[1]
         by_key = dict(zip(canonical, children))
         return mapping_type((key, by_key[key]) for key in keys)
     if kind == NAMEDTUPLE:
         return structure[1](*children)
-    return structure[1](children)
+    return sequence_type(children)
 
 
 # -- whole batches (made by a collate_fn in the worker) -------------------------------------------
