@@ -1,1 +1,2 @@
-"""``python -m extsrc bench``: benchmarks, apart from the library (imported only by the CLI)."""
+"""extsrc's benchmarks: not installed with the package; ``python -m benchmarks`` from a checkout's top
+folder, or ``python -m extsrc bench`` when extsrc is imported from that checkout."""

@@ -61,7 +61,7 @@ def assert_full_table(rows, labels):
 
 
 def test_importing_the_bench_module_imports_neither_torch_nor_dali():
-    code = ("import sys, extsrc.bench; "
+    code = ("import sys, benchmarks; "
             "print(sorted(m for m in ('torch', 'nvidia.dali') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -116,7 +116,7 @@ def test_quick_bench_against_dali_prints_every_workload_and_startup_with_ratios(
 
 @pytest.mark.slow
 def test_without_torch_the_dataloader_column_is_skipped_with_a_note():
-    code = ("import sys; sys.modules['torch'] = None; from extsrc.bench.runner import main; "
+    code = ("import sys; sys.modules['torch'] = None; from benchmarks.runner import main; "
             "sys.exit(main(['--quick', '--workloads', 'cpu']))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
