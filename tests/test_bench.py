@@ -89,6 +89,20 @@ def test_bench_command_without_the_benchmarks_folder_says_where_they_are(tmp_pat
     assert "python -m benchmarks" in out.stderr  # and what to run instead
 
 
+def test_a_benchmarks_package_installed_beside_extsrc_is_not_run_for_ours(tmp_path):
+    """In site-packages (no checkout), a 'benchmarks' beside extsrc is another distribution's."""
+    site = tmp_path / "site-packages"
+    shutil.copytree(os.path.join(ROOT, "extsrc"), site / "extsrc")
+    (site / "benchmarks").mkdir()
+    (site / "benchmarks" / "__init__.py").write_text("")
+    (site / "benchmarks" / "runner.py").write_text("def main(argv):\n    print('not extsrc')\n")
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = subprocess.run([sys.executable, "-m", "extsrc", "bench", "--quick"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "not extsrc" not in out.stdout
+    assert "not a source checkout" in out.stderr and "python -m benchmarks" in out.stderr
+
+
 def test_a_benchmarks_folder_in_the_working_directory_does_not_replace_ours(tmp_path):
     (tmp_path / "benchmarks").mkdir()
     (tmp_path / "benchmarks" / "__init__.py").write_text("")

@@ -17,6 +17,7 @@ from typing import List, Optional
 import extsrc
 
 PACKAGE = "benchmarks"
+CHECKOUT_FILES = ("setup.cfg", "pyproject.toml")  # the top folder of a source checkout holds one
 
 
 def checkout_root() -> str:
@@ -39,6 +40,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     folder = os.path.join(root, PACKAGE)
     if not os.path.isfile(os.path.join(folder, "runner.py")):
         return _not_found(folder, f"no benchmarks next to the extsrc package in {root}")
+    if not any(os.path.isfile(os.path.join(root, name)) for name in CHECKOUT_FILES):
+        # e.g. site-packages, where a 'benchmarks' folder would be another distribution's
+        return _not_found(folder, f"{root} is not a source checkout of extsrc (no {' or '.join(CHECKOUT_FILES)})")
     sys.path.insert(0, root)  # first: a 'benchmarks' folder in the working directory must not shadow ours
     runner = importlib.import_module(f"{PACKAGE}.runner")
     found = os.path.dirname(os.path.abspath(runner.__file__ or ""))
