@@ -1,7 +1,6 @@
 """A cell: one loader on one workload, in a fresh interpreter; its figures as one JSON line.
 
-Throughput cells run as ``job.py`` scripts that call
-:func:`benchmarks.cell_job.cell_main`;
+Throughput cells run as ``job.py`` scripts that call :func:`benchmarks.cell_job.cell_main`;
 startup cells are a user's job written out as a script (:func:`startup_script`),
 because with spawn each worker imports the main script again, which
 ``python -c`` would skip.
@@ -16,7 +15,12 @@ import sys
 import tempfile
 from typing import Any, Dict, List
 
-from benchmarks.loaders import DALI, DALI_THREADS, EXTSRC_DALI, STARTUP_WORKERS
+from benchmarks.loaders import (
+    DALI, DALI_THREADS, EXTSRC_DALI, STARTUP_WORKERS, WORKERS, Opened, expected_indices, open_loader,
+)
+from benchmarks.measure import measure
+from benchmarks.ray_bench import RAY_LOADERS, open_ray_loader
+from benchmarks.workloads import ALL_WORKLOADS
 
 RESULT_MARK = "EXTSRC-BENCH-RESULT "
 MB = 1e6  # MB/s figures are in 10^6 bytes per second
@@ -28,6 +32,41 @@ from benchmarks.cell_job import cell_main
 if __name__ == "__main__":
     sys.exit(cell_main(sys.argv[1:]))
 """
+
+def _open(loader: str, workload: str, consumed: bool = False) -> Opened:
+    if loader in RAY_LOADERS:
+        return open_ray_loader(loader, workload, WORKERS)
+    return open_loader(loader, workload, WORKERS, "fork", consumed)
+
+def throughput_cell(loader: str, workload: str, seconds: float, warmup_s: float,
+                    consumed: bool = False) -> Dict[str, Any]:
+    """Figures of ``loader`` on ``workload``: batches taken for ``seconds`` after ``warmup_s``."""
+    w = ALL_WORKLOADS[workload]
+    take, indices, close = _open(loader, workload, consumed)
+    try:
+        batches, elapsed, cpu, total, last = measure(take, seconds, warmup_s)
+        extra = take.figures() if hasattr(take, "figures") else {}  # a loader's own figures
+        got = indices(last)
+        expected = expected_indices(loader, total - 1, w.batch_size)
+        if got != expected:
+            raise RuntimeError(f"{loader}: batch {total - 1} holds samples {got[:4]}..., "
+                               f"expected {expected[:4]}...")
+    finally:
+        close()
+    samples_per_s = batches * w.batch_size / elapsed
+    if "faults" in cpu:
+        cpu["faults_per_sample"] = cpu.pop("faults") / (batches * w.batch_size)
+    result = {
+        "batches": batches,
+        "elapsed_s": elapsed,
+        "samples_per_s": samples_per_s,
+        "mb_per_s": samples_per_s * w.sample_bytes / MB,
+        **cpu,  # cores: consumer_cpu (consuming process), loader_cpu (it and its workers), other_cpu
+        **extra,
+    }
+    if w.spin_s:
+        result["ideal_fraction"] = samples_per_s / (WORKERS / w.spin_s)
+    return result
 
 _STARTUP_SCRIPT = """\
 import json, time
@@ -64,6 +103,20 @@ def startup_script(loader: str, workload: str) -> str:
     module = "extsrc" if loader == EXTSRC_DALI else "nvidia.dali"
     return _STARTUP_SCRIPT.format(module=module, workload=workload, threads=DALI_THREADS,
                                   workers=STARTUP_WORKERS)
+
+def memory_cell(loader: str, workload: str, seconds: float, warmup_s: float) -> Dict[str, Any]:
+    """Resident memory of an extsrc loader's workers after a run (VmRSS, bytes, mean of workers)."""
+    take, _indices, close = _open(loader, workload)
+    try:
+        measure(take, seconds, warmup_s)
+        rss = [_resident_bytes(pid) for pid in take.source.worker_pids()]  # type: ignore[attr-defined]
+    finally:
+        close()
+    return {"worker_rss_bytes": sum(rss) / len(rss)}
+
+def _resident_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 def _import_roots() -> List[str]:
     """The folders that hold ``benchmarks`` and ``extsrc``: a cell's interpreter imports both."""
