@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -60,12 +61,57 @@ def assert_full_table(rows, labels):
         assert met in ("yes", "no"), label
 
 
-def test_importing_the_bench_module_imports_neither_torch_nor_dali():
-    code = ("import sys, extsrc.bench; "
-            "print(sorted(m for m in ('torch', 'nvidia.dali') if m in sys.modules))")
+def test_importing_the_bench_runner_imports_neither_torch_nor_dali_nor_ray():
+    code = ("import sys, benchmarks.runner; "
+            "print(sorted(m for m in ('torch', 'nvidia.dali', 'ray') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_benchmarks_run_as_their_own_module_from_the_checkout():
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "--workloads", "tiny"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "unknown workload(s) ['tiny']" in out.stderr, out.stderr
+
+
+def test_bench_command_without_the_benchmarks_folder_says_where_they_are(tmp_path):
+    """An installed extsrc (no benchmarks/ beside it) refuses clearly instead of a traceback."""
+    installed_copy = tmp_path / "site-packages"
+    shutil.copytree(os.path.join(ROOT, "extsrc"), installed_copy / "extsrc")
+    env = {**os.environ, "PYTHONPATH": str(installed_copy)}
+    out = subprocess.run([sys.executable, "-m", "extsrc", "bench", "--quick"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert "not installed with the package" in out.stderr
+    assert str(installed_copy / "benchmarks") in out.stderr  # where it looked
+    assert "python -m benchmarks" in out.stderr  # and what to run instead
+
+
+def test_a_benchmarks_package_installed_beside_extsrc_is_not_run_for_ours(tmp_path):
+    """In site-packages (no checkout), a 'benchmarks' beside extsrc is another distribution's."""
+    site = tmp_path / "site-packages"
+    shutil.copytree(os.path.join(ROOT, "extsrc"), site / "extsrc")
+    (site / "benchmarks").mkdir()
+    (site / "benchmarks" / "__init__.py").write_text("")
+    (site / "benchmarks" / "runner.py").write_text("def main(argv):\n    print('not extsrc')\n")
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = subprocess.run([sys.executable, "-m", "extsrc", "bench", "--quick"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "not extsrc" not in out.stdout
+    assert "not a source checkout" in out.stderr and "python -m benchmarks" in out.stderr
+
+
+def test_a_benchmarks_folder_in_the_working_directory_does_not_replace_ours(tmp_path):
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "__init__.py").write_text("")
+    (tmp_path / "benchmarks" / "runner.py").write_text("def main(argv):\n    print('not extsrc')\n")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-m", "extsrc", "bench", "--workloads", "tiny"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert "not extsrc" not in out.stdout
+    assert out.returncode == 2 and "tiny" in out.stderr
 
 
 def test_help_names_the_comparisons_and_targets():
@@ -116,7 +162,7 @@ def test_quick_bench_against_dali_prints_every_workload_and_startup_with_ratios(
 
 @pytest.mark.slow
 def test_without_torch_the_dataloader_column_is_skipped_with_a_note():
-    code = ("import sys; sys.modules['torch'] = None; from extsrc.bench.runner import main; "
+    code = ("import sys; sys.modules['torch'] = None; from benchmarks.runner import main; "
             "sys.exit(main(['--quick', '--workloads', 'cpu']))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)

@@ -99,7 +99,7 @@ def test_quick_images_bench_runs_every_loader_and_prints_ratios(tmp_path):
 @needs_dali
 def test_without_torch_the_images_dataloader_column_is_skipped_with_a_note(tmp_path):
     # also the DALI pipelines' other form: whole images decoded, then cropped
-    code = ("import sys; sys.modules['torch'] = None; from extsrc.bench.runner import main; "
+    code = ("import sys; sys.modules['torch'] = None; from benchmarks.runner import main; "
             f"sys.exit(main(['--images', '--quick', *{TINY!r}, '--images-dir', {str(tmp_path)!r}, "
             "'--image-decode', 'full']))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)

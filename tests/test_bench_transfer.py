@@ -24,7 +24,7 @@ def test_h2d_without_a_gpu_is_refused_with_the_reason():
 
 
 def test_the_h2d_table_gives_the_reference_over_each_loader():
-    from extsrc.bench.transfer import LOADERS, table
+    from benchmarks.transfer import LOADERS, table
 
     runs = {loader.key: [{"gb_per_s": 10.0 * (i + 1), "loader_cpu": 1.0}] for i, loader in enumerate(LOADERS)}
     runs[LOADERS[0].key].append({"gb_per_s": 14.0, "loader_cpu": 1.0})  # median of 10 and 14: 12

@@ -1,6 +1,6 @@
 """Callbacks that wait on storage: concurrency=N, async def and threads, against a real HTTP server.
 
-The server (extsrc.bench.object_server) runs in its own process on loopback,
+The server (benchmarks.object_server) runs in its own process on loopback,
 with a time to first byte, so that samples of one worker really are in
 flight together and come back out of order.
 """
@@ -18,8 +18,8 @@ pytest.importorskip("aiohttp")
 
 import extsrc  # noqa: E402
 from extsrc import Order, ParallelSource  # noqa: E402
-from extsrc.bench.object_server import ObjectServer, object_bytes  # noqa: E402
-from extsrc.bench.remote_clients import AsyncHttpObjects, BlockingHttpObjects  # noqa: E402
+from benchmarks.object_server import ObjectServer, object_bytes  # noqa: E402
+from benchmarks.remote_clients import AsyncHttpObjects, BlockingHttpObjects  # noqa: E402
 from faultkit import run_fault  # noqa: E402
 
 SIZE = 3000
@@ -184,8 +184,8 @@ HANG = '''
 import aiohttp  # imported before the fork: the first batch does not wait for the import
 import numpy as np
 import extsrc
-from extsrc.bench.object_server import ObjectServer
-from extsrc.bench.remote_clients import {client}
+from benchmarks.object_server import ObjectServer
+from benchmarks.remote_clients import {client}
 
 class HangAt({client}):
     def _target(self, info):

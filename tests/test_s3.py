@@ -13,7 +13,7 @@ pytest.importorskip("aiobotocore")
 pytest.importorskip("moto")
 
 from extsrc import Order, ParallelSource  # noqa: E402
-from extsrc.bench.s3_server import CREDENTIALS, S3Server  # noqa: E402
+from benchmarks.s3_server import CREDENTIALS, S3Server  # noqa: E402
 
 BUCKET, RECORDS, BATCH = "shards", 40, 8
 

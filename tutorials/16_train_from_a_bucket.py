@@ -23,6 +23,7 @@ Run: ``python tutorials/16_train_from_a_bucket.py [OUT_DIR] [--gpu]``
 """
 
 import os
+import sys
 from importlib.resources import files
 
 import numpy as np
@@ -112,7 +113,9 @@ def train_step(weights: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
 
 
 def main(argv=None):
-    from extsrc.bench.s3_server import CREDENTIALS, S3Server
+    # The S3 server on loopback is the benchmarks' (benchmarks/ of the checkout, beside tutorials/).
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.s3_server import CREDENTIALS, S3Server
 
     args = tutorial_io.parse_args(__doc__, argv)
     device, device_id = tutorial_io.decoder_device(args)

@@ -12,7 +12,7 @@ import sys
 
 COMMANDS = {
     "demo": ("extsrc.cli.demo", "decode the bundled image set through a DALI pipeline fed by extsrc"),
-    "bench": ("extsrc.bench.runner", "measure extsrc side by side with its peers and print ratios"),
+    "bench": ("extsrc.cli.bench", "measure extsrc side by side with its peers and print ratios"),
     "doctor": ("extsrc.cli.doctor", "check shared memory, start methods, CUDA, DALI and CuPy"),
 }
 

@@ -8,8 +8,8 @@ import pytest
 pytest.importorskip("aiohttp")
 
 from extsrc import fn, pipeline_def  # noqa: E402
-from extsrc.bench.object_server import ObjectServer, object_bytes  # noqa: E402
-from extsrc.bench.remote_clients import AsyncHttpObjects, BlockingHttpObjects  # noqa: E402
+from benchmarks.object_server import ObjectServer, object_bytes  # noqa: E402
+from benchmarks.remote_clients import AsyncHttpObjects, BlockingHttpObjects  # noqa: E402
 from dali_support import run_epoch  # noqa: E402
 
 CPU = dict(num_threads=1, device_id=None)

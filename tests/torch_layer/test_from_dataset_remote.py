@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("aiohttp")
 
-from extsrc.bench.object_server import ObjectServer, object_bytes  # noqa: E402
-from extsrc.bench.remote_clients import AsyncHttpObjects, BlockingHttpObjects  # noqa: E402
+from benchmarks.object_server import ObjectServer, object_bytes  # noqa: E402
+from benchmarks.remote_clients import AsyncHttpObjects, BlockingHttpObjects  # noqa: E402
 from extsrc.sample_info import SampleInfo  # noqa: E402
 from extsrc.torch import from_dataset  # noqa: E402
 

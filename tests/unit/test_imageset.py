@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from extsrc.bench import augment, imageset
+from benchmarks import augment, imageset
 
 PIL = pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402

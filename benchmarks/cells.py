@@ -1,6 +1,6 @@
 """A cell: one loader on one workload, in a fresh interpreter; its figures as one JSON line.
 
-Throughput cells run as ``job.py`` scripts that call :func:`cell_main`;
+Throughput cells run as ``job.py`` scripts that call :func:`benchmarks.cell_job.cell_main`;
 startup cells are a user's job written out as a script (:func:`startup_script`),
 because with spawn each worker imports the main script again, which
 ``python -c`` would skip.
@@ -13,28 +13,36 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List
 
-from extsrc.bench.loaders import DALI, DALI_THREADS, EXTSRC_DALI, WORKERS, expected_indices, open_loader
-from extsrc.bench.measure import measure
-from extsrc.bench.workloads import ALL_WORKLOADS
+from benchmarks.loaders import (
+    DALI, DALI_THREADS, EXTSRC_DALI, STARTUP_WORKERS, WORKERS, Opened, expected_indices, open_loader,
+)
+from benchmarks.measure import measure
+from benchmarks.ray_bench import RAY_LOADERS, open_ray_loader
+from benchmarks.workloads import ALL_WORKLOADS
 
 RESULT_MARK = "EXTSRC-BENCH-RESULT "
-STARTUP_WORKERS = 4
 MB = 1e6  # MB/s figures are in 10^6 bytes per second
 
 _CELL_CODE = """\
 import sys
-from extsrc.bench.cells import cell_main
+from benchmarks.cell_job import cell_main
 
 if __name__ == "__main__":
     sys.exit(cell_main(sys.argv[1:]))
 """
 
-def _throughput_cell(loader: str, workload: str, seconds: float, warmup_s: float,
-                     consumed: bool = False) -> Dict[str, Any]:
+def _open(loader: str, workload: str, consumed: bool = False) -> Opened:
+    if loader in RAY_LOADERS:
+        return open_ray_loader(loader, workload, WORKERS)
+    return open_loader(loader, workload, WORKERS, "fork", consumed)
+
+def throughput_cell(loader: str, workload: str, seconds: float, warmup_s: float,
+                    consumed: bool = False) -> Dict[str, Any]:
+    """Figures of ``loader`` on ``workload``: batches taken for ``seconds`` after ``warmup_s``."""
     w = ALL_WORKLOADS[workload]
-    take, indices, close = open_loader(loader, workload, WORKERS, "fork", consumed)
+    take, indices, close = _open(loader, workload, consumed)
     try:
         batches, elapsed, cpu, total, last = measure(take, seconds, warmup_s)
         extra = take.figures() if hasattr(take, "figures") else {}  # a loader's own figures
@@ -63,10 +71,10 @@ def _throughput_cell(loader: str, workload: str, seconds: float, warmup_s: float
 _STARTUP_SCRIPT = """\
 import json, time
 from {module} import fn, pipeline_def
-from extsrc.bench.cells import RESULT_MARK
-from extsrc.bench.loaders import _indices_dali
-from extsrc.bench.measure import CpuMeter
-from extsrc.bench.workloads import ALL_WORKLOADS, CALLBACKS
+from benchmarks.cells import RESULT_MARK
+from benchmarks.loaders import dali_indices
+from benchmarks.measure import CpuMeter
+from benchmarks.workloads import ALL_WORKLOADS, CALLBACKS
 
 @pipeline_def(batch_size=ALL_WORKLOADS[{workload!r}].batch_size, num_threads={threads}, device_id=None,
               py_num_workers={workers}, py_start_method="spawn")
@@ -82,7 +90,7 @@ if __name__ == "__main__":
     (output,) = pipe.run()
     first = time.perf_counter()
     cpu = meter.stop()
-    if _indices_dali(output) != list(range(ALL_WORKLOADS[{workload!r}].batch_size)):
+    if dali_indices(output) != list(range(ALL_WORKLOADS[{workload!r}].batch_size)):
         raise RuntimeError("the first batch does not hold samples 0, 1, ...")
     print(RESULT_MARK + json.dumps({{"startup_s": first - built, "create_to_first_s": first - defined, **cpu}}),
           flush=True)
@@ -96,9 +104,9 @@ def startup_script(loader: str, workload: str) -> str:
     return _STARTUP_SCRIPT.format(module=module, workload=workload, threads=DALI_THREADS,
                                   workers=STARTUP_WORKERS)
 
-def _memory_cell(loader: str, workload: str, seconds: float, warmup_s: float) -> Dict[str, Any]:
+def memory_cell(loader: str, workload: str, seconds: float, warmup_s: float) -> Dict[str, Any]:
     """Resident memory of an extsrc loader's workers after a run (VmRSS, bytes, mean of workers)."""
-    take, _indices, close = open_loader(loader, workload, WORKERS, "fork")
+    take, _indices, close = _open(loader, workload)
     try:
         measure(take, seconds, warmup_s)
         rss = [_resident_bytes(pid) for pid in take.source.worker_pids()]  # type: ignore[attr-defined]
@@ -110,36 +118,17 @@ def _resident_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
-def cell_main(argv: Sequence[str]) -> int:
-    """Entry point of a cell subprocess: runs one cell, prints its figures as one JSON line."""
-    spec = json.loads(argv[0])
-    if spec.get("kind") == "images":
-        from extsrc.bench.image_loaders import image_cell
+def _import_roots() -> List[str]:
+    """The folders that hold ``benchmarks`` and ``extsrc``: a cell's interpreter imports both."""
+    import extsrc
 
-        result = image_cell({k: v for k, v in spec.items() if k != "kind"})
-    elif spec.get("kind") == "h2d":
-        from extsrc.bench.transfer import transfer_cell
-
-        result = transfer_cell({k: v for k, v in spec.items() if k != "kind"})
-    elif spec.get("kind") == "remote":
-        from extsrc.bench.remote import remote_cell
-
-        result = remote_cell(spec)
-    elif spec.get("kind") == "memory":
-        result = _memory_cell(spec["loader"], spec["workload"], spec["seconds"], spec["warmup_s"])
-    else:
-        result = _throughput_cell(spec["loader"], spec["workload"], spec["seconds"], spec["warmup_s"],
-                                  spec.get("consumed", False))
-    print(RESULT_MARK + json.dumps(result), flush=True)
-    return 0
-
-def _package_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    packages = (os.path.abspath(__file__), os.path.abspath(extsrc.__file__))
+    return list(dict.fromkeys(os.path.dirname(os.path.dirname(p)) for p in packages))
 
 def run_cell(spec: Dict[str, Any], timeout: float) -> Dict[str, Any]:
     """Runs one cell in a fresh interpreter; its figures, or ``{"error": text}``."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (*_import_roots(), env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory(prefix="extsrc-bench-") as folder:
         script = os.path.join(folder, "job.py")
         with open(script, "w") as f:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Tuple
 
-from extsrc.bench.measure import Take
-from extsrc.bench.workloads import ALL_WORKLOADS
+from benchmarks.measure import Take
+from benchmarks.workloads import ALL_WORKLOADS
 
 WORKERS = 2
 DALI_THREADS = 1  # num_threads of the DALI pipelines (DALI requires a value)
+STARTUP_WORKERS = 4  # workers of the startup cells (build() to the first batch, spawn)
 
 # Loader names used by the cells.
 EXTSRC, TORCH, DALI, EXTSRC_DALI = "extsrc", "torch", "dali", "extsrc-dali"
@@ -47,7 +48,7 @@ def expected_indices(loader: str, batch: int, batch_size: int) -> List[int]:
 
 def _open_extsrc(workload: str, workers: int, start_method: str, loader: str = EXTSRC) -> Opened:
     import extsrc
-    from extsrc.bench.workloads import CALLBACKS, IN_PLACE_CALLBACKS, RECORD_CALLBACKS, sample_index
+    from benchmarks.workloads import CALLBACKS, IN_PLACE_CALLBACKS, RECORD_CALLBACKS, sample_index
 
     order = bench_order(loader)
     callback = CALLBACKS[workload] if order is None else RECORD_CALLBACKS[workload]
@@ -66,7 +67,7 @@ def _open_extsrc(workload: str, workers: int, start_method: str, loader: str = E
     take.source = source  # type: ignore[attr-defined]  # for cells that look at the workers
     return take, lambda batch: [sample_index(sample) for sample in batch], source.close
 
-def _bench_dataset(workload: str):
+def bench_dataset(workload: str):
     """What a user writes: a map-style dataset returning one NumPy sample (made here, as it
     needs torch)."""
     from torch.utils.data import Dataset
@@ -119,14 +120,14 @@ def _loader_arguments(loader: str, workload: str) -> Tuple[Any, dict]:
     if loader in (TORCH_ITERABLE, EXTSRC_FROM_DATASET_ITERABLE):
         return _bench_iterable(workload), {}
     if loader in (TORCH_COLLATE, EXTSRC_FROM_DATASET_COLLATE):
-        return _bench_dataset(workload), {"collate_fn": stack_collate}
-    return _bench_dataset(workload), {}
+        return bench_dataset(workload), {"collate_fn": stack_collate}
+    return bench_dataset(workload), {}
 
 
 def _open_torch(workload: str, workers: int, start_method: str, name: str = TORCH):
     from torch.utils.data import DataLoader
 
-    from extsrc.bench.workloads import sample_index
+    from benchmarks.workloads import sample_index
 
     dataset, extra = _loader_arguments(name, workload)
     loader = DataLoader(dataset, batch_size=ALL_WORKLOADS[workload].batch_size,
@@ -147,7 +148,7 @@ def _open_torch(workload: str, workers: int, start_method: str, name: str = TORC
 def _open_from_dataset(workload: str, workers: int, start_method: str,
                        name: str = EXTSRC_FROM_DATASET):
     """The DataLoader cell's dataset and arguments, through extsrc.torch.from_dataset."""
-    from extsrc.bench.workloads import sample_index
+    from benchmarks.workloads import sample_index
     from extsrc.torch import from_dataset
 
     dataset, extra = _loader_arguments(name, workload)
@@ -169,7 +170,7 @@ def _dali_pipeline(workload: str, workers: int, start_method: str, dropin: bool,
         from extsrc import fn, pipeline_def
     else:
         from nvidia.dali import fn, pipeline_def
-    from extsrc.bench.workloads import CALLBACKS, IN_PLACE_CALLBACKS
+    from benchmarks.workloads import CALLBACKS, IN_PLACE_CALLBACKS
 
     # The drop-in writes in place where the workload says so (an extsrc option); DALI cannot.
     in_place = dropin and workload in IN_PLACE_CALLBACKS
@@ -184,10 +185,11 @@ def _dali_pipeline(workload: str, workers: int, start_method: str, dropin: bool,
 
     return pipeline
 
-def _indices_dali(output) -> List[int]:
+def dali_indices(output) -> List[int]:
+    """The sample indices a DALI pipeline's output batch holds."""
     import numpy as np
 
-    from extsrc.bench.workloads import sample_index
+    from benchmarks.workloads import sample_index
 
     return [sample_index(np.asarray(output[k])) for k in range(len(output))]
 
@@ -204,7 +206,7 @@ def _open_dali(workload: str, workers: int, start_method: str, dropin: bool, con
     def close():
         state.clear()
 
-    return take, _indices_dali, close
+    return take, dali_indices, close
 
 def open_loader(loader: str, workload: str, workers: int, start_method: str,
                 consumed: bool = False) -> Opened:
@@ -215,10 +217,6 @@ def open_loader(loader: str, workload: str, workers: int, start_method: str,
         return _open_torch(workload, workers, start_method, loader)
     if loader in (EXTSRC_FROM_DATASET, EXTSRC_FROM_DATASET_COLLATE, EXTSRC_FROM_DATASET_ITERABLE):
         return _open_from_dataset(workload, workers, start_method, loader)
-    if loader.startswith("extsrc-ray"):
-        from extsrc.bench.ray_bench import open_ray_loader
-
-        return open_ray_loader(loader, workload, workers)
     if loader in (DALI, EXTSRC_DALI):
         return _open_dali(workload, workers, start_method, dropin=loader == EXTSRC_DALI, consumed=consumed)
     raise ValueError(f"unknown loader {loader!r}")

@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Dict
 
-from extsrc.bench.object_server import STOP_GRACE_S, stop_process
+from benchmarks.object_server import STOP_GRACE_S, stop_process
 
 # moto accepts any credentials; clients refuse to sign without some.
 CREDENTIALS: Dict[str, str] = {

@@ -13,7 +13,7 @@ REFERENCE_COLOUR, OTHER_COLOUR, MISSING_COLOUR = "#2b6cb0", "#a0aec0", "#e2e8f0"
 def image_chart(path: str, title: str, rows: List[Any], reference: str) -> None:
     """Draws the images/s of each loader (median, whiskers from the slowest to the fastest run).
 
-    ``rows`` are :class:`extsrc.bench.images.Figures`; the ``reference``
+    ``rows`` are :class:`benchmarks.images.Figures`; the ``reference``
     loader's bar is highlighted and each other bar is labelled with the
     reference's ratio to it and its target. The format follows the suffix of
     ``path``. Raises ``ImportError`` without matplotlib.

@@ -1,9 +1,9 @@
 """The loaders of the image workload, and the cell that measures one of them.
 
-Each loader reads the cached JPEGs (:mod:`extsrc.bench.imageset`) in file
+Each loader reads the cached JPEGs (:mod:`benchmarks.imageset`) in file
 order, cycling through the set, and applies the same augmentation: decode,
 random resized crop to 224, horizontal flip with probability 1/2, normalise
-(:mod:`extsrc.bench.augment`). A batch is ``(images, labels)``: images
+(:mod:`benchmarks.augment`). A batch is ``(images, labels)``: images
 ``(batch, 3, 224, 224)`` float32, labels int.
 
 * ``extsrc-dali`` / ``dali-external-source``: the same pipeline code with
@@ -33,8 +33,8 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 
-from extsrc.bench import augment
-from extsrc.bench.imageset import ImageSet, load
+from benchmarks import augment
+from benchmarks.imageset import ImageSet, load
 
 EXTSRC_DALI, DALI_SOURCE, DALI_READER, TORCH, EXTSRC = (
     "extsrc-dali", "dali-external-source", "dali-file-reader", "torch", "extsrc")
@@ -251,7 +251,7 @@ def open_image_loader(spec: ImageCellSpec, images: ImageSet) -> Opened:
 
 def image_cell(fields: Dict[str, Any]) -> Dict[str, Any]:
     """Runs one image cell (in its own process): images/s and CPU use, after checking the labels."""
-    from extsrc.bench.measure import measure
+    from benchmarks.measure import measure
 
     spec = ImageCellSpec(**fields)
     images = load(spec.folder)

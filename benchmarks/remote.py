@@ -1,6 +1,6 @@
 """``python -m extsrc bench --remote``: loading that waits on storage, from an HTTP object server.
 
-The object server (:mod:`extsrc.bench.object_server`) runs in its own
+The object server (:mod:`benchmarks.object_server`) runs in its own
 process on loopback, started by the bench for each row:
 
 * **latency**: 100 KiB objects, 20 ms to first byte, no bandwidth cap: a
@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from extsrc.bench.cells import MB, run_cell
-from extsrc.bench.packages import installed, version
+from benchmarks.cells import MB, run_cell
+from benchmarks.packages import installed, version
 
 KIB, MIB = 1 << 10, 1 << 20
 BATCH = 64
@@ -89,7 +89,7 @@ class _HttpDataset:
     """A map-style dataset whose ``__getitem__`` blocks on the object's request."""
 
     def __init__(self, url: str, size: int):
-        from extsrc.bench.remote_clients import BlockingHttpObjects
+        from benchmarks.remote_clients import BlockingHttpObjects
 
         self.get = BlockingHttpObjects(url, size=size)
 
@@ -106,7 +106,7 @@ def _open(loader: str, url: str, size: int) -> Tuple[Any, Any, Any]:
     """``(take, first sample of a batch as bytes, close)``."""
     import numpy as np
 
-    from extsrc.bench.remote_clients import AsyncHttpObjects, BlockingHttpObjects
+    from benchmarks.remote_clients import AsyncHttpObjects, BlockingHttpObjects
 
     if loader in (EXTSRC_ASYNC, EXTSRC_THREADS):
         import extsrc
@@ -153,9 +153,9 @@ def _ceiling(url: str, size: int, seconds: float, warmup_s: float) -> Dict[str, 
 
     import numpy as np
 
-    from extsrc.bench.measure import CpuMeter
-    from extsrc.bench.object_server import object_bytes
-    from extsrc.bench.remote_clients import AsyncHttpObjects
+    from benchmarks.measure import CpuMeter
+    from benchmarks.object_server import object_bytes
+    from benchmarks.remote_clients import AsyncHttpObjects
     from extsrc.sample_info import SampleInfo
 
     get = AsyncHttpObjects(url, size=size)
@@ -208,8 +208,8 @@ def remote_cell(spec: Dict[str, Any]) -> Dict[str, Any]:
     """One loader on one row, in this (fresh) process: its figures."""
     import numpy as np
 
-    from extsrc.bench.measure import measure
-    from extsrc.bench.object_server import object_bytes
+    from benchmarks.measure import measure
+    from benchmarks.object_server import object_bytes
 
     loader, url, size = spec["loader"], spec["url"], spec["size"]
     if loader == CEILING:
@@ -238,7 +238,7 @@ def remote_cell(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 def run(args: argparse.Namespace, seconds: float, warmup_s: float, repeat: int) -> int:
     """Runs the ``--remote`` tables; 0 when every cell ran, 1 when one failed, 2 when it cannot."""
-    from extsrc.bench.object_server import ObjectServer
+    from benchmarks.object_server import ObjectServer
 
     if not installed("aiohttp"):
         print("extsrc bench: --remote needs aiohttp (pip install 'extsrc[remote]')", file=sys.stderr)

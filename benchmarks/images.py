@@ -1,9 +1,9 @@
 """``python -m extsrc bench --images``: five loaders on one JPEG workload, in images/s.
 
 The workload is a training input pipeline: read a JPEG from disk, decode it,
-random resized crop to 224, flip, normalise (:mod:`extsrc.bench.augment`),
-over a cached set of synthetic photographs (:mod:`extsrc.bench.imageset`).
-The loaders (:mod:`extsrc.bench.image_loaders`), each with the same number of
+random resized crop to 224, flip, normalise (:mod:`benchmarks.augment`),
+over a cached set of synthetic photographs (:mod:`benchmarks.imageset`).
+The loaders (:mod:`benchmarks.image_loaders`), each with the same number of
 worker processes and decoding threads:
 
 1. extsrc's DALI drop-in: a parallel external source reading file bytes,
@@ -35,14 +35,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from extsrc.bench import imageset
-from extsrc.bench.augment import SIZE
-from extsrc.bench.cells import run_cell
-from extsrc.bench.packages import installed, version
-from extsrc.bench.image_loaders import (
+from benchmarks import imageset
+from benchmarks.augment import SIZE
+from benchmarks.cells import run_cell
+from benchmarks.packages import installed, version
+from benchmarks.image_loaders import (
     DALI_LOADERS, DALI_READER, DALI_SOURCE, DECODES, DEVICES, EXTSRC, EXTSRC_DALI, TORCH,
 )
-from extsrc.bench.tables import QUIET_OTHER_CPU
+from benchmarks.tables import QUIET_OTHER_CPU
 
 DEFAULT_WORKERS = 2
 DEFAULT_BATCH = 32
@@ -213,7 +213,7 @@ def _plan_columns(no_torch: bool) -> Tuple[List[Column], List[str], str]:
         if not usable:
             transforms = "numpy"
             notes.append(f"{why}: the DataLoader column runs the same operations in PIL and NumPy "
-                         "(extsrc.bench.augment); install the torchvision built for this torch to compare "
+                         "(benchmarks.augment); install the torchvision built for this torch to compare "
                          "with torchvision itself.")
     dali_note = None
     if not installed("nvidia.dali"):
@@ -386,7 +386,7 @@ def run(args: argparse.Namespace, seconds: float, warmup_s: float, repeat: int) 
     if bench.json_path:
         _write_json(bench, images, heading, rows, ratio, versions, (load_start, load_end), time.time() - started)
     if bench.plot:
-        from extsrc.bench.plot import image_chart
+        from benchmarks.plot import image_chart
 
         image_chart(bench.plot, heading, rows, REFERENCE)
         print(f"\nplot: {os.path.abspath(bench.plot)}")

@@ -27,10 +27,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from extsrc.bench.cells import run_cell
-from extsrc.bench.loaders import EXTSRC, WORKERS, expected_indices
-from extsrc.bench.packages import installed, version
-from extsrc.bench.workloads import LARGE
+from benchmarks.cells import run_cell
+from benchmarks.loaders import EXTSRC, WORKERS, expected_indices
+from benchmarks.packages import installed, version
+from benchmarks.workloads import LARGE
 
 GB = 1e9  # GB/s figures are in 10^9 bytes per second
 REFERENCE = "torchloader-pinned"
@@ -71,13 +71,13 @@ def _open(loader: TransferLoader):
     import torch
     from torch.utils.data import DataLoader
 
-    from extsrc.bench.loaders import _bench_dataset
+    from benchmarks.loaders import bench_dataset
 
     if loader.engine:
         import extsrc
         from extsrc.torch import TorchLoader
 
-        from extsrc.bench.workloads import CALLBACKS
+        from benchmarks.workloads import CALLBACKS
 
         source = extsrc.ParallelSource(CALLBACKS[LARGE.name], LARGE.batch_size, num_workers=WORKERS,
                                        start_method="fork")
@@ -90,7 +90,7 @@ def _open(loader: TransferLoader):
 
         batches = iter(torch_loader)
     else:
-        data_loader = DataLoader(_bench_dataset(LARGE.name), batch_size=LARGE.batch_size,
+        data_loader = DataLoader(bench_dataset(LARGE.name), batch_size=LARGE.batch_size,
                                  num_workers=WORKERS, persistent_workers=True,
                                  multiprocessing_context="fork", pin_memory=loader.pin_memory)
         batches = iter(data_loader)
@@ -122,8 +122,8 @@ def transfer_cell(spec: Dict[str, Any]) -> Dict[str, Any]:
     """One loader's figures (runs in a cell's fresh process)."""
     import torch
 
-    from extsrc.bench.measure import measure
-    from extsrc.bench.workloads import sample_index
+    from benchmarks.measure import measure
+    from benchmarks.workloads import sample_index
 
     loader = _BY_KEY[spec["loader"]]
     take, close = _open(loader)

@@ -3,7 +3,7 @@
 Two tables:
 
 * **One host.** ``ParallelSource(..., backend="ray")`` on a local Ray of
-  :data:`~extsrc.bench.loaders.WORKERS` CPUs (``ray.init(num_cpus=2)``, two
+  :data:`~benchmarks.loaders.WORKERS` CPUs (``ray.init(num_cpus=2)``, two
   actors) against the process backend (two fork workers), on the three
   workloads. The Ray backend pays, per task (one per batch here), a round
   trip through Ray (submitting the call, the actor's reply, the result in
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from extsrc.bench.loaders import EXTSRC, WORKERS, Opened
-from extsrc.bench.tables import Row, Table, Target, _label
-from extsrc.bench.workloads import WORKLOADS
+from benchmarks.loaders import EXTSRC, WORKERS, Opened
+from benchmarks.tables import Row, Table, Target, workload_label
+from benchmarks.workloads import WORKLOADS
 
 EXTSRC_RAY, EXTSRC_RAY_TWO_NODES = "extsrc-ray", "extsrc-ray-two-nodes"
 RAY_LOADERS = (EXTSRC_RAY, EXTSRC_RAY_TWO_NODES)
@@ -39,22 +39,22 @@ def ray_tables() -> List[Table]:
         "large": Target("mb_per_s", 0.25),  # one more copy of every byte, through the object store
         "cpu": Target("samples_per_s", 0.8),  # the callback's time dwarfs the per-batch cost
     }
-    local.rows = [Row(_label(w), w, EXTSRC_RAY, EXTSRC, targets[w]) for w in WORKLOADS]
+    local.rows = [Row(workload_label(w), w, EXTSRC_RAY, EXTSRC, targets[w]) for w in WORKLOADS]
     cluster = Table("ray-two-nodes", f"extsrc backend='ray' on a local two-node cluster ({NODE_CPUS} "
                     f"CPU and 1 actor per node) vs backend='processes' ({WORKERS} workers, fork)",
                     "ray, two nodes", "processes")
-    cluster.rows = [Row(f"{_label('cpu')}, share of samples per node", "cpu", EXTSRC_RAY_TWO_NODES,
+    cluster.rows = [Row(f"{workload_label('cpu')}, share of samples per node", "cpu", EXTSRC_RAY_TWO_NODES,
                         EXTSRC, Target("samples_per_s", 0.8))]
     return [local, cluster]
 
 
 def open_ray_loader(loader: str, workload: str, workers: int) -> Opened:
     """Opens a Ray loader (see the module docstring) on ``workload``; like
-    :func:`extsrc.bench.loaders.open_loader`, and ``take.figures()`` gives each node's share."""
+    :func:`benchmarks.loaders.open_loader`, and ``take.figures()`` gives each node's share."""
     import ray
 
     import extsrc
-    from extsrc.bench.workloads import CALLBACKS, sample_index
+    from benchmarks.workloads import CALLBACKS, sample_index
 
     cluster = None
     if loader == EXTSRC_RAY_TWO_NODES:

@@ -11,7 +11,7 @@ asks for another size. Object indices in ``missing`` answer 404; ``GET
 
 Run it in its own process with :class:`ObjectServer` (``with
 ObjectServer(...) as server: server.url``), or from the command line:
-``python -m extsrc.bench.object_server --port 0 --ttfb-ms 20`` prints
+``python -m benchmarks.object_server --port 0 --ttfb-ms 20`` prints
 ``listening on http://127.0.0.1:PORT`` once ready. Needs ``aiohttp``
 (``extsrc[remote]``); imported only in the server's process.
 """
@@ -134,7 +134,7 @@ class ObjectServer:
 
     def __init__(self, size: int = 100 << 10, ttfb_s: float = 0.0, bandwidth: float = 0.0,
                  missing: Sequence[int] = ()):
-        command = [sys.executable, "-m", "extsrc.bench.object_server", "--port", "0",
+        command = [sys.executable, "-m", "benchmarks.object_server", "--port", "0",
                    "--size", str(size), "--ttfb-ms", str(ttfb_s * 1e3),
                    "--bandwidth", str(bandwidth)]
         if missing:
@@ -194,7 +194,7 @@ class ObjectServer:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m extsrc.bench.object_server",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.object_server",
                                      description="An HTTP object server on 127.0.0.1.")
     parser.add_argument("--port", type=int, default=0, help="0: any free port")
     parser.add_argument("--size", type=int, default=100 << 10, help="object size in bytes")

@@ -1,6 +1,6 @@
 """Callbacks that read objects over HTTP, as a user's would: one async, one blocking.
 
-Both load ``{url}/objects/{record}`` (see :mod:`extsrc.bench.object_server`)
+Both load ``{url}/objects/{record}`` (see :mod:`benchmarks.object_server`)
 and return its bytes as a uint8 array; both end the epoch (``StopIteration``)
 at ``count`` samples when given, and raise ``FileNotFoundError`` naming the
 object for a 404 and ``ConnectionError`` naming the server when it cannot be

@@ -15,12 +15,12 @@ Comparisons (each cell of a table is one loader on one workload):
   spawn and 4 workers.
 * **images** (``--images``, instead of the above): JPEGs from disk through
   decoding and augmentation, five loaders in images/s; see
-  :mod:`extsrc.bench.images`.
+  :mod:`benchmarks.images`.
 * **to the GPU** (``--h2d``, instead of the above): batches copied to a GPU in
   GB/s, ``TorchLoader`` page-locked against ``DataLoader(pin_memory=True)``
-  and pageable memory; see :mod:`extsrc.bench.transfer`.
+  and pageable memory; see :mod:`benchmarks.transfer`.
 
-The workloads are in :mod:`extsrc.bench.workloads`. Every cell runs in a fresh
+The workloads are in :mod:`benchmarks.workloads`. Every cell runs in a fresh
 subprocess (so one loader's workers never share a process with another's),
 the loaders of a row alternate, and the table gives the median of
 ``--repeat`` interleaved runs. Nothing heavy is imported here: PyTorch and
@@ -39,18 +39,19 @@ import textwrap
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from extsrc.bench import images, transfer
-from extsrc.bench.cells import STARTUP_WORKERS, run_cell
-from extsrc.bench.packages import installed, version
-from extsrc.bench.loaders import WORKERS
-from extsrc.bench.tables import (
-    QUIET_OTHER_CPU, Row, Table, _compare, _figure, dali_table, features_table, format_table,
+from benchmarks import images, transfer
+from benchmarks.cells import run_cell
+from benchmarks.packages import installed, version
+from benchmarks.loaders import STARTUP_WORKERS, WORKERS
+from benchmarks.ray_bench import ray_tables
+from benchmarks.tables import (
+    QUIET_OTHER_CPU, Row, Table, compare, dali_table, features_table, figure, format_table,
     from_dataset_table, targets_text, torch_table,
 )
-from extsrc.bench.workloads import WORKLOADS
+from benchmarks.workloads import WORKLOADS
 
 def _remote_targets() -> str:
-    from extsrc.bench.remote import TARGETS_TEXT
+    from benchmarks.remote import TARGETS_TEXT
 
     return TARGETS_TEXT
 
@@ -60,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m extsrc bench",
         description=textwrap.fill(
             "Measure extsrc side by side with its peers on the same callbacks (in "
-            "extsrc.bench.workloads): small (1 KiB uint8 samples, batch 256), large (4 MiB, "
+            "benchmarks.workloads): small (1 KiB uint8 samples, batch 256), large (4 MiB, "
             "batch 16) and cpu (a 2 ms busy loop per sample, batch 32), 2 workers, fork. "
             "By default: extsrc.ParallelSource vs torch.utils.data.DataLoader (skipped, with "
             "a note, when PyTorch is not installed). Each cell runs in a fresh subprocess; "
@@ -71,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
             "(whether or not the targets were met), 1 when a cell failed.",
             79,
         ),
-        epilog=targets_text() + "\n" + images.targets_text() + "\n" + _remote_targets(),
+        epilog=targets_text([torch_table(), from_dataset_table(), dali_table(), features_table(),
+                             *ray_tables()]) + "\n" + images.targets_text() + "\n" + _remote_targets(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--dali", action="store_true",
@@ -136,7 +138,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.h2d:
         return transfer.run(args, seconds, warmup_s, repeat)
     if args.remote:
-        from extsrc.bench import remote
+        from benchmarks import remote
 
         return remote.run(args, seconds, warmup_s, repeat)
 
@@ -145,8 +147,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not installed("ray"):
             print("extsrc bench: --backend ray needs Ray (pip install 'extsrc[ray]')", file=sys.stderr)
             return 2
-        from extsrc.bench.ray_bench import ray_tables
-
         tables += ray_tables()
     elif not args.no_torch:
         table = torch_table()
@@ -200,7 +200,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             failures.append(f"{row.label}, {name}: {result['error']}")
             shown = "FAILED"
         else:
-            shown = _figure(row, [result]).rstrip(" *")
+            shown = figure(row, [result]).rstrip(" *")
             if result.get("other_cpu", 0.0) > QUIET_OTHER_CPU:
                 shown += f" (disturbed: other processes used {result['other_cpu']:.2f} cores)"
         print(f"  [{n}/{len(plan)}] {row.label} | {name}: {shown}", file=sys.stderr, flush=True)
@@ -224,7 +224,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(table.note)
         print(format_table(table, results))
     disturbed = any(
-        _compare(row, results.get((t.key, i, row.ours), []),
+        compare(row, results.get((t.key, i, row.ours), []),
                  results.get((t.key, i, row.peer), []))["disturbed"]
         for t in tables for i, row in enumerate(t.rows)
     )
@@ -263,7 +263,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "target": {"metric": row.target.metric, "value": row.target.value,
                                "text": row.target.describe()},
                     table.ours_name: ours, table.peer_name: peer,
-                    **_compare(row, ours, peer),
+                    **compare(row, ours, peer),
                 })
             report["tables"].append({"key": table.key, "title": table.title,
                                      "ours": table.ours_name, "peer": table.peer_name,

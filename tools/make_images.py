@@ -1,8 +1,9 @@
-"""Regenerates the bundled image set: ``python extsrc/data/make_images.py``.
+"""Regenerates the bundled image set: ``python tools/make_images.py`` (from a source checkout).
 
 Writes ``images/img_NNN.jpg`` (64 JPEGs, each side 48..160 px, a coloured
 pattern with one large digit drawn on it) and ``labels.txt`` (``file label``
-per line, the label being the digit) next to this file. The output depends only
+per line, the label being the digit) into ``extsrc/data/``, where the demo and
+the tutorials read them (``--out`` for another folder). The output depends only
 on the seed below (and on the JPEG encoder of the installed Pillow), so the set
 can be rebuilt instead of downloaded. Needs NumPy and Pillow.
 """
@@ -114,10 +115,14 @@ def generate(out_dir: str, count: int = COUNT, seed: int = SEED) -> List[Tuple[s
     return labels
 
 
+# The package's data folder, where the set is bundled: ../extsrc/data from this script.
+BUNDLED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "extsrc", "data")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)),
-                        help="folder for images/ and labels.txt (default: next to this script)")
+    parser.add_argument("--out", default=BUNDLED,
+                        help="folder for images/ and labels.txt (default: extsrc/data of this checkout)")
     args = parser.parse_args()
     labels = generate(args.out)
     total = sum(os.path.getsize(os.path.join(args.out, "images", n)) for n, _ in labels)

@@ -11,13 +11,12 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from extsrc.bench.cells import STARTUP_WORKERS
-from extsrc.bench.loaders import (
+from benchmarks.loaders import (
     DALI, DALI_THREADS, EXTSRC, EXTSRC_DALI, EXTSRC_FROM_DATASET, EXTSRC_FROM_DATASET_COLLATE,
     EXTSRC_FROM_DATASET_ITERABLE, EXTSRC_IDENTITY, EXTSRC_NO_STATS, EXTSRC_SHUFFLED, ORDER_RECORDS,
-    TORCH, TORCH_COLLATE, TORCH_ITERABLE, WORKERS,
+    STARTUP_WORKERS, TORCH, TORCH_COLLATE, TORCH_ITERABLE, WORKERS,
 )
-from extsrc.bench.workloads import ALL_WORKLOADS, WORKLOADS
+from benchmarks.workloads import ALL_WORKLOADS, WORKLOADS
 
 QUIET_OTHER_CPU = 0.25  # cores other processes may use during a run that counts as undisturbed
 
@@ -67,7 +66,8 @@ class Table:
     rows: List[Row] = field(default_factory=list)
     note: Optional[str] = None  # why the peer column is missing, if it is
 
-def _label(name: str) -> str:
+def workload_label(name: str) -> str:
+    """The first cell of a workload's row, e.g. ``small: 1 KiB uint8, batch 256``."""
     w = ALL_WORKLOADS[name]
     if w.spin_s:
         return f"{name}: {w.spin_s * 1e3:g} ms busy loop, batch {w.batch_size}"
@@ -87,7 +87,7 @@ def torch_table() -> Table:
         "large": Target("mb_per_s", 4.0),
         "cpu": Target("ideal_fraction", 0.95),
     }
-    table.rows = [Row(_label(w), w, EXTSRC, TORCH, targets[w]) for w in WORKLOADS]
+    table.rows = [Row(workload_label(w), w, EXTSRC, TORCH, targets[w]) for w in WORKLOADS]
     table.rows.append(Row(f"{_FILL}, batch 16", "large-fill", EXTSRC, TORCH, Target("mb_per_s", 3.0),
                           faults=True))
     return table
@@ -101,12 +101,12 @@ def from_dataset_table() -> Table:
         "large": Target("mb_per_s", 3.0),
         "cpu": Target("ideal_fraction", 0.95),
     }
-    table.rows = [Row(_label(w), w, EXTSRC_FROM_DATASET, TORCH, targets[w]) for w in WORKLOADS]
+    table.rows = [Row(workload_label(w), w, EXTSRC_FROM_DATASET, TORCH, targets[w]) for w in WORKLOADS]
     # A user's collate_fn (run in the worker, its tensor carried in shared memory), and a stream.
     unit = {"small": "samples_per_s", "large": "mb_per_s"}
-    table.rows += [Row(f"{_label(w)}, collate_fn=stack", w, EXTSRC_FROM_DATASET_COLLATE, TORCH_COLLATE,
+    table.rows += [Row(f"{workload_label(w)}, collate_fn=stack", w, EXTSRC_FROM_DATASET_COLLATE, TORCH_COLLATE,
                        Target(unit[w], 1.5)) for w in ("small", "large")]
-    table.rows += [Row(f"{_label(w)}, IterableDataset", w, EXTSRC_FROM_DATASET_ITERABLE, TORCH_ITERABLE,
+    table.rows += [Row(f"{workload_label(w)}, IterableDataset", w, EXTSRC_FROM_DATASET_ITERABLE, TORCH_ITERABLE,
                        Target(unit[w], 1.5)) for w in ("small", "large")]
     return table
 
@@ -120,10 +120,10 @@ def dali_table() -> Table:
         "large": Target("mb_per_s", 2.0),
         "cpu": Target("samples_per_s", 1.0),
     }
-    table.rows = [Row(_label(w), w, EXTSRC_DALI, DALI, targets[w]) for w in WORKLOADS]
+    table.rows = [Row(workload_label(w), w, EXTSRC_DALI, DALI, targets[w]) for w in WORKLOADS]
     # Returning the source output makes DALI copy every batch into its output buffers; a
     # real pipeline feeds the source to an operator (a decoder), which this row stands for.
-    table.rows.append(Row(f"{_label('large')}, output sliced to 8 bytes (no output copy)", "large",
+    table.rows.append(Row(f"{workload_label('large')}, output sliced to 8 bytes (no output copy)", "large",
                           EXTSRC_DALI, DALI, Target("mb_per_s", 2.0), consumed=True))
     table.rows.append(Row(f"{_FRESH}, batch 16, output sliced", "large-fresh", EXTSRC_DALI, DALI,
                           Target("samples_per_s", 1.3), consumed=True, faults=True,
@@ -138,9 +138,9 @@ def features_table() -> Table:
     """What extsrc's own features cost: statistics, a shuffled order, and the order's memory."""
     table = Table("features", f"cost of extsrc features ({WORKERS} workers, fork)", "with", "without")
     table.rows = [
-        Row(f"{_label('small')}: statistics on vs off", "small", EXTSRC, EXTSRC_NO_STATS,
+        Row(f"{workload_label('small')}: statistics on vs off", "small", EXTSRC, EXTSRC_NO_STATS,
             Target("samples_per_s", 0.98)),
-        Row(f"{_label('small')}: shuffled order of {ORDER_RECORDS:.0e} records vs identity order",
+        Row(f"{workload_label('small')}: shuffled order of {ORDER_RECORDS:.0e} records vs identity order",
             "small", EXTSRC_SHUFFLED, EXTSRC_IDENTITY, Target("samples_per_s", 0.95)),
         Row(f"worker memory (VmRSS): shuffled order of {ORDER_RECORDS:.0e} records vs identity order",
             "small", EXTSRC_SHUFFLED, EXTSRC_IDENTITY, Target("extra_bytes", 1 << 20), kind="memory"),
@@ -163,7 +163,7 @@ def _usable(runs: List[Dict[str, Any]]) -> Tuple[List[Dict[str, Any]], bool]:
     quiet = [run for run in ok if run.get("other_cpu", 0.0) <= QUIET_OTHER_CPU]
     return (quiet, False) if quiet else (ok, bool(ok))
 
-def _figure(row: Row, runs: List[Dict[str, Any]]) -> str:
+def figure(row: Row, runs: List[Dict[str, Any]]) -> str:
     """One loader's cell of the printed table (``*``: every run was disturbed)."""
     if not runs:
         return "n/a"
@@ -189,7 +189,7 @@ def _figure(row: Row, runs: List[Dict[str, Any]]) -> str:
         return f"{_median(runs, 'mb_per_s'):,.0f} MB/s ({rate:,.0f} samples/s{faults}){mark}"
     return f"{rate / 1e3:,.1f}k samples/s{mark}"
 
-def _compare(row: Row, ours: List[Dict[str, Any]], peer: List[Dict[str, Any]]) -> Dict[str, Any]:
+def compare(row: Row, ours: List[Dict[str, Any]], peer: List[Dict[str, Any]]) -> Dict[str, Any]:
     """The ratio of a row and whether its target is met (None where it cannot be told)."""
     ours_ok, ours_disturbed = _usable(ours)
     peer_ok, peer_disturbed = _usable(peer)
@@ -224,7 +224,7 @@ def format_table(table: Table, results: Dict[Tuple[str, int, str], List[Dict[str
     for i, row in enumerate(table.rows):
         ours = results.get((table.key, i, row.ours), [])
         peer = results.get((table.key, i, row.peer), [])
-        verdict = _compare(row, ours, peer)
+        verdict = compare(row, ours, peer)
         ratio = "n/a" if verdict["ratio"] is None else f"{verdict['ratio']:.2f}x"
         target = row.target.describe() + (", faults <= peer's" if row.no_more_faults else "")
         if row.kind == "memory" and verdict["achieved"] is not None:
@@ -232,15 +232,14 @@ def format_table(table: Table, results: Dict[Tuple[str, int, str], List[Dict[str
         if row.target.metric == "ideal_fraction" and verdict["achieved"] is not None:
             target += f" (is {verdict['achieved']:.2f})"
         met = {True: "yes", False: "no", None: "n/a"}[verdict["met"]]
-        cells = (row.label, _figure(row, ours), _figure(row, peer), ratio, target, met)
+        cells = (row.label, figure(row, ours), figure(row, peer), ratio, target, met)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
-def targets_text() -> str:
+def targets_text(tables: List[Table]) -> str:
+    """The targets of ``tables``, for ``--help``."""
     lines = ["targets (printed next to the ratios):"]
-    from extsrc.bench.ray_bench import ray_tables
-
-    for table in (torch_table(), from_dataset_table(), dali_table(), features_table(), *ray_tables()):
+    for table in tables:
         lines.append(f"  {table.title}:")
         lines += [f"    {row.label}: {row.target.describe()}" for row in table.rows]
     return "\n".join(lines)

@@ -1,1 +1,0 @@
-"""``python -m extsrc bench``: benchmarks, apart from the library (imported only by the CLI)."""
