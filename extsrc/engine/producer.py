@@ -158,7 +158,7 @@ class Producer:
         pending = self.in_flight.pop(message.ticket, None)
         if pending is None:
             return False
-        if (isinstance(message, TaskDone) and message.count
+        if (isinstance(message, TaskDone) and message.samples
                 and self.options.num_outputs == AUTO_OUTPUTS):
             message = self._check_outputs(pending, message)
         pending.add(message)
@@ -170,7 +170,7 @@ class Producer:
                                      message.waited_ns, message.cpu_ns, message.runq_ns)
             if message.notes:
                 self.notes.extend(message.notes)
-            if message.count:
+            if message.samples:
                 self._learn(pending, message)
             if message.stopped and self.run is not None and pending is self.pending.get(pending.iteration):
                 self.end_at = pending.iteration if self.end_at is None else min(self.end_at, pending.iteration)
@@ -314,7 +314,7 @@ class Producer:
                 continue  # everything in place: the layout holds
             first = spilled[0]
             uniform = all(s.dtype == first.dtype and s.shape == first.shape for s in spilled)
-            if uniform and len(spilled) == message.count:
+            if uniform and len(spilled) == message.samples:
                 self.layout.learn(j, (first.dtype, tuple(first.shape)))
             else:
                 self.layout.learn(j, None)

@@ -68,7 +68,7 @@ class Stop(NamedTuple):
 
 
 class TaskDone(NamedTuple):
-    """The task produced ``count`` samples (``stopped``: the epoch ended right after them).
+    """The task produced ``samples`` samples (``stopped``: the epoch ended right after them).
 
     ``spilled[j]`` lists the samples of output ``j`` that went to overflow;
     every other sample is in place in its region. ``overflow_bytes`` is how
@@ -78,7 +78,7 @@ class TaskDone(NamedTuple):
     source_id: int
     ticket: int
     worker: int
-    count: int
+    samples: int  # not ``count``, which would hide tuple.count
     stopped: bool
     spilled: Tuple[Tuple[Spilled, ...], ...]
     overflow_bytes: int
