@@ -131,7 +131,7 @@ def _numpy_dtype(dtype: Any) -> Optional[np.dtype]:
     """The NumPy dtype for a DALI dtype, or None when the engine should not check it."""
     if dtype is None or not isinstance(dtype, _dali_types.DALIDataType):
         return None  # DALI itself rejects what is not a DALIDataType
-    if dtype == _dali_types.NO_TYPE:
+    if dtype == _dali_types.DALIDataType.NO_TYPE:
         return None
     try:
         return np.dtype(_dali_types.to_numpy_type(dtype))
@@ -354,7 +354,8 @@ def external_source(
                 "`last_batch`, `timeout`, `order`, `in_place`, `stats_every` and `concurrency` are extsrc options "
                 "for parallel external sources; set parallel=True to use them"
             )
-        return _dali_fn.external_source(
+        # DALI's stub of external_source has no blocking= (the function takes it).
+        return _dali_fn.external_source(  # type: ignore[call-overload, misc]
             source,
             num_outputs,
             cycle=cycle,
@@ -500,7 +501,7 @@ def external_source(
     )
     feeder = _Feeder(parallel_source, callable_source, mode, held, source, name)
     pipe._extsrc_feeders.append(feeder)
-    return _dali_fn.external_source(
+    return _dali_fn.external_source(  # type: ignore[call-overload, misc]  # blocking=, as above
         feeder,
         num_outputs,
         # DALI names only one-output sources (the name is for feed_input()); the extsrc source

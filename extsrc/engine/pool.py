@@ -152,7 +152,7 @@ class WorkerPool:
             return super().__new__(RayPool)
         return super().__new__(cls)
 
-    def __init__(self, num_workers: int = 1, start_method: str = UNSET, pickler: Any = None,
+    def __init__(self, num_workers: int = 1, start_method: Optional[str] = UNSET, pickler: Any = None,
                  backend: str = "processes", ray_options: Optional[Dict[str, Any]] = None):
         self.options = PoolOptions.create(num_workers, start_method, pickler, backend, ray_options)
         self.lock = threading.RLock()
@@ -414,11 +414,11 @@ class WorkerPool:
         removed = [t for t in self._queue if t.source_id == source_id]
         if removed:
             self._queue = deque(t for t in self._queue if t.source_id != source_id)
-        for worker, queue in self._pinned.items():
+        for index, queue in self._pinned.items():
             mine = [t for t in queue if t.source_id == source_id]
             if mine:
                 removed += mine
-                self._pinned[worker] = deque(t for t in queue if t.source_id != source_id)
+                self._pinned[index] = deque(t for t in queue if t.source_id != source_id)
         for worker in self._workers:
             kept: Deque[Tuple[Any, Optional[OwnedFds]]] = deque()
             for message, fds in worker.outbox:

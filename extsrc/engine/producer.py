@@ -83,7 +83,7 @@ class Producer:
     def num_outputs(self) -> Optional[int]:
         """Outputs per sample: as declared (``None``: one array), or, with
         ``num_outputs="auto"``, as learnt from the first results (0 until then)."""
-        if self.options.num_outputs == AUTO_OUTPUTS:
+        if isinstance(self.options.num_outputs, str):  # AUTO_OUTPUTS
             return self.layout.num_outputs
         return self.options.num_outputs
 

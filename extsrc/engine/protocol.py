@@ -15,7 +15,7 @@ after every task for it has reported back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple, Union
 
 from extsrc.shm.layout import Region, Spilled
 
@@ -133,7 +133,7 @@ class SourceSetup:
     callback: Any  # the callable/iterable (fork), or its pickled bytes (spawn, forkserver)
     pickled: bool
     batch_size: int
-    num_outputs: Optional[int]
+    num_outputs: Union[None, int, str]  # as in SourceOptions: None, a count, or AUTO_OUTPUTS
     batch_info: bool
     dtypes: Tuple[Optional[str], ...]
     ndims: Tuple[Optional[int], ...]

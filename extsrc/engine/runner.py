@@ -240,6 +240,7 @@ class SourceRunner:
         self.setup = setup
         self.worker = worker
         self.callback = callback
+        declared = None if isinstance(setup.num_outputs, str) else setup.num_outputs  # str: AUTO_OUTPUTS
         checker = SampleChecker(setup.num_outputs, setup.dtypes, setup.ndims)
         self.writer = TaskWriter(f"source {setup.name}", checker, setup.batch_size, setup.slots_kept)
         self.iterator: Any = None
@@ -250,11 +251,11 @@ class SourceRunner:
         self.retried_pass = False
         self.records = None if setup.order is None else RecordCache(setup.order)
         self.seed = 0 if setup.order is None else setup.order.seed
-        self.buffers = SampleBuffers(setup.num_outputs) if setup.in_place else None
+        self.buffers = SampleBuffers(declared) if setup.in_place else None
         self.clock = time.perf_counter_ns if setup.timed else _no_clock
         # Outputs per sample: declared, or (num_outputs="auto") those of this worker's first
         # sample; the consumer checks that every worker's agree.
-        self.num_outputs = None if setup.num_outputs == AUTO_OUTPUTS else setup.num_outputs
+        self.num_outputs = declared
         self.learns_outputs = setup.num_outputs == AUTO_OUTPUTS
         # Under an order that moves records, whether the callback reads idx_in_epoch but never
         # record: noted until it reads record or was warned about (then plain SampleInfo again).

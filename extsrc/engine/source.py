@@ -169,7 +169,7 @@ class ParallelSource:
         concurrency: int = 1,
         worker_init: Optional[Callable[[int, int], None]] = None,
     ):
-        given = {k: v for k, v in (("num_workers", num_workers), ("start_method", start_method),
+        given: Dict[str, Any] = {k: v for k, v in (("num_workers", num_workers), ("start_method", start_method),
                                    ("pickler", pickler), ("backend", backend),
                                    ("ray_options", ray_options)) if v is not UNSET}
         if pool is None:
@@ -485,7 +485,8 @@ class ParallelSource:
 
     def _maybe_report(self) -> None:
         now = time.monotonic()
-        if now - self._last_report >= self.options.stats_every:
+        every = self.options.stats_every
+        if every is not None and now - self._last_report >= every:
             self._last_report = now
             publish(self.stats())
 
