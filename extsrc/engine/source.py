@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import numpy as np
 
@@ -146,7 +146,7 @@ class ParallelSource:
         source: Any,
         batch_size: int,
         *,
-        num_outputs: Optional[int] = None,
+        num_outputs: Union[None, int, str] = None,  # a count, or AUTO_OUTPUTS
         batch: bool = False,
         batch_info: bool = False,
         num_workers: int = UNSET,

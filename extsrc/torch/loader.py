@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Type, TypeVar
 
 import torch
 
@@ -71,6 +71,9 @@ def _wait_quietly(in_flight: InFlight, handed: _Handed) -> None:
         pass  # at interpreter exit CUDA may be gone, and with it every copy
 
 
+_Loader = TypeVar("_Loader", bound="TorchLoader")  # a subclass, made by _owning
+
+
 class TorchLoader:
     """The batches of ``source`` (a :class:`~extsrc.ParallelSource`) as torch tensors.
 
@@ -120,8 +123,8 @@ class TorchLoader:
         self._setup(source, device, pin_memory, rebuild=None, owns_source=False)
 
     @classmethod
-    def _owning(cls, source: ParallelSource, *, device: Any, pin_memory: bool,
-                rebuild: Optional[Callable[[Any], Any]]) -> "TorchLoader":
+    def _owning(cls: Type[_Loader], source: ParallelSource, *, device: Any, pin_memory: bool,
+                rebuild: Optional[Callable[[Any], Any]]) -> _Loader:
         """A loader that closes ``source`` with itself and shapes each batch with ``rebuild``."""
         loader = cls.__new__(cls)
         try:
