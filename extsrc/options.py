@@ -10,12 +10,15 @@ expected (``num_workers=True`` is an error, not 1).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Optional, Tuple, Union
 
 import numpy as np
 
 from extsrc.checks import is_int, is_number
 from extsrc.order import Order
+
+if TYPE_CHECKING:
+    from extsrc.engine.pickling import Pickler  # for the annotation; create() imports it on use
 
 START_METHODS = ("fork", "spawn", "forkserver")
 LAST_BATCH_POLICIES = ("drop", "partial", "pad")
@@ -172,7 +175,7 @@ class PoolOptions:
 
     num_workers: int
     start_method: Optional[str]
-    pickler: Any  # an extsrc.engine.pickling.Pickler
+    pickler: Pickler
     backend: str = "processes"
     ray_options: Optional[dict] = None
 

@@ -443,6 +443,7 @@ class SourceRunner:
         """The error for a callback that raised ``StopIteration`` at ``position`` under an order:
         the order sets the epoch's length, so the two must not silently disagree."""
         order, batch_size = self.setup.order, self.setup.batch_size
+        assert order is not None, "called under an order only"
         length = len(order)
         batches = length // batch_size if self.setup.last_batch == "drop" else -(-length // batch_size)
         info = self._info(task, position)
@@ -467,7 +468,7 @@ class SourceRunner:
         shard's epoch are the end of it, or, with ``last_batch="pad"``, records
         from the start of the epoch's order again.
         """
-        if self.records is None:
+        if self.records is None or self.setup.order is None:  # both or neither
             return range(first, last), False
         length = len(self.setup.order)
         if last <= length:
