@@ -117,6 +117,9 @@ class TaskFailed(NamedTuple):
     in_callback: bool
 
 
+Result = Union[TaskDone, TaskFailed]  # a task's answer
+
+
 class SetupFailed(NamedTuple):
     """The worker could not load its sources (unpickling, ``__setstate__``)."""
 

@@ -18,13 +18,13 @@ import pickle
 import math
 import time
 import traceback
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from extsrc.engine.concurrent import AsyncEngine, Hung, ThreadEngine, is_async
-from extsrc.engine.pickling import dumps_exception
-from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
+from extsrc.engine.pickling import Pickler, dumps_exception
+from extsrc.engine.protocol import Result, SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.samples import SampleChecker, at
 from extsrc.errors import EpochLengthError, ExtsrcError, SampleError, SharedMemoryError, SourceTimeoutError
 from extsrc.options import AUTO_OUTPUTS
@@ -34,8 +34,6 @@ from extsrc.shm.writer import TaskWriter
 from extsrc.sample_info import BatchInfo, SampleInfo, noting_sample_info
 
 SAMPLE, BATCH_CALLABLE, BATCH_ITERABLE, BATCH_GENERATOR = "sample", "callable", "iterable", "generator"
-
-Result = Union[TaskDone, TaskFailed]
 
 
 def classify(source: Any, batch: bool) -> str:
@@ -216,10 +214,11 @@ class SampleBuffers:
                 f"{self.write.describe(self.position)}")
 
 
-def load_source(setup: SourceSetup, pickler: Any) -> Tuple[Any, Any]:
+def load_source(setup: SourceSetup, pickler: Optional[Pickler]) -> Tuple[Any, Any]:
     """The source's callback and ``worker_init`` in a worker (unpickled if they were pickled)."""
     if not setup.pickled:
         return setup.callback, setup.worker_init
+    assert pickler is not None, "a pickled source comes with its pickler"
     loaded = pickler.loads(setup.callback)
     if setup.worker_init is None:
         return loaded, None
