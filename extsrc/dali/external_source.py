@@ -36,6 +36,7 @@ from extsrc.batch import Batch
 from extsrc.engine.runner import ExhaustedIteratorError
 from extsrc.engine.source import ParallelSource
 from extsrc.options import LAST_BATCH_POLICIES, default_prefetch
+from extsrc.order import Order
 
 _CYCLE_OFF = "no"
 _CYCLE_RAISE = "raise"
@@ -289,7 +290,7 @@ def external_source(
     batch_info: Optional[bool] = None,
     last_batch: str = "drop",
     timeout: Optional[float] = None,
-    order: Any = None,
+    order: Optional[Order] = None,
     in_place: bool = False,
     stats_every: Optional[float] = None,
     concurrency: int = 1,

@@ -29,7 +29,7 @@ from extsrc.engine.source import ParallelSource
 from extsrc.errors import EmptyEpochError
 from extsrc.options import AUTO_OUTPUTS, START_METHODS
 from extsrc.order import Order, RecordCache
-from extsrc.torch.loader import TorchLoader
+from extsrc.torch.loader import Device, TorchLoader
 from extsrc.torch.structure import Collation, Flattener, pack_whole, unpack_whole
 
 _NUMERIC_KINDS = frozenset("biufc")
@@ -447,7 +447,7 @@ class IterableLoader(_DataLoaderAttributes):
 
 def _iterable_loader(dataset: Any, batch_size: Optional[int], drop_last: bool, collate_fn: Any,
                      default: bool, num_workers: int, start_method: str, pickler: Any,
-                     prefetch_factor: Optional[int], timeout: float, device: Any, pin_memory: bool,
+                     prefetch_factor: Optional[int], timeout: float, device: Device, pin_memory: bool,
                      worker_init: WorkerStart) -> IterableLoader:
     """The loader of an IterableDataset: a pool of ``num_workers``, one source pinned to each."""
     from extsrc.engine.pool import WorkerPool
@@ -499,7 +499,7 @@ def from_dataset(
     persistent_workers: bool = False,
     in_order: bool = True,
     pin_memory: bool = False,
-    device: Any = None,
+    device: Device = None,
     pickler: Any = None,
     concurrency: int = 1,
     **dataloader_kwargs: Any,
