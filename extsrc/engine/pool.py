@@ -153,8 +153,9 @@ class WorkerPool:
             return super().__new__(RayPool)
         return super().__new__(cls)
 
-    def __init__(self, num_workers: int = 1, start_method: Optional[str] = UNSET, pickler: Optional[Pickler] = None,
-                 backend: str = "processes", ray_options: Optional[Dict[str, Any]] = None):
+    def __init__(self, num_workers: int = 1, start_method: Optional[str] = UNSET,
+                 pickler: Optional[Pickler] = None, backend: str = "processes",
+                 ray_options: Optional[Dict[str, Any]] = None):
         self.options = PoolOptions.create(num_workers, start_method, pickler, backend, ray_options)
         self.lock = threading.RLock()
         self._waiters: List[Any] = []
