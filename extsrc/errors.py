@@ -20,6 +20,8 @@ class SampleError(ExtsrcError, ValueError):
     output index, what was expected and what came.
     """
 
+    position: int  # set by the engine: the sample's idx_in_batch (see extsrc.engine.samples.at)
+
 
 class CallbackError(ExtsrcError, RuntimeError):
     """The callback raised an exception that could not be pickled back to the consumer.

@@ -9,14 +9,16 @@ expected (``num_workers=True`` is an error, not 1).
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Optional, Tuple, Union
 
 import numpy as np
 
-from extsrc.checks import is_int
+from extsrc.checks import is_int, is_number
 from extsrc.order import Order
+
+if TYPE_CHECKING:
+    from extsrc.engine.pickling import Pickler  # for the annotation; create() imports it on use
 
 START_METHODS = ("fork", "spawn", "forkserver")
 LAST_BATCH_POLICIES = ("drop", "partial", "pad")
@@ -67,7 +69,7 @@ def positive_int(name: str, value: Any) -> int:
 
 
 def non_negative_number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
+    if not is_number(value) or not value >= 0:
         raise ValueError(f"{name} must be a number >= 0, got {value!r}")
     return value
 
@@ -173,7 +175,7 @@ class PoolOptions:
 
     num_workers: int
     start_method: Optional[str]
-    pickler: Any  # an extsrc.engine.pickling.Pickler
+    pickler: Pickler
     backend: str = "processes"
     ray_options: Optional[dict] = None
 
@@ -236,7 +238,7 @@ class SourceOptions:
     def outputs(self) -> int:
         """How many outputs a sample has (1 when ``num_outputs`` is None; 0 while not known,
         with ``num_outputs=AUTO_OUTPUTS``)."""
-        if self.num_outputs == AUTO_OUTPUTS:
+        if isinstance(self.num_outputs, str):  # AUTO_OUTPUTS
             return 0
         return 1 if self.num_outputs is None else self.num_outputs
 
@@ -284,7 +286,7 @@ class SourceOptions:
             if batch:
                 raise ValueError("order= gives each sample its record: it needs sample mode (batch=False)")
         if stats_every is not None and (
-            isinstance(stats_every, bool) or not isinstance(stats_every, numbers.Real) or not stats_every > 0
+            not is_number(stats_every) or not stats_every > 0
         ):
             raise ValueError(f"stats_every must be None or a positive number of seconds, got {stats_every!r}")
         if stats_every is not None and not stats:
@@ -308,7 +310,7 @@ class SourceOptions:
             raise ValueError(f"in_place=True hands the callback room for one sample at a time; it "
                              f"cannot be combined with concurrency={concurrency}")
         if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0
+            not is_number(timeout) or not timeout > 0
         ):
             raise ValueError(f"timeout must be None or a positive number of seconds, got {timeout!r}")
         outputs = 1 if num_outputs is None else 0 if num_outputs == AUTO_OUTPUTS else num_outputs

@@ -6,7 +6,7 @@ import collections
 import functools
 from typing import Any, List, NamedTuple, Optional, Tuple, Type
 
-_SampleInfoFields = collections.namedtuple(
+_SampleInfoFields = collections.namedtuple(  # type: ignore[name-match]  # pickles as SampleInfo
     "SampleInfo", ["idx_in_epoch", "idx_in_batch", "iteration", "epoch_idx", "record", "seed"]
 )
 
@@ -60,12 +60,12 @@ class _NotingSampleInfo(SampleInfo):
     _reads: List[bool]  # [idx_in_epoch read, record read], one list per class (see below)
 
     @property
-    def idx_in_epoch(self) -> int:  # type: ignore[override]
+    def idx_in_epoch(self) -> int:
         self._reads[0] = True
         return tuple.__getitem__(self, 0)
 
     @property
-    def record(self) -> int:  # type: ignore[override]
+    def record(self) -> int:
         self._reads[1] = True
         return tuple.__getitem__(self, 4)
 

@@ -132,9 +132,9 @@ def main(argv: List[str]) -> int:
     def demo_pipeline():
         jpegs, labels = fn.external_source(
             source=source, num_outputs=2, batch=False, parallel=True,
-            dtype=[types.UINT8, types.INT32], last_batch="partial",
+            dtype=[types.DALIDataType.UINT8, types.DALIDataType.INT32], last_batch="partial",
         )
-        images = fn.decoders.image(jpegs, device="mixed" if use_gpu else "cpu", output_type=types.RGB)
+        images = fn.decoders.image(jpegs, device="mixed" if use_gpu else "cpu", output_type=types.DALIImageType.RGB)
         images = fn.resize(images, resize_x=args.size, resize_y=args.size)
         return images, labels
 

@@ -36,6 +36,7 @@ from extsrc.batch import Batch
 from extsrc.engine.runner import ExhaustedIteratorError
 from extsrc.engine.source import ParallelSource
 from extsrc.options import LAST_BATCH_POLICIES, default_prefetch
+from extsrc.order import Order
 
 _CYCLE_OFF = "no"
 _CYCLE_RAISE = "raise"
@@ -131,7 +132,7 @@ def _numpy_dtype(dtype: Any) -> Optional[np.dtype]:
     """The NumPy dtype for a DALI dtype, or None when the engine should not check it."""
     if dtype is None or not isinstance(dtype, _dali_types.DALIDataType):
         return None  # DALI itself rejects what is not a DALIDataType
-    if dtype == _dali_types.NO_TYPE:
+    if dtype == _dali_types.DALIDataType.NO_TYPE:
         return None
     try:
         return np.dtype(_dali_types.to_numpy_type(dtype))
@@ -289,7 +290,7 @@ def external_source(
     batch_info: Optional[bool] = None,
     last_batch: str = "drop",
     timeout: Optional[float] = None,
-    order: Any = None,
+    order: Optional[Order] = None,
     in_place: bool = False,
     stats_every: Optional[float] = None,
     concurrency: int = 1,
@@ -354,7 +355,8 @@ def external_source(
                 "`last_batch`, `timeout`, `order`, `in_place`, `stats_every` and `concurrency` are extsrc options "
                 "for parallel external sources; set parallel=True to use them"
             )
-        return _dali_fn.external_source(
+        # DALI's stub of external_source has no blocking= (the function takes it).
+        return _dali_fn.external_source(  # type: ignore[call-overload, misc]
             source,
             num_outputs,
             cycle=cycle,
@@ -500,7 +502,7 @@ def external_source(
     )
     feeder = _Feeder(parallel_source, callable_source, mode, held, source, name)
     pipe._extsrc_feeders.append(feeder)
-    return _dali_fn.external_source(
+    return _dali_fn.external_source(  # type: ignore[call-overload, misc]  # blocking=, as above
         feeder,
         num_outputs,
         # DALI names only one-output sources (the name is for feed_input()); the extsrc source

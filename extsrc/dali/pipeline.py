@@ -50,7 +50,7 @@ class Pipeline(_dali_pipeline.Pipeline):
         self,
         *args: Any,
         py_num_workers: Optional[int] = 1,
-        py_start_method: str = UNSET,
+        py_start_method: Optional[str] = UNSET,
         py_callback_pickler: Any = None,
         py_backend: str = "processes",
         py_ray_options: Optional[dict] = None,
@@ -365,7 +365,7 @@ def pipeline_def(
                 raise
             return pipe
 
-        create_pipeline._is_pipeline_def = True
+        create_pipeline._is_pipeline_def = True  # type: ignore[attr-defined]  # how DALI marks one
         return create_pipeline
 
     return decorate(fn) if fn is not None else decorate

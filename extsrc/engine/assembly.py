@@ -93,9 +93,9 @@ class PendingBatch:
                 if failure is None or msg.position < failure.position:
                     failure = msg
             else:
-                produced += msg.count
+                produced += msg.samples
                 if msg.stopped:
-                    end = start + msg.count
+                    end = start + msg.samples
                     stop_at = end if stop_at is None else min(stop_at, end)
         if failure is not None and (stop_at is None or failure.position < stop_at):
             return Decision(0, True, rebuild_exception(failure, source_name))
@@ -138,7 +138,7 @@ class PendingBatch:
             samples: List[np.ndarray] = []
             for start, msg in done:
                 spilled = {s.position: s for s in msg.spilled[j]} if msg.spilled else {}
-                for position in range(start, min(start + msg.count, size)):
+                for position in range(start, min(start + msg.samples, size)):
                     placed = spilled.get(position)
                     if placed is None:
                         assert region is not None, "a sample in place without a region"

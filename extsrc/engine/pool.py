@@ -52,12 +52,12 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Any, Deque, Dict, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from extsrc.engine import workers as worker_processes
 from extsrc.engine.cuda_state import FORK_AFTER_CUDA, cuda_initialized
 from extsrc.engine.protocol import (
-    AddSlot, DropSlot, SetupFailed, SourceSetup, Task, TaskDone, TaskFailed, WorkerSetup,
+    AddSlot, DropSlot, Result, SetupFailed, SourceSetup, Task, TaskDone, TaskFailed, WorkerSetup,
 )
 from extsrc.engine.channel import OwnedFds
 from extsrc.engine.workers import WorkerHandle, Waker
@@ -68,14 +68,15 @@ from extsrc.shm.limits import (
 )
 from extsrc.options import UNSET, PoolOptions
 
+if TYPE_CHECKING:
+    from extsrc.engine.pickling import Pickler
+
 MAX_OUTSTANDING = 2  # tasks per worker: one running, one waiting, so a worker never idles
 # While the consumer holds batches, the I/O thread looks for ended leases at least this often
 # (a lease's end wakes no thread, see extsrc.shm.slots.Lease); any other event is sooner.
 RETURN_POLL_S = 0.05
 # close() waits this long for the I/O thread, which stops the workers with their graces.
 IO_THREAD_JOIN_S = 4 * worker_processes.STOP_GRACE_S + 2.0
-
-Result = Union[TaskDone, TaskFailed]
 
 
 class PoolState(enum.Enum):
@@ -96,7 +97,7 @@ class PoolClient(Protocol):
 
     name: str
 
-    def worker_source(self, pickler: Any) -> SourceSetup:
+    def worker_source(self, pickler: Optional[Pickler]) -> SourceSetup:
         """What each worker needs to run this source (pickles it for spawn/forkserver)."""
 
     def on_result(self, message: Result) -> bool:
@@ -152,8 +153,9 @@ class WorkerPool:
             return super().__new__(RayPool)
         return super().__new__(cls)
 
-    def __init__(self, num_workers: int = 1, start_method: str = UNSET, pickler: Any = None,
-                 backend: str = "processes", ray_options: Optional[Dict[str, Any]] = None):
+    def __init__(self, num_workers: int = 1, start_method: Optional[str] = UNSET,
+                 pickler: Optional[Pickler] = None, backend: str = "processes",
+                 ray_options: Optional[Dict[str, Any]] = None):
         self.options = PoolOptions.create(num_workers, start_method, pickler, backend, ray_options)
         self.lock = threading.RLock()
         self._waiters: List[Any] = []
@@ -188,7 +190,7 @@ class WorkerPool:
         return self.options.backend
 
     @property
-    def pickler(self) -> Any:
+    def pickler(self) -> Pickler:
         return self.options.pickler
 
     @property
@@ -414,11 +416,11 @@ class WorkerPool:
         removed = [t for t in self._queue if t.source_id == source_id]
         if removed:
             self._queue = deque(t for t in self._queue if t.source_id != source_id)
-        for worker, queue in self._pinned.items():
+        for index, queue in self._pinned.items():
             mine = [t for t in queue if t.source_id == source_id]
             if mine:
                 removed += mine
-                self._pinned[worker] = deque(t for t in queue if t.source_id != source_id)
+                self._pinned[index] = deque(t for t in queue if t.source_id != source_id)
         for worker in self._workers:
             kept: Deque[Tuple[Any, Optional[OwnedFds]]] = deque()
             for message, fds in worker.outbox:

@@ -22,10 +22,10 @@ import itertools
 import math
 import pickle
 import warnings
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from extsrc.engine.assembly import PendingBatch, rebuild_exception
-from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
+from extsrc.engine.protocol import Result, SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.runner import BATCH_GENERATOR, BATCH_ITERABLE, SAMPLE
 from extsrc.engine.stats import StatsCollector
 from extsrc.errors import OrderWarning, SampleError, SharedMemoryError, SourceTimeoutError
@@ -34,6 +34,10 @@ from extsrc.shm import limits
 from extsrc.shm.layout import LayoutPlan
 from extsrc.shm.segment import backend
 from extsrc.shm.slots import SlotPool, SlotState
+
+if TYPE_CHECKING:
+    from extsrc.engine.pickling import Pickler
+    from extsrc.engine.pool import WorkerPool
 
 
 class Run(NamedTuple):
@@ -47,8 +51,8 @@ class Run(NamedTuple):
 class Producer:
     """See the module docstring. Created by :class:`~extsrc.ParallelSource`."""
 
-    def __init__(self, source: Any, kind: str, options: SourceOptions, pool: Any,
-                 name: Optional[str], worker_init: Any = None):
+    def __init__(self, source: Any, kind: str, options: SourceOptions, pool: WorkerPool,
+                 name: Optional[str], worker_init: Optional[Callable[[int, int], None]] = None):
         self.source = source
         self.worker_init = worker_init
         self.kind = kind
@@ -83,7 +87,7 @@ class Producer:
     def num_outputs(self) -> Optional[int]:
         """Outputs per sample: as declared (``None``: one array), or, with
         ``num_outputs="auto"``, as learnt from the first results (0 until then)."""
-        if self.options.num_outputs == AUTO_OUTPUTS:
+        if isinstance(self.options.num_outputs, str):  # AUTO_OUTPUTS
             return self.layout.num_outputs
         return self.options.num_outputs
 
@@ -134,10 +138,11 @@ class Producer:
 
     # -- I/O thread, lock held (the PoolClient protocol) ---------------------------------------
 
-    def worker_source(self, pickler: Any) -> SourceSetup:
-        callback, worker_init = self.source, self.worker_init
+    def worker_source(self, pickler: Optional[Pickler]) -> SourceSetup:
+        callback = self.source
+        worker_init: Union[None, bool, Callable[[int, int], None]] = self.worker_init
         pickled = pickler is not None
-        if pickled:
+        if pickler is not None:
             if worker_init is None:
                 callback = pickler.dumps(self.source, what=f"source {self.name}")
             else:  # together, so that objects they share stay shared in the worker
@@ -154,11 +159,11 @@ class Producer:
             worker_init=worker_init, num_workers=self.pool.num_workers,
         )
 
-    def on_result(self, message: Any) -> bool:
+    def on_result(self, message: Result) -> bool:
         pending = self.in_flight.pop(message.ticket, None)
         if pending is None:
             return False
-        if (isinstance(message, TaskDone) and message.count
+        if (isinstance(message, TaskDone) and message.samples
                 and self.options.num_outputs == AUTO_OUTPUTS):
             message = self._check_outputs(pending, message)
         pending.add(message)
@@ -170,7 +175,7 @@ class Producer:
                                      message.waited_ns, message.cpu_ns, message.runq_ns)
             if message.notes:
                 self.notes.extend(message.notes)
-            if message.count:
+            if message.samples:
                 self._learn(pending, message)
             if message.stopped and self.run is not None and pending is self.pending.get(pending.iteration):
                 self.end_at = pending.iteration if self.end_at is None else min(self.end_at, pending.iteration)
@@ -314,7 +319,7 @@ class Producer:
                 continue  # everything in place: the layout holds
             first = spilled[0]
             uniform = all(s.dtype == first.dtype and s.shape == first.shape for s in spilled)
-            if uniform and len(spilled) == message.count:
+            if uniform and len(spilled) == message.samples:
                 self.layout.learn(j, (first.dtype, tuple(first.shape)))
             else:
                 self.layout.learn(j, None)

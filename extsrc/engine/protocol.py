@@ -15,9 +15,14 @@ after every task for it has reported back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Tuple, Union
 
 from extsrc.shm.layout import Region, Spilled
+
+if TYPE_CHECKING:
+    from extsrc.engine.pickling import Pickler
+    from extsrc.order import Order
+    from extsrc.sample_info import BatchInfo, SampleInfo
 
 
 # -- pool -> worker ---------------------------------------------------------------------------
@@ -68,7 +73,7 @@ class Stop(NamedTuple):
 
 
 class TaskDone(NamedTuple):
-    """The task produced ``count`` samples (``stopped``: the epoch ended right after them).
+    """The task produced ``samples`` samples (``stopped``: the epoch ended right after them).
 
     ``spilled[j]`` lists the samples of output ``j`` that went to overflow;
     every other sample is in place in its region. ``overflow_bytes`` is how
@@ -78,7 +83,7 @@ class TaskDone(NamedTuple):
     source_id: int
     ticket: int
     worker: int
-    count: int
+    samples: int  # not ``count``, which would hide tuple.count
     stopped: bool
     spilled: Tuple[Tuple[Spilled, ...], ...]
     overflow_bytes: int
@@ -104,12 +109,15 @@ class TaskFailed(NamedTuple):
     ticket: int
     worker: int
     position: int
-    where: Optional[Any]
+    where: Union[SampleInfo, BatchInfo, None]
     error: Optional[bytes]
     type_name: str
     message: str
     traceback: str
     in_callback: bool
+
+
+Result = Union[TaskDone, TaskFailed]  # a task's answer
 
 
 class SetupFailed(NamedTuple):
@@ -133,11 +141,11 @@ class SourceSetup:
     callback: Any  # the callable/iterable (fork), or its pickled bytes (spawn, forkserver)
     pickled: bool
     batch_size: int
-    num_outputs: Optional[int]
+    num_outputs: Union[None, int, str]  # as in SourceOptions: None, a count, or AUTO_OUTPUTS
     batch_info: bool
     dtypes: Tuple[Optional[str], ...]
     ndims: Tuple[Optional[int], ...]
-    order: Any = None  # extsrc.Order: which record each position of an epoch loads
+    order: Optional[Order] = None  # which record each position of an epoch loads
     last_batch: str = "drop"
     in_place: bool = False  # the callback gets SampleBuffers to write its samples into
     timed: bool = True  # report how long the callback takes (extsrc.engine.stats)
@@ -148,7 +156,7 @@ class SourceSetup:
     # Called as worker_init(worker_index, num_workers) in each worker before its first task, or
     # None. When `pickled`, it is pickled with the callback, as (callback, worker_init), and
     # this field is True.
-    worker_init: Any = None
+    worker_init: Union[None, bool, Callable[[int, int], None]] = None
     num_workers: int = 1
 
 
@@ -161,5 +169,5 @@ class WorkerSetup:
     forked: bool  # started with fork: drop what was inherited from the parent
     die_with_parent: bool  # PR_SET_PDEATHSIG is reliable (started from the main thread)
     sources: Tuple[SourceSetup, ...]
-    pickler: Any  # extsrc.engine.pickling.Pickler, or None with fork
+    pickler: Optional[Pickler]  # None with fork
 

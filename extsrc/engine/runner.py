@@ -18,13 +18,13 @@ import pickle
 import math
 import time
 import traceback
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from extsrc.engine.concurrent import AsyncEngine, Hung, ThreadEngine, is_async
-from extsrc.engine.pickling import dumps_exception
-from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
+from extsrc.engine.pickling import Pickler, dumps_exception
+from extsrc.engine.protocol import Result, SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.samples import SampleChecker, at
 from extsrc.errors import EpochLengthError, ExtsrcError, SampleError, SharedMemoryError, SourceTimeoutError
 from extsrc.options import AUTO_OUTPUTS
@@ -34,8 +34,6 @@ from extsrc.shm.writer import TaskWriter
 from extsrc.sample_info import BatchInfo, SampleInfo, noting_sample_info
 
 SAMPLE, BATCH_CALLABLE, BATCH_ITERABLE, BATCH_GENERATOR = "sample", "callable", "iterable", "generator"
-
-Result = Union[TaskDone, TaskFailed]
 
 
 def classify(source: Any, batch: bool) -> str:
@@ -216,10 +214,11 @@ class SampleBuffers:
                 f"{self.write.describe(self.position)}")
 
 
-def load_source(setup: SourceSetup, pickler: Any) -> Tuple[Any, Any]:
+def load_source(setup: SourceSetup, pickler: Optional[Pickler]) -> Tuple[Any, Any]:
     """The source's callback and ``worker_init`` in a worker (unpickled if they were pickled)."""
     if not setup.pickled:
         return setup.callback, setup.worker_init
+    assert pickler is not None, "a pickled source comes with its pickler"
     loaded = pickler.loads(setup.callback)
     if setup.worker_init is None:
         return loaded, None
@@ -240,6 +239,7 @@ class SourceRunner:
         self.setup = setup
         self.worker = worker
         self.callback = callback
+        declared = None if isinstance(setup.num_outputs, str) else setup.num_outputs  # str: AUTO_OUTPUTS
         checker = SampleChecker(setup.num_outputs, setup.dtypes, setup.ndims)
         self.writer = TaskWriter(f"source {setup.name}", checker, setup.batch_size, setup.slots_kept)
         self.iterator: Any = None
@@ -250,11 +250,11 @@ class SourceRunner:
         self.retried_pass = False
         self.records = None if setup.order is None else RecordCache(setup.order)
         self.seed = 0 if setup.order is None else setup.order.seed
-        self.buffers = SampleBuffers(setup.num_outputs) if setup.in_place else None
+        self.buffers = SampleBuffers(declared) if setup.in_place else None
         self.clock = time.perf_counter_ns if setup.timed else _no_clock
         # Outputs per sample: declared, or (num_outputs="auto") those of this worker's first
         # sample; the consumer checks that every worker's agree.
-        self.num_outputs = None if setup.num_outputs == AUTO_OUTPUTS else setup.num_outputs
+        self.num_outputs = declared
         self.learns_outputs = setup.num_outputs == AUTO_OUTPUTS
         # Under an order that moves records, whether the callback reads idx_in_epoch but never
         # record: noted until it reads record or was warned about (then plain SampleInfo again).
@@ -442,6 +442,7 @@ class SourceRunner:
         """The error for a callback that raised ``StopIteration`` at ``position`` under an order:
         the order sets the epoch's length, so the two must not silently disagree."""
         order, batch_size = self.setup.order, self.setup.batch_size
+        assert order is not None, "called under an order only"
         length = len(order)
         batches = length // batch_size if self.setup.last_batch == "drop" else -(-length // batch_size)
         info = self._info(task, position)
@@ -466,7 +467,7 @@ class SourceRunner:
         shard's epoch are the end of it, or, with ``last_batch="pad"``, records
         from the start of the epoch's order again.
         """
-        if self.records is None:
+        if self.records is None or self.setup.order is None:  # both or neither
             return range(first, last), False
         length = len(self.setup.order)
         if last <= length:

@@ -8,7 +8,7 @@ output, what was expected and what came.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
@@ -51,7 +51,7 @@ def to_sample_array(
     where: str,
     dtype: Optional[np.dtype] = None,
     ndim: Optional[int] = None,
-    num_outputs: Optional[int] = None,
+    num_outputs: Union[None, int, str] = None,  # as declared: None, a count or AUTO_OUTPUTS
 ) -> np.ndarray:
     """``value`` as a sample array, or :class:`SampleError` saying what was expected.
 
@@ -107,7 +107,7 @@ def to_sample_array(
 class SampleChecker:
     """The checks of one source's outputs (declared dtype/ndim), used by the writer."""
 
-    def __init__(self, num_outputs: Optional[int], dtypes, ndims):
+    def __init__(self, num_outputs: Union[None, int, str], dtypes, ndims):
         self.num_outputs = num_outputs
         self.dtypes = tuple(None if d is None else np.dtype(d) for d in dtypes)
         self.ndims = tuple(ndims)

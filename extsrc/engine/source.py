@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Union
 
 import numpy as np
 
@@ -33,6 +33,10 @@ from extsrc.engine.stats import SourceStats, publish
 from extsrc.engine.take import EpochState, Taker
 from extsrc.errors import EmptyEpochError, StateMismatchError
 from extsrc.options import UNSET, SourceOptions
+from extsrc.order import Order
+
+if TYPE_CHECKING:
+    from extsrc.engine.pickling import Pickler
 
 
 class ParallelSource:
@@ -146,12 +150,12 @@ class ParallelSource:
         source: Any,
         batch_size: int,
         *,
-        num_outputs: Optional[int] = None,
+        num_outputs: Union[None, int, str] = None,  # a count, or AUTO_OUTPUTS
         batch: bool = False,
         batch_info: bool = False,
         num_workers: int = UNSET,
         start_method: str = UNSET,
-        pickler: Any = UNSET,
+        pickler: Optional[Pickler] = UNSET,
         prefetch: Optional[int] = None,
         last_batch: str = "drop",
         dtype: Any = None,
@@ -160,7 +164,7 @@ class ParallelSource:
         batches_held: int = 2,
         pool: Optional[WorkerPool] = None,
         name: Optional[str] = None,
-        order: Any = None,
+        order: Optional[Order] = None,
         in_place: bool = False,
         stats: bool = True,
         stats_every: Optional[float] = None,
@@ -169,7 +173,7 @@ class ParallelSource:
         concurrency: int = 1,
         worker_init: Optional[Callable[[int, int], None]] = None,
     ):
-        given = {k: v for k, v in (("num_workers", num_workers), ("start_method", start_method),
+        given: Dict[str, Any] = {k: v for k, v in (("num_workers", num_workers), ("start_method", start_method),
                                    ("pickler", pickler), ("backend", backend),
                                    ("ray_options", ray_options)) if v is not UNSET}
         if pool is None:
@@ -192,7 +196,7 @@ class ParallelSource:
             order=order, in_place=in_place, stats=stats, stats_every=stats_every,
             concurrency=concurrency,
         )
-        if self.options.batches_per_epoch == 0:
+        if self.options.batches_per_epoch == 0 and order is not None:  # 0 only with an order
             raise EmptyEpochError(
                 f"an epoch of {len(order)} records (this shard's, of {order!r}) makes no batch of "
                 f"batch_size={self.options.batch_size} with last_batch='drop'; use "
@@ -262,7 +266,7 @@ class ParallelSource:
         """The pids of the workers serving this source (empty before start and after close)."""
         return self._pool.worker_pids()
 
-    def watch_memory(self, on_map: Any, on_unmap: Any) -> None:
+    def watch_memory(self, on_map: Callable[[int, int], None], on_unmap: Callable[[int, int], None]) -> None:
         """Calls ``on_map(address, size)`` for every piece of this source's shared memory mapped
         in this process, now and whenever more is mapped, and ``on_unmap(address, size)`` right
         before a piece is unmapped. For registering the memory with a GPU runtime as page-locked
@@ -485,7 +489,8 @@ class ParallelSource:
 
     def _maybe_report(self) -> None:
         now = time.monotonic()
-        if now - self._last_report >= self.options.stats_every:
+        every = self.options.stats_every
+        if every is not None and now - self._last_report >= every:
             self._last_report = now
             publish(self.stats())
 

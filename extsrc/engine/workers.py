@@ -149,7 +149,7 @@ def _main_hidden(hide: bool) -> Iterator[None]:
     if not hide or main is None:
         yield
         return
-    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    saved: Dict[str, Any] = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
     main.__dict__.pop("__file__", None)
     main.__dict__["__spec__"] = None
     try:
@@ -189,7 +189,7 @@ def stop(workers: Sequence[WorkerHandle], ask: bool) -> None:
         worker.lifeline.close()
 
 
-def describe_exit(worker: WorkerHandle, start_method: str) -> Tuple[str, str]:
+def describe_exit(worker: WorkerHandle, start_method: Optional[str]) -> Tuple[str, str]:
     """``(how it ended, hint)`` for a worker that ended without being asked to."""
     process = worker.process
     process.join(EXIT_STATUS_WAIT_S)
@@ -283,7 +283,8 @@ class Waker:
                     pass
 
 
-def context_for(start_method: str) -> Any:
+def context_for(start_method: Optional[str]) -> multiprocessing.context.BaseContext:
+    """The context of ``start_method`` (``None``: the platform's default)."""
     return multiprocessing.get_context(start_method)
 
 

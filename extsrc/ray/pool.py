@@ -496,7 +496,7 @@ class RayPool(WorkerPool):
             if not isinstance(result, (TaskDone, TaskFailed)):
                 continue  # its slot is gone: the source was closed
             if isinstance(result, TaskDone):
-                worker.samples += result.count
+                worker.samples += result.samples
             client = self._clients[task.source_id]()
             if client is not None and client.on_result(result):
                 changed = True

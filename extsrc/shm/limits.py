@@ -23,7 +23,7 @@ import os
 import resource
 import shutil
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, overload
 
 from extsrc.errors import SharedMemoryError
 
@@ -421,6 +421,10 @@ def thread_start_error(exc: BaseException, what: str) -> OSError:
     )
 
 
+@overload
+def copy_error(nbytes: int, what: str) -> Optional[SharedMemoryError]: ...
+@overload
+def copy_error(nbytes: int, what: str, cause: BaseException) -> SharedMemoryError: ...
 def copy_error(nbytes: int, what: str, cause: Optional[BaseException] = None) -> Optional[SharedMemoryError]:
     """The error for a private copy of ``nbytes`` (``what`` names it) that the process's limits
     leave no room for (RLIMIT_AS, a memory cgroup, MemAvailable), or that failed with

@@ -304,6 +304,7 @@ class SlotPool:
         """
         if slot.state is SlotState.LEASED and slot.lease_seq == lease.seq:
             return
+        assert lease.ref is not None, "a lease committed before lease() made its reference"
         self.leases[id(lease.ref)] = (slot.slot_id, lease.seq, lease.ref)
         for mapping in lease.mappings:
             mapping.leased = True

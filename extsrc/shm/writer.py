@@ -252,7 +252,7 @@ class TaskWrite:
                     f"{self.describe(position)}: {len(columns)} outputs, and the source's samples "
                     f"so far had {len(self.regions)}; every sample must have as many outputs"
                 )
-                error.position = position  # type: ignore[attr-defined]
+                error.position = position
                 raise error
             self.widen(len(columns))
         if not self.writer.need_checked:

@@ -29,7 +29,7 @@ from extsrc.engine.source import ParallelSource
 from extsrc.errors import EmptyEpochError
 from extsrc.options import AUTO_OUTPUTS, START_METHODS
 from extsrc.order import Order, RecordCache
-from extsrc.torch.loader import TorchLoader
+from extsrc.torch.loader import Device, TorchLoader
 from extsrc.torch.structure import Collation, Flattener, pack_whole, unpack_whole
 
 _NUMERIC_KINDS = frozenset("biufc")
@@ -158,7 +158,7 @@ class AsyncDatasetSamples(DatasetSamples):
     """:class:`DatasetSamples` for a dataset with ``async def getitem_async(index)``: awaited on
     the worker's event loop, up to ``concurrency`` at once."""
 
-    async def __call__(self, info: Any) -> Any:  # type: ignore[override]
+    async def __call__(self, info: Any) -> Any:
         record = info.record
         try:
             sample = await self.dataset.getitem_async(record)
@@ -188,6 +188,11 @@ class _DataLoaderAttributes:
     ``len()`` as DataLoader computes it."""
 
     _initialized = False
+    # Set by _describe:
+    _order: Optional[Order]
+    dataset: Any
+    batch_size: Optional[int]
+    drop_last: bool
 
     def _describe(self, attributes: dict, order: Optional[Order]) -> None:
         for name, value in attributes.items():
@@ -204,8 +209,8 @@ class _DataLoaderAttributes:
     def __len__(self) -> int:
         """Batches per epoch, from ``len(dataset)`` now (as DataLoader's ``len()``); with
         ``shard=``, those of this shard."""
-        sharded = self._order is not None and self._order.shard[1] > 1
-        records = len(self._order) if sharded else len(self.dataset)
+        order = self._order
+        records = len(order) if order is not None and order.shard[1] > 1 else len(self.dataset)
         if self.batch_size is None:
             return records
         return records // self.batch_size if self.drop_last else math.ceil(records / self.batch_size)
@@ -243,6 +248,7 @@ class InProcessLoader(_DataLoaderAttributes):
     def _batch_at(self, records: Any, k: int) -> Any:
         """Batch ``k`` of an epoch whose records are ``records``."""
         if self._batch is None:
+            assert self._collate is not None, "from_dataset gives a collate without batch_size"
             return self._collate(self._dataset[int(records[k])])
         start = k * self._batch
         samples = [self._dataset[int(i)] for i in records[start:min(start + self._batch, len(records))]]
@@ -251,6 +257,7 @@ class InProcessLoader(_DataLoaderAttributes):
     def _iterated(self) -> Any:
         samples = iter(self._dataset)
         if self._batch is None:
+            assert self._collate is not None, "from_dataset gives a collate without batch_size"
             for sample in samples:
                 yield self._collate(sample)
             return
@@ -269,7 +276,7 @@ class InProcessLoader(_DataLoaderAttributes):
     def _default_batch(self, samples: list) -> Any:
         """The samples collated as the workers' batches are (a field of ragged samples: a list)."""
         flat = [self._flatten(sample, f"dataset sample {k} of the batch") for k, sample in enumerate(samples)]
-        outputs = []
+        outputs: list = []  # a tensor per field, or a list of them for a ragged field
         for column in zip(*flat):
             first = column[0]
             if all(a.shape == first.shape and a.dtype == first.dtype for a in column):
@@ -322,7 +329,7 @@ class DatasetLoader(_DataLoaderAttributes, TorchLoader):
     :class:`extsrc.Order`. ``len()`` is computed from ``len(dataset)`` when called, as
     DataLoader's."""
 
-    @property  # type: ignore[override]
+    @property
     def pin_memory(self) -> bool:
         """As given: with ``True`` and no CUDA, the loader warned and yields unpinned tensors."""
         return self.__dict__.get("pin_memory", self._pin)
@@ -360,7 +367,9 @@ class IterableBatches:
     def __iter__(self) -> Any:
         from torch.utils.data import get_worker_info, graph_settings
 
-        dataset = get_worker_info().dataset
+        info = get_worker_info()
+        assert info is not None, "iterated in a worker of the loader"
+        dataset = info.dataset
         if isinstance(dataset, IterDataPipe):
             # One seed per epoch for every worker, as DataLoader gives a datapipe: shuffled
             # alike in each worker, then sharded, every record comes once.
@@ -438,7 +447,7 @@ class IterableLoader(_DataLoaderAttributes):
 
 def _iterable_loader(dataset: Any, batch_size: Optional[int], drop_last: bool, collate_fn: Any,
                      default: bool, num_workers: int, start_method: str, pickler: Any,
-                     prefetch_factor: Optional[int], timeout: float, device: Any, pin_memory: bool,
+                     prefetch_factor: Optional[int], timeout: float, device: Device, pin_memory: bool,
                      worker_init: WorkerStart) -> IterableLoader:
     """The loader of an IterableDataset: a pool of ``num_workers``, one source pinned to each."""
     from extsrc.engine.pool import WorkerPool
@@ -450,7 +459,7 @@ def _iterable_loader(dataset: Any, batch_size: Optional[int], drop_last: bool, c
             source = ParallelSource(
                 IterableBatches(batch_size, drop_last, None if default else collate_fn,
                                 worker_init.base_seed),
-                batch_size if default else 1,
+                batch_size if default and batch_size is not None else 1,  # default: it is
                 batch=True,
                 num_outputs=AUTO_OUTPUTS if default else 2,
                 pool=pool,
@@ -490,11 +499,11 @@ def from_dataset(
     persistent_workers: bool = False,
     in_order: bool = True,
     pin_memory: bool = False,
-    device: Any = None,
+    device: Device = None,
     pickler: Any = None,
     concurrency: int = 1,
     **dataloader_kwargs: Any,
-) -> Union[DatasetLoader, InProcessLoader]:
+) -> Union[DatasetLoader, InProcessLoader, IterableLoader]:
     """A :class:`DatasetLoader` (a :class:`~extsrc.torch.TorchLoader`) over a map-style
     ``dataset``, in place of a DataLoader (an :class:`InProcessLoader` with ``num_workers=0``).
 
@@ -602,7 +611,7 @@ def from_dataset(
         records = len(dataset)
         if records == 0:
             raise ValueError("the dataset is empty (len(dataset) == 0)")
-        order = Order(records, shuffle=shuffle, seed=seed, shard=shard, remainder="pad")
+        order = Order(records, shuffle=bool(shuffle), seed=seed, shard=shard, remainder="pad")
     # The samples collated in shared memory (the fast path), or whole batches, each made by a
     # collate_fn in a worker: then the source's order is one of batches, one per source batch.
     default = collate_fn in (None, default_collate) and batch_size is not None
@@ -613,7 +622,7 @@ def from_dataset(
     sampler = None if iterable else RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
     attributes = dict(
         dataset=dataset, batch_size=batch_size, drop_last=drop_last, sampler=sampler,
-        batch_sampler=None if batch_size is None or iterable else BatchSampler(sampler, batch_size,
+        batch_sampler=None if batch_size is None or sampler is None else BatchSampler(sampler, batch_size,
                                                                                drop_last),
         num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory, timeout=timeout,
         worker_init_fn=worker_init_fn,
@@ -625,7 +634,7 @@ def from_dataset(
         in_process = InProcessLoader(dataset, order, batch_size, drop_last,
                                      None if default else collate_fn)
         in_process._describe(attributes, order)
-        return in_process  # type: ignore[return-value]
+        return in_process
     if concurrency != 1 and (iterable or num_workers == 0):
         raise ValueError(
             f"concurrency={concurrency} needs a map-style dataset loaded by workers "
@@ -636,10 +645,12 @@ def from_dataset(
             prefetch_factor, timeout, device, pin_memory and torch.cuda.is_available(),
             WorkerStart(dataset, base_seed, worker_init_fn))
         iterable_loader._describe(attributes, order)
-        return iterable_loader  # type: ignore[return-value]
+        return iterable_loader
+    assert order is not None, "a map-style dataset has an order"
     if default:
         samples = AsyncDatasetSamples if is_async(getattr(dataset, "getitem_async", None)) else DatasetSamples
         callback: Any = samples(dataset)
+        assert batch_size is not None, "the default collation needs a batch_size"
         source_order, source_batch = order, batch_size
     else:
         if concurrency != 1:

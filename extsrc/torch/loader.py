@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Type, TypeVar, Union
 
 import torch
 
@@ -71,6 +71,10 @@ def _wait_quietly(in_flight: InFlight, handed: _Handed) -> None:
         pass  # at interpreter exit CUDA may be gone, and with it every copy
 
 
+_Loader = TypeVar("_Loader", bound="TorchLoader")  # a subclass, made by _owning
+Device = Union[None, str, int, torch.device]  # where batches go: None or "cpu", else a CUDA device
+
+
 class TorchLoader:
     """The batches of ``source`` (a :class:`~extsrc.ParallelSource`) as torch tensors.
 
@@ -116,12 +120,12 @@ class TorchLoader:
     :func:`extsrc.torch.from_dataset`, closes its source.
     """
 
-    def __init__(self, source: ParallelSource, *, device: Any = None, pin_memory: bool = False):
+    def __init__(self, source: ParallelSource, *, device: Device = None, pin_memory: bool = False):
         self._setup(source, device, pin_memory, rebuild=None, owns_source=False)
 
     @classmethod
-    def _owning(cls, source: ParallelSource, *, device: Any, pin_memory: bool,
-                rebuild: Optional[Callable[[Any], Any]]) -> "TorchLoader":
+    def _owning(cls: Type[_Loader], source: ParallelSource, *, device: Device, pin_memory: bool,
+                rebuild: Optional[Callable[[Any], Any]]) -> _Loader:
         """A loader that closes ``source`` with itself and shapes each batch with ``rebuild``."""
         loader = cls.__new__(cls)
         try:
@@ -131,7 +135,7 @@ class TorchLoader:
             raise
         return loader
 
-    def _setup(self, source: ParallelSource, device: Any, pin_memory: bool,
+    def _setup(self, source: ParallelSource, device: Device, pin_memory: bool,
                rebuild: Optional[Callable[[Any], Any]], owns_source: bool) -> None:
         if not isinstance(source, ParallelSource):
             raise TypeError(f"source must be an extsrc.ParallelSource, got {type(source).__name__}")

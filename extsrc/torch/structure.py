@@ -130,7 +130,7 @@ def _canonical(structure: Structure) -> Structure:
 
 
 def _describe(structure: Structure) -> str:
-    kind = structure[0]
+    kind: str = structure[0]
     if kind in LEAVES:
         return {ARRAY: "tensor", STRING: "str", BYTES: "bytes"}.get(kind, kind)
     if kind == MAPPING:
