@@ -13,7 +13,10 @@ them alike:
   buffer, in one process.
 
 The ratio is ``engine / (workers * R)``, from a reference and an engine run back to back;
-the script prints each round, then the median and the range per row and tree. Each run is
+the script prints each round, then the median and the range per row and tree. It also
+prints the CPU time per sample of each (the engine's: its process and workers together) and
+their quotient, the share of the engine's CPU that the callback's loop would need: a figure
+that other work on the machine disturbs less than rates do (it does not see idle cores). Each run is
 a process of its own (``PYTHONPATH`` = the tree), so trees are compared with the same
 script: ``--tree /work/wt --tree /tmp/base``.
 """
@@ -27,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -56,21 +59,42 @@ def large(sample_info) -> np.ndarray:
 CALLBACKS = {"small": small, "large": large}
 
 
-def _timed(step, seconds: float) -> float:
-    """Samples per second of ``step()`` (it returns how many samples it made), after a warm-up."""
+def _cpu_s() -> float:
+    """CPU seconds used so far by this process and its live descendants (its workers)."""
+    total, stack, seen = 0, [os.getpid()], set()
+    while stack:
+        pid = stack.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    stack += [int(child) for child in f.read().split()]
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _timed(step, seconds: float) -> Tuple[float, float]:
+    """Samples per second of ``step()`` (it returns how many samples it made), after a
+    warm-up, and the CPU microseconds per sample of this process and its workers."""
     end = time.perf_counter() + WARMUP_S
     while time.perf_counter() < end:
         step()
-    count, began = 0, time.perf_counter()
+    count, began, cpu = 0, time.perf_counter(), _cpu_s()
     end = began + seconds
     while True:
         count += step()
         now = time.perf_counter()
         if now >= end:
-            return count / (now - began)
+            return count / (now - began), (_cpu_s() - cpu) / count * 1e6
 
 
-def reference(row: str, seconds: float) -> float:
+def reference(row: str, seconds: float) -> Tuple[float, float]:
     """One core: the callback, and its sample copied into a reused batch buffer."""
     from extsrc import SampleInfo
 
@@ -89,7 +113,7 @@ def reference(row: str, seconds: float) -> float:
     return _timed(step, seconds)
 
 
-def engine_small(seconds: float) -> float:
+def engine_small(seconds: float) -> Tuple[float, float]:
     import extsrc
 
     nbytes, batch_size = ROWS["small"]
@@ -107,7 +131,7 @@ def engine_small(seconds: float) -> float:
         source.close()
 
 
-def engine_large(seconds: float) -> float:
+def engine_large(seconds: float) -> Tuple[float, float]:
     from extsrc import fn, pipeline_def
 
     nbytes, batch_size = ROWS["large"]
@@ -134,20 +158,22 @@ def engine_large(seconds: float) -> float:
 
 def child(kind: str, row: str, seconds: float) -> None:
     if kind == "reference":
-        rate = reference(row, seconds)
+        rate, cpu_us = reference(row, seconds)
     else:
-        rate = engine_small(seconds) if row == "small" else engine_large(seconds)
-    print(json.dumps({"rate": rate}))
+        rate, cpu_us = engine_small(seconds) if row == "small" else engine_large(seconds)
+    print(json.dumps({"rate": rate, "cpu_us": cpu_us}))
 
 
-def run_child(tree: str, kind: str, row: str, seconds: float) -> float:
+def run_child(tree: str, kind: str, row: str, seconds: float) -> Tuple[float, float]:
+    """Samples per second, and CPU microseconds per sample (all of the run's processes)."""
     env = dict(os.environ, PYTHONPATH=tree)
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", kind, row,
                            "--seconds", str(seconds)], env=env, capture_output=True, text=True,
                           timeout=120 + 4 * seconds, cwd=tree)
     if done.returncode:
         raise RuntimeError(f"{kind} {row} in {tree} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])["rate"]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return result["rate"], result["cpu_us"]
 
 
 def main() -> int:
@@ -167,24 +193,30 @@ def main() -> int:
     rows = [r for r in args.rows.split(",") if r]
     ratios: Dict[str, Dict[str, List[float]]] = {r: {t: [] for t in trees} for r in rows}
     rates: Dict[str, Dict[str, List[float]]] = {r: {t: [] for t in trees} for r in rows}
+    cpu_shares: Dict[str, Dict[str, List[float]]] = {r: {t: [] for t in trees} for r in rows}
     for round_ in range(args.rounds):
         for row in rows:
             for tree in (trees if round_ % 2 == 0 else trees[::-1]):
-                ref = run_child(tree, "reference", row, args.seconds)
-                eng = run_child(tree, "engine", row, args.seconds)
+                ref, ref_cpu = run_child(tree, "reference", row, args.seconds)
+                eng, eng_cpu = run_child(tree, "engine", row, args.seconds)
                 ratio = eng / (WORKERS * ref)
                 ratios[row][tree].append(ratio)
                 rates[row][tree].append(eng)
+                cpu_shares[row][tree].append(ref_cpu / eng_cpu)
                 load = os.getloadavg()[0]
                 print(f"round {round_} {row:5s} {tree}: reference {ref:,.0f}/s per core, engine "
-                      f"{eng:,.0f}/s, ratio {ratio:.3f} (load {load:.1f})", flush=True)
+                      f"{eng:,.0f}/s, ratio {ratio:.3f}; CPU per sample {ref_cpu:.2f} us vs "
+                      f"{eng_cpu:.2f} us (load {load:.1f})", flush=True)
     print()
     for row in rows:
         for tree in trees:
             r = sorted(ratios[row][tree])
             e = sorted(rates[row][tree])
+            c = sorted(cpu_shares[row][tree])
             print(f"{row:5s} {tree}: ratio median {statistics.median(r):.3f} (range {r[0]:.3f}-"
-                  f"{r[-1]:.3f}, {len(r)} runs); engine median {statistics.median(e):,.0f}/s")
+                  f"{r[-1]:.3f}, {len(r)} runs); engine median {statistics.median(e):,.0f}/s; "
+                  f"callback share of the engine's CPU median {statistics.median(c):.3f} "
+                  f"(range {c[0]:.3f}-{c[-1]:.3f})")
     return 0
 
 
