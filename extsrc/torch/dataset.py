@@ -30,15 +30,13 @@ from extsrc.errors import EmptyEpochError
 from extsrc.options import AUTO_OUTPUTS, START_METHODS
 from extsrc.order import Order, RecordCache
 from extsrc.torch.loader import TorchLoader
+from extsrc.torch.sampling import IndexTable, SampledBatches, draw_batches
 from extsrc.torch.structure import Collation, Flattener, pack_whole, unpack_whole
 
 _NUMERIC_KINDS = frozenset("biufc")
 
 # DataLoader arguments from_dataset refuses, with what to do instead.
 _NOT_MAPPED = {
-    "sampler": "give shuffle=, seed= and shard= (an extsrc.Order decides the records of each epoch: "
-               "shuffled by seed and epoch, shards as DistributedSampler's)",
-    "batch_sampler": "give batch_size=, shuffle=, seed=, shard= and drop_last=",
     "pin_memory_device": "give device= ('cuda:N') for CUDA tensors, or pin_memory=True",
 }
 
@@ -189,11 +187,24 @@ class _DataLoaderAttributes:
 
     _initialized = False
 
-    def _describe(self, attributes: dict, order: Optional[Order]) -> None:
+    def _describe(self, attributes: dict, order: Optional[Order], index_sampler: Any = None) -> None:
         for name, value in attributes.items():
             self.__dict__[name] = value  # pin_memory too, beside a class's property
         object.__setattr__(self, "_order", order)
+        object.__setattr__(self, "_index_sampler", index_sampler)  # a user's sampler drives it
         object.__setattr__(self, "_initialized", True)
+
+    _loops_begun = 0
+
+    def _begin_sampled_loop(self) -> Any:
+        """One loop's index sampler, after drawing from ``generator`` what a DataLoader draws
+        before it: a new base seed for the loop's workers (the first loop's was drawn when the
+        loader was made; persistent workers keep theirs), so that a sampler sharing the
+        generator gives the DataLoader's indices."""
+        if self._loops_begun and not (self.persistent_workers and self.num_workers > 0):
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        object.__setattr__(self, "_loops_begun", self._loops_begun + 1)
+        return self._index_sampler
 
     def __setattr__(self, name: str, value: Any) -> None:
         if self._initialized and name in DATALOADER_ATTRIBUTES:
@@ -203,7 +214,9 @@ class _DataLoaderAttributes:
 
     def __len__(self) -> int:
         """Batches per epoch, from ``len(dataset)`` now (as DataLoader's ``len()``); with
-        ``shard=``, those of this shard."""
+        ``shard=``, those of this shard; with a ``sampler``/``batch_sampler``, its ``len()``."""
+        if self.__dict__.get("_index_sampler") is not None:
+            return len(self._index_sampler)
         sharded = self._order is not None and self._order.shard[1] > 1
         records = len(self._order) if sharded else len(self.dataset)
         if self.batch_size is None:
@@ -236,6 +249,9 @@ class InProcessLoader(_DataLoaderAttributes):
         return self._batches(epoch)
 
     def _batches(self, epoch: int) -> Any:
+        if self._index_sampler is not None:  # iterated as the loop goes, as DataLoader's
+            return _SampledInProcessEpoch(self, iter(self._begin_sampled_loop()),
+                                          self.batch_sampler is not None)
         if self._sample_order is None:  # an IterableDataset
             return self._iterated()
         return _InProcessEpoch(self, self._sample_order.epoch(epoch))
@@ -311,6 +327,27 @@ class _InProcessEpoch:
         return self._loader._batch_at(self._records, k)
 
 
+class _SampledInProcessEpoch:
+    """One loop of an :class:`InProcessLoader` driven by a sampler: each batch of indices is
+    drawn when its batch is asked for. An error loading a batch is raised once, and the loop
+    may go on with the next batch, as a DataLoader's."""
+
+    def __init__(self, loader: InProcessLoader, indices: Any, batched: bool):
+        self._loader = loader
+        self._indices = indices
+        self._batched = batched
+
+    def __iter__(self) -> "_SampledInProcessEpoch":
+        return self
+
+    def __next__(self) -> Any:
+        indices = next(self._indices)
+        dataset, collate = self._loader._dataset, self._loader._collate
+        if self._batched:
+            return collate([dataset[index] for index in indices])
+        return collate(dataset[indices])
+
+
 class DatasetLoader(_DataLoaderAttributes, TorchLoader):
     """What :func:`from_dataset` returns: a :class:`~extsrc.torch.TorchLoader` with a
     DataLoader's attributes (``dataset``, ``batch_size``, ``drop_last``, ``sampler``,
@@ -330,6 +367,34 @@ class DatasetLoader(_DataLoaderAttributes, TorchLoader):
     @pin_memory.setter
     def pin_memory(self, value: bool) -> None:
         self.__dict__["pin_memory"] = value  # reached only before _describe() ends
+
+    _index_table: Optional[IndexTable] = None  # with a sampler: where the workers read indices
+
+    def _drive_with(self, table: IndexTable) -> None:
+        """Makes each loop draw its batches of indices from the loader's index sampler, here,
+        and the workers read them from ``table`` (closed with the loader)."""
+        object.__setattr__(self, "_index_table", table)
+
+    def __iter__(self) -> Any:
+        """Starts the next epoch; with a sampler, its indices are drawn now, in this process
+        (as a DataLoader's iterator draws them), then the workers load them."""
+        table = self._index_table
+        if table is None:
+            return super().__iter__()
+        if self._closed:
+            raise ValueError("this TorchLoader is closed")
+        batches = draw_batches(self._begin_sampled_loop(), self.batch_sampler is not None)
+        if not batches:  # no batch this epoch: a DataLoader's loop ends at once
+            self._end_loop("a newer iter(loader)")
+            return iter(())
+        table.write(self._source.next_epoch_idx, batches)
+        return super().__iter__()
+
+    def close(self) -> None:
+        """Stops the workers (see :meth:`TorchLoader.close`) and removes the sampler's indices."""
+        super().close()
+        if self._index_table is not None:
+            self._index_table.close()
 
 
 class _HeapBuffers:
@@ -463,7 +528,6 @@ def _iterable_loader(dataset: Any, batch_size: Optional[int], drop_last: bool, c
             )
             loaders.append(TorchLoader._owning(source, device=device, pin_memory=pin_memory,
                                                rebuild=Collation() if default else unpack_whole))
-        pool.start()
     except BaseException:
         for loader in loaders:
             loader.close()
@@ -472,11 +536,54 @@ def _iterable_loader(dataset: Any, batch_size: Optional[int], drop_last: bool, c
     return IterableLoader(pool, loaders)
 
 
+def _sampled_loader(dataset: Any, collate_fn: Callable[[Any], Any], batched: bool, index_sampler: Any,
+                    attributes: dict, num_workers: int, start_method: str, pickler: Any,
+                    prefetch_factor: Optional[int], timeout: float, concurrency: int, device: Any,
+                    pin_memory: bool, worker_init: WorkerStart) -> DatasetLoader:
+    """The loader of a map-style dataset driven by a sampler: one source batch per batch of
+    indices, made by ``collate_fn`` in a worker (see :mod:`extsrc.torch.sampling`)."""
+    if concurrency != 1:
+        raise ValueError(f"concurrency={concurrency} needs the loader's own order (no sampler, "
+                         "batch_sampler or generator=): a sampler's batches are made one at a time")
+    table = IndexTable()
+    try:
+        source = ParallelSource(
+            SampledBatches(dataset, collate_fn, table, batched),
+            1,
+            num_outputs=2,
+            in_place=True,
+            num_workers=num_workers,
+            start_method=start_method,
+            pickler=pickler,
+            prefetch=None if not isinstance(num_workers, int)
+            else (prefetch_factor or DEFAULT_PREFETCH_FACTOR) * num_workers,
+            last_batch="partial",
+            timeout=timeout or None,
+            name=f"from_dataset({type(dataset).__name__}, sampler)",
+            worker_init=worker_init,
+        )
+    except BaseException:
+        table.close()
+        raise
+    try:
+        loader = DatasetLoader._owning(source, device=device,
+                                       pin_memory=pin_memory and torch.cuda.is_available(),
+                                       rebuild=unpack_whole)
+    except BaseException:
+        table.close()
+        raise
+    loader._drive_with(table)
+    loader._describe(attributes, None, index_sampler)
+    return loader
+
+
 def from_dataset(
     dataset: Any,
     batch_size: Optional[int] = 1,
     *,
     shuffle: Optional[bool] = None,
+    sampler: Any = None,
+    batch_sampler: Any = None,
     seed: int = 0,
     shard: Any = None,
     drop_last: bool = False,
@@ -554,9 +661,22 @@ def from_dataset(
     if iterable and shuffle not in (None, False) and not isinstance(dataset, IterDataPipe):
         raise ValueError(f"DataLoader with IterableDataset: expected unspecified shuffle option, "
                          f"but got shuffle={shuffle}: each worker iterates its copy of the dataset")
+    if iterable and (sampler is not None or batch_sampler is not None):
+        given = "sampler" if sampler is not None else "batch_sampler"
+        raise ValueError(f"DataLoader with IterableDataset: expected unspecified {given} option, "
+                         f"but got {given}={sampler if sampler is not None else batch_sampler!r}: "
+                         "each worker iterates its copy of the dataset")
+    if sampler is not None and shuffle:
+        raise ValueError("sampler option is mutually exclusive with shuffle: the sampler decides "
+                         "the order; give shuffle=None")
+    if batch_sampler is not None:
+        if batch_size != 1 or shuffle or sampler is not None or drop_last:
+            raise ValueError("batch_sampler option is mutually exclusive with batch_size, shuffle, "
+                             "sampler, and drop_last: the batch_sampler gives each batch's indices")
+        batch_size, drop_last = None, False
     if collate_fn is not None and not callable(collate_fn):
         raise TypeError(f"collate_fn must be a callable or None, got {type(collate_fn).__name__}")
-    if batch_size is None and drop_last:
+    if batch_size is None and drop_last and batch_sampler is None:
         raise ValueError("batch_size=None option disables auto-batching and is mutually exclusive "
                          "with drop_last")
     shuffle = bool(shuffle) if shuffle is None else shuffle
@@ -590,31 +710,42 @@ def from_dataset(
     # As DataLoader draws its workers' base seed (from `generator` if given, else PyTorch's global
     # generator); with a generator and no seed=, the shuffled order is drawn from it too.
     base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-    if generator is not None and seed == 0 and shuffle:
-        seed = int(torch.randint(1 << 31, (), generator=generator).item())
+    # A user's sampler, or a shuffle drawn from a user's generator (RandomSampler's order, as
+    # DataLoader's), is iterated in this process at each loop, and the workers get its indices.
+    sampled = not iterable and (sampler is not None or batch_sampler is not None
+                                or (bool(shuffle) and generator is not None))
+    if sampled and (seed != 0 or shard is not None):
+        raise ValueError(
+            f"seed={seed!r} and shard={shard!r} decide the order of the loader's own extsrc.Order; "
+            "with a sampler, batch_sampler or generator= the sampler decides it: give one or the other")
     if isinstance(dataset, IterDataPipe):  # DataLoader hands its shuffle setting to a datapipe
         from torch.utils.data import graph_settings
 
         dataset = graph_settings.apply_shuffle_settings(dataset, shuffle=bool(shuffle))
         shuffle = None
     order: Optional[Order] = None
-    if not iterable:
+    if not iterable and not sampled:
         records = len(dataset)
         if records == 0:
             raise ValueError("the dataset is empty (len(dataset) == 0)")
         order = Order(records, shuffle=shuffle, seed=seed, shard=shard, remainder="pad")
     # The samples collated in shared memory (the fast path), or whole batches, each made by a
     # collate_fn in a worker: then the source's order is one of batches, one per source batch.
-    default = collate_fn in (None, default_collate) and batch_size is not None
-    if batch_size is None:
+    default = collate_fn in (None, default_collate) and batch_size is not None and not sampled
+    if batch_size is None and batch_sampler is None:
         collate_fn = default_convert if collate_fn is None else collate_fn
     else:
         collate_fn = default_collate if collate_fn is None else collate_fn
-    sampler = None if iterable else RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
+    if sampler is None and not iterable:
+        sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+    if batch_sampler is None and batch_size is not None and not iterable:
+        batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+    index_sampler = None
+    if sampled:
+        index_sampler = batch_sampler if batch_sampler is not None else sampler
     attributes = dict(
         dataset=dataset, batch_size=batch_size, drop_last=drop_last, sampler=sampler,
-        batch_sampler=None if batch_size is None or iterable else BatchSampler(sampler, batch_size,
-                                                                               drop_last),
+        batch_sampler=batch_sampler,
         num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory, timeout=timeout,
         worker_init_fn=worker_init_fn,
         prefetch_factor=None if num_workers == 0 else prefetch_factor or DEFAULT_PREFETCH_FACTOR,
@@ -624,7 +755,7 @@ def from_dataset(
     if num_workers == 0:
         in_process = InProcessLoader(dataset, order, batch_size, drop_last,
                                      None if default else collate_fn)
-        in_process._describe(attributes, order)
+        in_process._describe(attributes, order, index_sampler)
         return in_process  # type: ignore[return-value]
     if concurrency != 1 and (iterable or num_workers == 0):
         raise ValueError(
@@ -637,6 +768,11 @@ def from_dataset(
             WorkerStart(dataset, base_seed, worker_init_fn))
         iterable_loader._describe(attributes, order)
         return iterable_loader  # type: ignore[return-value]
+    if sampled:
+        return _sampled_loader(dataset, collate_fn, batch_sampler is not None, index_sampler,
+                               attributes, num_workers, start_method, pickler, prefetch_factor,
+                               timeout, concurrency, device, pin_memory,
+                               WorkerStart(dataset, base_seed, worker_init_fn))
     if default:
         samples = AsyncDatasetSamples if is_async(getattr(dataset, "getitem_async", None)) else DatasetSamples
         callback: Any = samples(dataset)
@@ -679,11 +815,6 @@ def from_dataset(
             f"batch_size={batch_size} with drop_last=True; give drop_last=False or a batch_size "
             f"of at most {len(order)} (a DataLoader would yield no batch at all)"
         ) from None
-    try:
-        source.start()  # now, so that a loader made before CUDA is initialised can fork
-    except BaseException:
-        source.close()
-        raise
     loader = DatasetLoader._owning(source, device=device,
                                    pin_memory=pin_memory and torch.cuda.is_available(),
                                    rebuild=Collation() if default else unpack_whole)

@@ -113,7 +113,10 @@ class _Stream(torch.utils.data.IterableDataset):
 
 @pytest.mark.parametrize("dataset, kwargs, error, match", [
     (Records(4), dict(collate_fn=3), TypeError, "collate_fn must be a callable"),
-    (Records(4), dict(sampler=[0, 1]), TypeError, "sampler=: give shuffle="),
+    (Records(4), dict(sampler=[0, 1], shuffle=True), ValueError, "mutually exclusive with shuffle"),
+    (Records(4), dict(batch_sampler=[[0, 1]]), ValueError, "batch_sampler option is mutually"),
+    (Records(4), dict(sampler=[0, 1], seed=3), ValueError, "the sampler decides"),
+    (_Stream(), dict(sampler=[0, 1]), ValueError, "IterableDataset: expected unspecified sampler"),
     (Records(4), dict(generator=3), TypeError, "generator must be a torch.Generator"),
     (Records(4), dict(colate_fn=None), TypeError, "unexpected keyword argument 'colate_fn'"),
     (Records(4), dict(num_workers=0, persistent_workers=True), ValueError, "num_workers > 0"),
