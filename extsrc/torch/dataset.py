@@ -26,7 +26,8 @@ from torch.utils.data import default_collate, default_convert
 
 from extsrc.engine.concurrent import is_async
 from extsrc.engine.source import ParallelSource
-from extsrc.errors import EmptyEpochError
+from extsrc.errors import (EmptyEpochError, EpochSupersededError, ForkedChildError, InternalError,
+                           PoolClosedError, SharedMemoryError, SourceTimeoutError, WorkerDiedError)
 from extsrc.options import AUTO_OUTPUTS, START_METHODS
 from extsrc.order import Order, RecordCache
 from extsrc.torch.loader import TorchLoader
@@ -380,7 +381,7 @@ class DatasetLoader(_DataLoaderAttributes, TorchLoader):
         (as a DataLoader's iterator draws them), then the workers load them."""
         table = self._index_table
         if table is None:
-            return super().__iter__()
+            return _GoesOnAfterErrors(self, super().__iter__(), len(self._source))
         if self._closed:
             raise ValueError("this TorchLoader is closed")
         batches = draw_batches(self._begin_sampled_loop(), self.batch_sampler is not None)
@@ -388,13 +389,64 @@ class DatasetLoader(_DataLoaderAttributes, TorchLoader):
             self._end_loop("a newer iter(loader)")
             return iter(())
         table.write(self._source.next_epoch_idx, batches)
-        return super().__iter__()
+        return _GoesOnAfterErrors(self, super().__iter__(), len(batches))
 
     def close(self) -> None:
         """Stops the workers (see :meth:`TorchLoader.close`) and removes the sampler's indices."""
         super().close()
         if self._index_table is not None:
             self._index_table.close()
+
+
+# Errors after which the workers are gone or the loop was ended: raised, and the loop ends.
+# Any other error (what the dataset or collate_fn raised, a sample that cannot be collated)
+# fails its batch alone, as in a DataLoader.
+_ENDS_THE_LOOP = (WorkerDiedError, SourceTimeoutError, SharedMemoryError, PoolClosedError,
+                  ForkedChildError, EpochSupersededError, InternalError)
+
+
+class _GoesOnAfterErrors:
+    """A loop over a :class:`DatasetLoader` that goes on after a batch fails, as a DataLoader's
+    does: the error is raised at its batch, and the next ``next()`` gives the batch after it
+    (the source's epoch is resumed there, at that position, with ``set_state``). ``count`` is
+    the number of batches of the epoch."""
+
+    def __init__(self, loader: "DatasetLoader", epoch: Any, count: int):
+        self._loader = loader
+        self._epoch = epoch
+        self._count = count
+        self._done = False
+
+    def __iter__(self) -> "_GoesOnAfterErrors":
+        return self
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        epoch = self._epoch
+        try:
+            return epoch.__next__()
+        except StopIteration:
+            self._done = True
+            raise
+        except _ENDS_THE_LOOP:
+            self._done = True
+            raise
+        except Exception:
+            position = epoch.position
+            if position.ended_by is not None or self._loader._closed:
+                raise  # the loop was ended (by a newer loop, or close()): nothing to go on with
+            following = position.next_iteration + 1  # the batch after the one that failed
+            if following >= self._count:
+                self._done = True
+            else:
+                self._loader._source.set_state({"epoch_idx": position.epoch_idx,
+                                                "iteration": following})
+                self._epoch = TorchLoader.__iter__(self._loader)
+            raise
 
 
 class _HeapBuffers:

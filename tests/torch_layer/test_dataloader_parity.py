@@ -499,3 +499,32 @@ def test_workers_start_at_the_first_loop_and_see_the_dataset_as_it_was_then():
         for epoch in range(3):
             assert torch.cat(list(loader)).tolist() == list(range(6))
             dataset.start = epoch + 1  # persistent workers keep the copy they started with
+
+
+class _FailsEveryFifth(torch.utils.data.Dataset):
+    def __len__(self):
+        return 23
+
+    def __getitem__(self, i):
+        if i % 5 == 2:
+            raise NotImplementedError(f"record {i}")
+        return i
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(shuffle=True), dict(sampler=list(range(23))[::-1])])
+def test_an_error_in_a_worker_fails_its_batch_and_the_loop_goes_on(kwargs):
+    # As a DataLoader's: each failing batch raises, the others come, the epoch ends after the
+    # last batch, and the next epoch runs on the same workers.
+    with from_dataset(_FailsEveryFifth(), batch_size=3, num_workers=2, **kwargs) as loader:
+        for _ in range(2):
+            it, labels, errors = iter(loader), [], 0
+            while True:
+                try:
+                    labels += next(it).tolist()
+                except NotImplementedError:
+                    errors += 1
+                except StopIteration:
+                    break
+            assert errors + len(labels) // 3 + (len(labels) % 3 > 0) == 8  # ceil(23 / 3) batches
+            assert errors > 0 and all(label % 5 != 2 for label in labels)
+            assert len(set(labels)) == len(labels)
