@@ -666,39 +666,54 @@ def from_dataset(
     this process: the workers call ``dataset[index]``, and the layout of a
     sample is learnt from their first results.
 
-    Arguments as DataLoader's: ``batch_size``, ``shuffle``, ``drop_last``,
-    ``num_workers`` (at least 1: the dataset always runs in worker
-    processes), ``worker_init_fn(worker_id)`` (run in each worker before its
-    first sample, where ``torch.utils.data.get_worker_info()`` gives the
-    worker's ``id``, ``num_workers``, ``seed`` and ``dataset``),
+    Arguments as DataLoader's: ``batch_size``, ``shuffle``, ``sampler``,
+    ``batch_sampler``, ``generator``, ``drop_last``, ``collate_fn``,
+    ``num_workers`` (0: in this process, in the loop, to debug a dataset),
+    ``worker_init_fn(worker_id)`` (run in each worker before its first
+    sample, where ``torch.utils.data.get_worker_info()`` gives the worker's
+    ``id``, ``num_workers``, ``seed`` and ``dataset``),
     ``multiprocessing_context`` (``"fork"`` by default, ``"spawn"``,
     ``"forkserver"``, or such a context), ``prefetch_factor`` (batches per
     worker prepared ahead, default 2), ``timeout`` (seconds per batch, 0 for
     none; a late batch raises :class:`~extsrc.errors.SourceTimeoutError`, a
     ``RuntimeError`` as DataLoader's), ``pin_memory`` (the shared memory is
-    page-locked once: no pinning copy; without CUDA a warning, as
-    DataLoader gives), ``persistent_workers`` and ``in_order`` (accepted: the
-    workers always persist until ``close()``, and batches always come in
-    order). Each worker uses one PyTorch thread and has its global
-    generators seeded from a base seed drawn here and its index, as
-    DataLoader's workers. Instead of a sampler: ``seed`` (the shuffled order
-    of each epoch is keyed by ``seed`` and the epoch) and ``shard``
-    (``(rank, world_size)`` or ``"auto"`` from torchrun's environment; shards
-    are padded to equal length, as DistributedSampler's). Also ``device``
-    (CUDA tensors, copied on a side stream; see
-    :class:`~extsrc.torch.TorchLoader`) and ``pickler`` (for spawn: see
-    :class:`~extsrc.ParallelSource`), and ``concurrency``: samples in flight
-    per worker, for a dataset that waits on storage: its ``__getitem__`` runs
-    on that many threads per worker, or, if the dataset has ``async def
-    getitem_async(index)``, that is awaited instead (default collation only).
+    page-locked once: no pinning copy; without CUDA a warning, as DataLoader
+    gives). ``persistent_workers`` is accepted, but the workers always
+    persist until ``close()`` (with their copy of the dataset as it was at
+    the first loop); ``in_order=False`` is refused (batches always come in
+    order). Each worker uses one PyTorch thread and has its global generators
+    seeded from a base seed drawn here and its index, as DataLoader's
+    workers. An error loading a batch (in ``dataset[i]`` or ``collate_fn``)
+    is raised at that batch, and the loop goes on with the next one, as
+    DataLoader's.
 
-    The workers start here (a DataLoader starts them at the first loop): with
-    ``fork``, make the loader before CUDA is initialised (before
-    ``model.cuda()``), or use ``multiprocessing_context="spawn"``. Close the
-    loader (``close()`` or ``with``) to stop its workers. Raises
-    ``TypeError`` for DataLoader arguments that do not map here, saying what
-    to use instead; what the dataset raises, or a sample default collation
-    cannot carry, is raised at its batch.
+    Without a ``sampler``, ``batch_sampler`` or ``generator``, the order is
+    the loader's own :class:`extsrc.Order` (the fast path: the batches are
+    collated in shared memory by the workers): ``seed`` (the shuffled order
+    of each epoch is keyed by ``seed`` and the epoch) and ``shard``
+    (``(rank, world_size)`` or ``"auto"`` from torchrun's environment;
+    shards are padded to equal length, as DistributedSampler's). With one,
+    the sampler is iterated in this process when each loop begins, as
+    DataLoader's iterator does (a ``generator`` with ``shuffle=True`` gives
+    ``RandomSampler``'s order, as DataLoader's; ``seed``/``shard`` are then
+    refused), the workers load each batch of its indices and ``collate_fn``
+    (``default_collate`` by default) makes the batch in the worker; an
+    infinite sampler is not supported. Also ``device`` (CUDA tensors,
+    copied on a side stream; see :class:`~extsrc.torch.TorchLoader`) and
+    ``pickler`` (for spawn: see :class:`~extsrc.ParallelSource`), and
+    ``concurrency``: samples in flight per worker, for a dataset that waits
+    on storage: its ``__getitem__`` runs on that many threads per worker,
+    or, if the dataset has ``async def getitem_async(index)``, that is
+    awaited instead (default collation, no sampler).
+
+    The workers start at the first loop, as a DataLoader's (with ``fork``,
+    before CUDA is initialised, or use ``multiprocessing_context="spawn"``;
+    ``device=``/``pin_memory=True`` with CUDA start them when the loader is
+    made). Close the loader (``close()`` or ``with``) to stop its workers.
+    Raises ``TypeError`` for DataLoader arguments that do not map here,
+    saying what to use instead, and ``ValueError`` for the combinations
+    DataLoader refuses; what the dataset raises, or a sample default
+    collation cannot carry, is raised at its batch.
     """
     for name in dataloader_kwargs:
         if name in _NOT_MAPPED:
@@ -736,6 +751,10 @@ def from_dataset(
                         ("persistent_workers", persistent_workers), ("in_order", in_order)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
+    if not in_order:
+        raise ValueError(
+            "in_order=False: from_dataset always hands batches out in order (a batch that is "
+            "slow to load holds back the ones after it); give in_order=True (the default)")
     if num_workers == 0 and prefetch_factor is not None:
         raise ValueError("prefetch_factor option could only be specified in multiprocessing: give "
                          "num_workers > 0, or prefetch_factor=None")
