@@ -247,7 +247,41 @@ class InProcessLoader(_DataLoaderAttributes):
         if self._closed:
             raise ValueError("this loader is closed")
         epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
-        return self._batches(epoch)
+        resume, self._resume = self._resume, 0
+        batches = self._batches(epoch)
+        if resume:
+            batches._next = resume
+        self._loop = batches
+        return batches
+
+    _resume = 0  # the batch the next loop begins at (load_state_dict)
+    _loop: Any = None  # the last loop begun
+
+    def state_dict(self) -> dict:
+        """Where the loader stands: the epoch and the next batch a loop would get (map-style
+        dataset without a sampler only: an iterable or a sampler cannot be rewound)."""
+        self._check_resumable("state_dict()")
+        loop = self._loop
+        if loop is not None and loop._next < loop._count:
+            return {"epoch_idx": self._next_epoch - 1, "iteration": loop._next}
+        return {"epoch_idx": self._next_epoch, "iteration": self._resume}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Makes the next ``iter()`` resume at ``state_dict`` (from :meth:`state_dict`)."""
+        self._check_resumable("load_state_dict()")
+        try:
+            epoch, iteration = int(state_dict["epoch_idx"]), int(state_dict["iteration"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"load_state_dict: expected a dict with epoch_idx and iteration (from "
+                             f"state_dict()), got {state_dict!r}") from None
+        if epoch < 0 or iteration < 0:
+            raise ValueError(f"load_state_dict: epoch_idx and iteration must be >= 0, got {state_dict!r}")
+        self._next_epoch, self._resume, self._loop = epoch, iteration, None
+
+    def _check_resumable(self, what: str) -> None:
+        if self._sample_order is None or self._index_sampler is not None:
+            raise TypeError(f"{what} needs a map-style dataset without a sampler, batch_sampler or "
+                            "generator: an iterable dataset or a sampler cannot be rewound")
 
     def _batches(self, epoch: int) -> Any:
         if self._index_sampler is not None:  # iterated as the loop goes, as DataLoader's
@@ -390,6 +424,22 @@ class DatasetLoader(_DataLoaderAttributes, TorchLoader):
             return iter(())
         table.write(self._source.next_epoch_idx, batches)
         return _GoesOnAfterErrors(self, super().__iter__(), len(batches))
+
+    def state_dict(self) -> dict:
+        """See :meth:`TorchLoader.state_dict`; ``TypeError`` with a sampler, batch_sampler or
+        generator (a sampler's next epoch cannot be drawn again as it was)."""
+        self._check_resumable("state_dict()")
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """See :meth:`TorchLoader.load_state_dict`; ``TypeError`` as :meth:`state_dict`."""
+        self._check_resumable("load_state_dict()")
+        super().load_state_dict(state_dict)
+
+    def _check_resumable(self, what: str) -> None:
+        if self._index_table is not None:
+            raise TypeError(f"{what} needs the loader's own order (no sampler, batch_sampler or "
+                            "generator=): a sampler's epoch cannot be drawn again as it was")
 
     def close(self) -> None:
         """Stops the workers (see :meth:`TorchLoader.close`) and removes the sampler's indices."""

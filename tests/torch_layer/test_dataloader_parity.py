@@ -528,3 +528,25 @@ def test_an_error_in_a_worker_fails_its_batch_and_the_loop_goes_on(kwargs):
             assert errors + len(labels) // 3 + (len(labels) % 3 > 0) == 8  # ceil(23 / 3) batches
             assert errors > 0 and all(label % 5 != 2 for label in labels)
             assert len(set(labels)) == len(labels)
+
+
+def test_in_process_state_dict_resumes_at_the_next_batch_of_the_epoch():
+    def loader():
+        return from_dataset(Records(14), batch_size=3, shuffle=True, seed=4, num_workers=0)
+
+    first = loader()
+    list(first)  # epoch 0
+    it = iter(first)
+    taken = [next(it)[1].tolist() for _ in range(2)]
+    state = first.state_dict()
+    rest = [batch[1].tolist() for batch in it]
+    again = loader()
+    again.load_state_dict(state)
+    assert [batch[1].tolist() for batch in again] == rest
+    assert len(taken) + len(rest) == 5
+
+
+def test_state_dict_is_refused_with_a_sampler_rather_than_resuming_elsewhere():
+    with from_dataset(Records(8), batch_size=2, sampler=[3, 1, 2], num_workers=1) as loader:
+        with pytest.raises(TypeError, match="sampler"):
+            loader.state_dict()
