@@ -548,5 +548,5 @@ def test_in_process_state_dict_resumes_at_the_next_batch_of_the_epoch():
 
 def test_state_dict_is_refused_with_a_sampler_rather_than_resuming_elsewhere():
     with from_dataset(Records(8), batch_size=2, sampler=[3, 1, 2], num_workers=1) as loader:
-        with pytest.raises(TypeError, match="sampler"):
+        with pytest.raises(TypeError, match="cannot be drawn again"):
             loader.state_dict()
