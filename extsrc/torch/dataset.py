@@ -487,14 +487,17 @@ class _GoesOnAfterErrors:
             raise
         except Exception:
             position = epoch.position
+            source = self._loader._source
             if position.ended_by is not None or self._loader._closed:
                 raise  # the loop was ended (by a newer loop, or close()): nothing to go on with
+            if source.pool.broken or source.pool.closed:
+                self._done = True  # the workers are gone (e.g. worker_init_fn failed)
+                raise
             following = position.next_iteration + 1  # the batch after the one that failed
             if following >= self._count:
                 self._done = True
             else:
-                self._loader._source.set_state({"epoch_idx": position.epoch_idx,
-                                                "iteration": following})
+                source.set_state({"epoch_idx": position.epoch_idx, "iteration": following})
                 self._epoch = TorchLoader.__iter__(self._loader)
             raise
 

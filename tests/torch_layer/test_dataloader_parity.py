@@ -550,3 +550,15 @@ def test_state_dict_is_refused_with_a_sampler_rather_than_resuming_elsewhere():
     with from_dataset(Records(8), batch_size=2, sampler=[3, 1, 2], num_workers=1) as loader:
         with pytest.raises(TypeError, match="cannot be drawn again"):
             loader.state_dict()
+
+
+def test_a_failing_worker_init_fn_is_the_error_raised_not_a_later_one():
+    # The loop must not try to go on past a setup failure (the workers are gone): the error
+    # raised is the worker_init_fn's, not one from a retry on the shut-down workers.
+    from extsrc.errors import PoolClosedError, WorkerDiedError
+
+    for _ in range(3):
+        with from_dataset(_Growing(), batch_size=2, num_workers=2, worker_init_fn=_refuses) as loader:
+            with pytest.raises(RuntimeError, match="no setup in worker") as raised:
+                list(loader)
+            assert not isinstance(raised.value, (PoolClosedError, WorkerDiedError))
