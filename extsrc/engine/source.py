@@ -356,6 +356,13 @@ class ParallelSource:
             self._pool.notify()
             return epoch
 
+    @property
+    def next_epoch_idx(self) -> int:
+        """The ``epoch_idx`` the next ``iter()`` starts (its callbacks see it in their info):
+        e.g. to prepare, before that ``iter()``, what the workers read for that epoch."""
+        with self._pool.lock:
+            return self._next_epoch
+
     def __len__(self) -> int:
         """Batches per epoch; known with ``order=`` only (else the callback ends the epoch)."""
         batches = self.options.batches_per_epoch

@@ -26,19 +26,18 @@ from torch.utils.data import default_collate, default_convert
 
 from extsrc.engine.concurrent import is_async
 from extsrc.engine.source import ParallelSource
-from extsrc.errors import EmptyEpochError
+from extsrc.errors import (EmptyEpochError, EpochSupersededError, ForkedChildError, InternalError,
+                           PoolClosedError, SharedMemoryError, SourceTimeoutError, WorkerDiedError)
 from extsrc.options import AUTO_OUTPUTS, START_METHODS
 from extsrc.order import Order, RecordCache
 from extsrc.torch.loader import Device, TorchLoader
+from extsrc.torch.sampling import IndexTable, SampledBatches, draw_batches
 from extsrc.torch.structure import Collation, Flattener, pack_whole, unpack_whole
 
 _NUMERIC_KINDS = frozenset("biufc")
 
 # DataLoader arguments from_dataset refuses, with what to do instead.
 _NOT_MAPPED = {
-    "sampler": "give shuffle=, seed= and shard= (an extsrc.Order decides the records of each epoch: "
-               "shuffled by seed and epoch, shards as DistributedSampler's)",
-    "batch_sampler": "give batch_size=, shuffle=, seed=, shard= and drop_last=",
     "pin_memory_device": "give device= ('cuda:N') for CUDA tensors, or pin_memory=True",
 }
 
@@ -193,12 +192,30 @@ class _DataLoaderAttributes:
     dataset: Any
     batch_size: Optional[int]
     drop_last: bool
+    batch_sampler: Any
+    num_workers: int
+    persistent_workers: bool
+    generator: Optional["torch.Generator"]
+    _index_sampler: Any
 
-    def _describe(self, attributes: dict, order: Optional[Order]) -> None:
+    def _describe(self, attributes: dict, order: Optional[Order], index_sampler: Any = None) -> None:
         for name, value in attributes.items():
             self.__dict__[name] = value  # pin_memory too, beside a class's property
         object.__setattr__(self, "_order", order)
+        object.__setattr__(self, "_index_sampler", index_sampler)  # a user's sampler drives it
         object.__setattr__(self, "_initialized", True)
+
+    _loops_begun = 0
+
+    def _begin_sampled_loop(self) -> Any:
+        """One loop's index sampler, after drawing from ``generator`` what a DataLoader draws
+        before it: a new base seed for the loop's workers (the first loop's was drawn when the
+        loader was made; persistent workers keep theirs), so that a sampler sharing the
+        generator gives the DataLoader's indices."""
+        if self._loops_begun and not (self.persistent_workers and self.num_workers > 0):
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        object.__setattr__(self, "_loops_begun", self._loops_begun + 1)
+        return self._index_sampler
 
     def __setattr__(self, name: str, value: Any) -> None:
         if self._initialized and name in DATALOADER_ATTRIBUTES:
@@ -208,7 +225,9 @@ class _DataLoaderAttributes:
 
     def __len__(self) -> int:
         """Batches per epoch, from ``len(dataset)`` now (as DataLoader's ``len()``); with
-        ``shard=``, those of this shard."""
+        ``shard=``, those of this shard; with a ``sampler``/``batch_sampler``, its ``len()``."""
+        if self.__dict__.get("_index_sampler") is not None:
+            return len(self._index_sampler)
         order = self._order
         records = len(order) if order is not None and order.shard[1] > 1 else len(self.dataset)
         if self.batch_size is None:
@@ -238,9 +257,46 @@ class InProcessLoader(_DataLoaderAttributes):
         if self._closed:
             raise ValueError("this loader is closed")
         epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
-        return self._batches(epoch)
+        resume, self._resume = self._resume, 0
+        batches = self._batches(epoch)
+        if resume:
+            batches._next = resume
+        self._loop = batches
+        return batches
+
+    _resume = 0  # the batch the next loop begins at (load_state_dict)
+    _loop: Any = None  # the last loop begun
+
+    def state_dict(self) -> dict:
+        """Where the loader stands: the epoch and the next batch a loop would get (map-style
+        dataset without a sampler only: an iterable or a sampler cannot be rewound)."""
+        self._check_resumable("state_dict()")
+        loop = self._loop
+        if loop is not None and loop._next < loop._count:
+            return {"epoch_idx": self._next_epoch - 1, "iteration": loop._next}
+        return {"epoch_idx": self._next_epoch, "iteration": self._resume}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Makes the next ``iter()`` resume at ``state_dict`` (from :meth:`state_dict`)."""
+        self._check_resumable("load_state_dict()")
+        try:
+            epoch, iteration = int(state_dict["epoch_idx"]), int(state_dict["iteration"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"load_state_dict: expected a dict with epoch_idx and iteration (from "
+                             f"state_dict()), got {state_dict!r}") from None
+        if epoch < 0 or iteration < 0:
+            raise ValueError(f"load_state_dict: epoch_idx and iteration must be >= 0, got {state_dict!r}")
+        self._next_epoch, self._resume, self._loop = epoch, iteration, None
+
+    def _check_resumable(self, what: str) -> None:
+        if self._sample_order is None or self._index_sampler is not None:
+            raise TypeError(f"{what} needs a map-style dataset without a sampler, batch_sampler or "
+                            "generator: an iterable dataset or a sampler cannot be rewound")
 
     def _batches(self, epoch: int) -> Any:
+        if self._index_sampler is not None:  # iterated as the loop goes, as DataLoader's
+            return _SampledInProcessEpoch(self, iter(self._begin_sampled_loop()),
+                                          self.batch_sampler is not None)
         if self._sample_order is None:  # an IterableDataset
             return self._iterated()
         return _InProcessEpoch(self, self._sample_order.epoch(epoch))
@@ -318,6 +374,28 @@ class _InProcessEpoch:
         return self._loader._batch_at(self._records, k)
 
 
+class _SampledInProcessEpoch:
+    """One loop of an :class:`InProcessLoader` driven by a sampler: each batch of indices is
+    drawn when its batch is asked for. An error loading a batch is raised once, and the loop
+    may go on with the next batch, as a DataLoader's."""
+
+    def __init__(self, loader: InProcessLoader, indices: Any, batched: bool):
+        self._loader = loader
+        self._indices = indices
+        self._batched = batched
+
+    def __iter__(self) -> "_SampledInProcessEpoch":
+        return self
+
+    def __next__(self) -> Any:
+        indices = next(self._indices)
+        dataset, collate = self._loader._dataset, self._loader._collate
+        assert collate is not None, "from_dataset gives a collate_fn with a sampler"
+        if self._batched:
+            return collate([dataset[index] for index in indices])
+        return collate(dataset[indices])
+
+
 class DatasetLoader(_DataLoaderAttributes, TorchLoader):
     """What :func:`from_dataset` returns: a :class:`~extsrc.torch.TorchLoader` with a
     DataLoader's attributes (``dataset``, ``batch_size``, ``drop_last``, ``sampler``,
@@ -337,6 +415,104 @@ class DatasetLoader(_DataLoaderAttributes, TorchLoader):
     @pin_memory.setter
     def pin_memory(self, value: bool) -> None:
         self.__dict__["pin_memory"] = value  # reached only before _describe() ends
+
+    _index_table: Optional[IndexTable] = None  # with a sampler: where the workers read indices
+
+    def _drive_with(self, table: IndexTable) -> None:
+        """Makes each loop draw its batches of indices from the loader's index sampler, here,
+        and the workers read them from ``table`` (closed with the loader)."""
+        object.__setattr__(self, "_index_table", table)
+
+    def __iter__(self) -> Any:
+        """Starts the next epoch; with a sampler, its indices are drawn now, in this process
+        (as a DataLoader's iterator draws them), then the workers load them."""
+        table = self._index_table
+        if table is None:
+            return _GoesOnAfterErrors(self, super().__iter__(), len(self._source))
+        if self._closed:
+            raise ValueError("this TorchLoader is closed")
+        batches = draw_batches(self._begin_sampled_loop(), self.batch_sampler is not None)
+        if not batches:  # no batch this epoch: a DataLoader's loop ends at once
+            self._end_loop("a newer iter(loader)")
+            return iter(())
+        table.write(self._source.next_epoch_idx, batches)
+        return _GoesOnAfterErrors(self, super().__iter__(), len(batches))
+
+    def state_dict(self) -> dict:
+        """See :meth:`TorchLoader.state_dict`; ``TypeError`` with a sampler, batch_sampler or
+        generator (a sampler's next epoch cannot be drawn again as it was)."""
+        self._check_resumable("state_dict()")
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """See :meth:`TorchLoader.load_state_dict`; ``TypeError`` as :meth:`state_dict`."""
+        self._check_resumable("load_state_dict()")
+        super().load_state_dict(state_dict)
+
+    def _check_resumable(self, what: str) -> None:
+        if self._index_table is not None:
+            raise TypeError(f"{what} needs the loader's own order (no sampler, batch_sampler or "
+                            "generator=): a sampler's epoch cannot be drawn again as it was")
+
+    def close(self) -> None:
+        """Stops the workers (see :meth:`TorchLoader.close`) and removes the sampler's indices."""
+        super().close()
+        if self._index_table is not None:
+            self._index_table.close()
+
+
+# Errors after which the workers are gone or the loop was ended: raised, and the loop ends.
+# Any other error (what the dataset or collate_fn raised, a sample that cannot be collated)
+# fails its batch alone, as in a DataLoader.
+_ENDS_THE_LOOP = (WorkerDiedError, SourceTimeoutError, SharedMemoryError, PoolClosedError,
+                  ForkedChildError, EpochSupersededError, InternalError)
+
+
+class _GoesOnAfterErrors:
+    """A loop over a :class:`DatasetLoader` that goes on after a batch fails, as a DataLoader's
+    does: the error is raised at its batch, and the next ``next()`` gives the batch after it
+    (the source's epoch is resumed there, at that position, with ``set_state``). ``count`` is
+    the number of batches of the epoch."""
+
+    def __init__(self, loader: "DatasetLoader", epoch: Any, count: int):
+        self._loader = loader
+        self._epoch = epoch
+        self._count = count
+        self._done = False
+
+    def __iter__(self) -> "_GoesOnAfterErrors":
+        return self
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        epoch = self._epoch
+        try:
+            return epoch.__next__()
+        except StopIteration:
+            self._done = True
+            raise
+        except _ENDS_THE_LOOP:
+            self._done = True
+            raise
+        except Exception:
+            position = epoch.position
+            source = self._loader._source
+            if position.ended_by is not None or self._loader._closed:
+                raise  # the loop was ended (by a newer loop, or close()): nothing to go on with
+            if source.pool.broken or source.pool.closed:
+                self._done = True  # the workers are gone (e.g. worker_init_fn failed)
+                raise
+            following = position.next_iteration + 1  # the batch after the one that failed
+            if following >= self._count:
+                self._done = True
+            else:
+                source.set_state({"epoch_idx": position.epoch_idx, "iteration": following})
+                self._epoch = TorchLoader.__iter__(self._loader)
+            raise
 
 
 class _HeapBuffers:
@@ -472,7 +648,6 @@ def _iterable_loader(dataset: Any, batch_size: Optional[int], drop_last: bool, c
             )
             loaders.append(TorchLoader._owning(source, device=device, pin_memory=pin_memory,
                                                rebuild=Collation() if default else unpack_whole))
-        pool.start()
     except BaseException:
         for loader in loaders:
             loader.close()
@@ -481,11 +656,54 @@ def _iterable_loader(dataset: Any, batch_size: Optional[int], drop_last: bool, c
     return IterableLoader(pool, loaders)
 
 
+def _sampled_loader(dataset: Any, collate_fn: Callable[[Any], Any], batched: bool, index_sampler: Any,
+                    attributes: dict, num_workers: int, start_method: str, pickler: Any,
+                    prefetch_factor: Optional[int], timeout: float, concurrency: int, device: Any,
+                    pin_memory: bool, worker_init: WorkerStart) -> DatasetLoader:
+    """The loader of a map-style dataset driven by a sampler: one source batch per batch of
+    indices, made by ``collate_fn`` in a worker (see :mod:`extsrc.torch.sampling`)."""
+    if concurrency != 1:
+        raise ValueError(f"concurrency={concurrency} needs the loader's own order (no sampler, "
+                         "batch_sampler or generator=): a sampler's batches are made one at a time")
+    table = IndexTable()
+    try:
+        source = ParallelSource(
+            SampledBatches(dataset, collate_fn, table, batched),
+            1,
+            num_outputs=2,
+            in_place=True,
+            num_workers=num_workers,
+            start_method=start_method,
+            pickler=pickler,
+            prefetch=None if not isinstance(num_workers, int)
+            else (prefetch_factor or DEFAULT_PREFETCH_FACTOR) * num_workers,
+            last_batch="partial",
+            timeout=timeout or None,
+            name=f"from_dataset({type(dataset).__name__}, sampler)",
+            worker_init=worker_init,
+        )
+    except BaseException:
+        table.close()
+        raise
+    try:
+        loader = DatasetLoader._owning(source, device=device,
+                                       pin_memory=pin_memory and torch.cuda.is_available(),
+                                       rebuild=unpack_whole)
+    except BaseException:
+        table.close()
+        raise
+    loader._drive_with(table)
+    loader._describe(attributes, None, index_sampler)
+    return loader
+
+
 def from_dataset(
     dataset: Any,
     batch_size: Optional[int] = 1,
     *,
     shuffle: Optional[bool] = None,
+    sampler: Any = None,
+    batch_sampler: Any = None,
     seed: int = 0,
     shard: Any = None,
     drop_last: bool = False,
@@ -516,39 +734,54 @@ def from_dataset(
     this process: the workers call ``dataset[index]``, and the layout of a
     sample is learnt from their first results.
 
-    Arguments as DataLoader's: ``batch_size``, ``shuffle``, ``drop_last``,
-    ``num_workers`` (at least 1: the dataset always runs in worker
-    processes), ``worker_init_fn(worker_id)`` (run in each worker before its
-    first sample, where ``torch.utils.data.get_worker_info()`` gives the
-    worker's ``id``, ``num_workers``, ``seed`` and ``dataset``),
+    Arguments as DataLoader's: ``batch_size``, ``shuffle``, ``sampler``,
+    ``batch_sampler``, ``generator``, ``drop_last``, ``collate_fn``,
+    ``num_workers`` (0: in this process, in the loop, to debug a dataset),
+    ``worker_init_fn(worker_id)`` (run in each worker before its first
+    sample, where ``torch.utils.data.get_worker_info()`` gives the worker's
+    ``id``, ``num_workers``, ``seed`` and ``dataset``),
     ``multiprocessing_context`` (``"fork"`` by default, ``"spawn"``,
     ``"forkserver"``, or such a context), ``prefetch_factor`` (batches per
     worker prepared ahead, default 2), ``timeout`` (seconds per batch, 0 for
     none; a late batch raises :class:`~extsrc.errors.SourceTimeoutError`, a
     ``RuntimeError`` as DataLoader's), ``pin_memory`` (the shared memory is
-    page-locked once: no pinning copy; without CUDA a warning, as
-    DataLoader gives), ``persistent_workers`` and ``in_order`` (accepted: the
-    workers always persist until ``close()``, and batches always come in
-    order). Each worker uses one PyTorch thread and has its global
-    generators seeded from a base seed drawn here and its index, as
-    DataLoader's workers. Instead of a sampler: ``seed`` (the shuffled order
-    of each epoch is keyed by ``seed`` and the epoch) and ``shard``
-    (``(rank, world_size)`` or ``"auto"`` from torchrun's environment; shards
-    are padded to equal length, as DistributedSampler's). Also ``device``
-    (CUDA tensors, copied on a side stream; see
-    :class:`~extsrc.torch.TorchLoader`) and ``pickler`` (for spawn: see
-    :class:`~extsrc.ParallelSource`), and ``concurrency``: samples in flight
-    per worker, for a dataset that waits on storage: its ``__getitem__`` runs
-    on that many threads per worker, or, if the dataset has ``async def
-    getitem_async(index)``, that is awaited instead (default collation only).
+    page-locked once: no pinning copy; without CUDA a warning, as DataLoader
+    gives). ``persistent_workers`` is accepted, but the workers always
+    persist until ``close()`` (with their copy of the dataset as it was at
+    the first loop); ``in_order=False`` is refused (batches always come in
+    order). Each worker uses one PyTorch thread and has its global generators
+    seeded from a base seed drawn here and its index, as DataLoader's
+    workers. An error loading a batch (in ``dataset[i]`` or ``collate_fn``)
+    is raised at that batch, and the loop goes on with the next one, as
+    DataLoader's.
 
-    The workers start here (a DataLoader starts them at the first loop): with
-    ``fork``, make the loader before CUDA is initialised (before
-    ``model.cuda()``), or use ``multiprocessing_context="spawn"``. Close the
-    loader (``close()`` or ``with``) to stop its workers. Raises
-    ``TypeError`` for DataLoader arguments that do not map here, saying what
-    to use instead; what the dataset raises, or a sample default collation
-    cannot carry, is raised at its batch.
+    Without a ``sampler``, ``batch_sampler`` or ``generator``, the order is
+    the loader's own :class:`extsrc.Order` (the fast path: the batches are
+    collated in shared memory by the workers): ``seed`` (the shuffled order
+    of each epoch is keyed by ``seed`` and the epoch) and ``shard``
+    (``(rank, world_size)`` or ``"auto"`` from torchrun's environment;
+    shards are padded to equal length, as DistributedSampler's). With one,
+    the sampler is iterated in this process when each loop begins, as
+    DataLoader's iterator does (a ``generator`` with ``shuffle=True`` gives
+    ``RandomSampler``'s order, as DataLoader's; ``seed``/``shard`` are then
+    refused), the workers load each batch of its indices and ``collate_fn``
+    (``default_collate`` by default) makes the batch in the worker; an
+    infinite sampler is not supported. Also ``device`` (CUDA tensors,
+    copied on a side stream; see :class:`~extsrc.torch.TorchLoader`) and
+    ``pickler`` (for spawn: see :class:`~extsrc.ParallelSource`), and
+    ``concurrency``: samples in flight per worker, for a dataset that waits
+    on storage: its ``__getitem__`` runs on that many threads per worker,
+    or, if the dataset has ``async def getitem_async(index)``, that is
+    awaited instead (default collation, no sampler).
+
+    The workers start at the first loop, as a DataLoader's (with ``fork``,
+    before CUDA is initialised, or use ``multiprocessing_context="spawn"``;
+    ``device=``/``pin_memory=True`` with CUDA start them when the loader is
+    made). Close the loader (``close()`` or ``with``) to stop its workers.
+    Raises ``TypeError`` for DataLoader arguments that do not map here,
+    saying what to use instead, and ``ValueError`` for the combinations
+    DataLoader refuses; what the dataset raises, or a sample default
+    collation cannot carry, is raised at its batch.
     """
     for name in dataloader_kwargs:
         if name in _NOT_MAPPED:
@@ -563,9 +796,22 @@ def from_dataset(
     if iterable and shuffle not in (None, False) and not isinstance(dataset, IterDataPipe):
         raise ValueError(f"DataLoader with IterableDataset: expected unspecified shuffle option, "
                          f"but got shuffle={shuffle}: each worker iterates its copy of the dataset")
+    if iterable and (sampler is not None or batch_sampler is not None):
+        given = "sampler" if sampler is not None else "batch_sampler"
+        raise ValueError(f"DataLoader with IterableDataset: expected unspecified {given} option, "
+                         f"but got {given}={sampler if sampler is not None else batch_sampler!r}: "
+                         "each worker iterates its copy of the dataset")
+    if sampler is not None and shuffle:
+        raise ValueError("sampler option is mutually exclusive with shuffle: the sampler decides "
+                         "the order; give shuffle=None")
+    if batch_sampler is not None:
+        if batch_size != 1 or shuffle or sampler is not None or drop_last:
+            raise ValueError("batch_sampler option is mutually exclusive with batch_size, shuffle, "
+                             "sampler, and drop_last: the batch_sampler gives each batch's indices")
+        batch_size, drop_last = None, False
     if collate_fn is not None and not callable(collate_fn):
         raise TypeError(f"collate_fn must be a callable or None, got {type(collate_fn).__name__}")
-    if batch_size is None and drop_last:
+    if batch_size is None and drop_last and batch_sampler is None:
         raise ValueError("batch_size=None option disables auto-batching and is mutually exclusive "
                          "with drop_last")
     shuffle = bool(shuffle) if shuffle is None else shuffle
@@ -573,6 +819,10 @@ def from_dataset(
                         ("persistent_workers", persistent_workers), ("in_order", in_order)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
+    if not in_order:
+        raise ValueError(
+            "in_order=False: from_dataset always hands batches out in order (a batch that is "
+            "slow to load holds back the ones after it); give in_order=True (the default)")
     if num_workers == 0 and prefetch_factor is not None:
         raise ValueError("prefetch_factor option could only be specified in multiprocessing: give "
                          "num_workers > 0, or prefetch_factor=None")
@@ -599,31 +849,42 @@ def from_dataset(
     # As DataLoader draws its workers' base seed (from `generator` if given, else PyTorch's global
     # generator); with a generator and no seed=, the shuffled order is drawn from it too.
     base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-    if generator is not None and seed == 0 and shuffle:
-        seed = int(torch.randint(1 << 31, (), generator=generator).item())
+    # A user's sampler, or a shuffle drawn from a user's generator (RandomSampler's order, as
+    # DataLoader's), is iterated in this process at each loop, and the workers get its indices.
+    sampled = not iterable and (sampler is not None or batch_sampler is not None
+                                or (bool(shuffle) and generator is not None))
+    if sampled and (seed != 0 or shard is not None):
+        raise ValueError(
+            f"seed={seed!r} and shard={shard!r} decide the order of the loader's own extsrc.Order; "
+            "with a sampler, batch_sampler or generator= the sampler decides it: give one or the other")
     if isinstance(dataset, IterDataPipe):  # DataLoader hands its shuffle setting to a datapipe
         from torch.utils.data import graph_settings
 
         dataset = graph_settings.apply_shuffle_settings(dataset, shuffle=bool(shuffle))
         shuffle = None
     order: Optional[Order] = None
-    if not iterable:
+    if not iterable and not sampled:
         records = len(dataset)
         if records == 0:
             raise ValueError("the dataset is empty (len(dataset) == 0)")
         order = Order(records, shuffle=bool(shuffle), seed=seed, shard=shard, remainder="pad")
     # The samples collated in shared memory (the fast path), or whole batches, each made by a
     # collate_fn in a worker: then the source's order is one of batches, one per source batch.
-    default = collate_fn in (None, default_collate) and batch_size is not None
-    if batch_size is None:
+    default = collate_fn in (None, default_collate) and batch_size is not None and not sampled
+    if batch_size is None and batch_sampler is None:
         collate_fn = default_convert if collate_fn is None else collate_fn
     else:
         collate_fn = default_collate if collate_fn is None else collate_fn
-    sampler = None if iterable else RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
+    if sampler is None and not iterable:
+        sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+    if batch_sampler is None and batch_size is not None and not iterable:
+        batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+    index_sampler = None
+    if sampled:
+        index_sampler = batch_sampler if batch_sampler is not None else sampler
     attributes = dict(
         dataset=dataset, batch_size=batch_size, drop_last=drop_last, sampler=sampler,
-        batch_sampler=None if batch_size is None or sampler is None else BatchSampler(sampler, batch_size,
-                                                                               drop_last),
+        batch_sampler=batch_sampler,
         num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory, timeout=timeout,
         worker_init_fn=worker_init_fn,
         prefetch_factor=None if num_workers == 0 else prefetch_factor or DEFAULT_PREFETCH_FACTOR,
@@ -633,7 +894,7 @@ def from_dataset(
     if num_workers == 0:
         in_process = InProcessLoader(dataset, order, batch_size, drop_last,
                                      None if default else collate_fn)
-        in_process._describe(attributes, order)
+        in_process._describe(attributes, order, index_sampler)
         return in_process
     if concurrency != 1 and (iterable or num_workers == 0):
         raise ValueError(
@@ -646,6 +907,11 @@ def from_dataset(
             WorkerStart(dataset, base_seed, worker_init_fn))
         iterable_loader._describe(attributes, order)
         return iterable_loader
+    if sampled:
+        return _sampled_loader(dataset, collate_fn, batch_sampler is not None, index_sampler,
+                               attributes, num_workers, start_method, pickler, prefetch_factor,
+                               timeout, concurrency, device, pin_memory,
+                               WorkerStart(dataset, base_seed, worker_init_fn))
     assert order is not None, "a map-style dataset has an order"
     if default:
         samples = AsyncDatasetSamples if is_async(getattr(dataset, "getitem_async", None)) else DatasetSamples
@@ -690,11 +956,6 @@ def from_dataset(
             f"batch_size={batch_size} with drop_last=True; give drop_last=False or a batch_size "
             f"of at most {len(order)} (a DataLoader would yield no batch at all)"
         ) from None
-    try:
-        source.start()  # now, so that a loader made before CUDA is initialised can fork
-    except BaseException:
-        source.close()
-        raise
     loader = DatasetLoader._owning(source, device=device,
                                    pin_memory=pin_memory and torch.cuda.is_available(),
                                    rebuild=Collation() if default else unpack_whole)

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, get_worker_info
 
 from extsrc.torch import from_dataset
 
-from sample_datasets import ShardedStream, shard_by_worker_init
+from sample_datasets import Records, ShardedStream, shard_by_worker_init
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from faultkit import run_isolated  # noqa: E402
@@ -404,3 +404,161 @@ def test_a_namedtuple_class_pickle_cannot_find_by_name_still_gives_its_fields():
     assert [type(b).__name__ for b in batches] == ["Pair", "Pair"]
     assert [b.value.tolist() for b in batches] == [[0, 1], [2, 3]]
     assert [b.name for b in batches] == [("0", "1"), ("2", "3")]
+
+
+def _both(dataset, epochs=1, **kwargs):
+    """The batches of ``epochs`` loops of from_dataset and of a DataLoader, given ``kwargs``."""
+    ours, theirs = [], []
+    with from_dataset(dataset, **kwargs) as loader:
+        for _ in range(epochs):
+            ours.append([_as_lists(batch) for batch in loader])
+    reference = DataLoader(dataset, **kwargs)
+    for _ in range(epochs):
+        theirs.append([_as_lists(batch) for batch in reference])
+    return ours, theirs
+
+
+def _as_lists(batch):
+    if isinstance(batch, torch.Tensor):
+        return batch.tolist()
+    if isinstance(batch, (list, tuple)):
+        return [_as_lists(part) for part in batch]
+    return batch
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_sampler_decides_the_indices_of_each_batch(num_workers):
+    # A plain iterable of indices, in an order no shuffle would give, and fewer than the records.
+    ours, theirs = _both(Records(20), epochs=2, sampler=[7, 3, 3, 19, 0, 11, 5], batch_size=3,
+                         num_workers=num_workers)
+    assert ours == theirs
+    assert [b[1] for b in ours[0]] == [[7, 3, 3], [19, 0, 11], [5]]
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_batch_sampler_gives_batches_of_its_own_sizes(start_method):
+    batches = [(0, 1), (2, 3, 4), (9,), (5, 6, 7, 8)]
+    with from_dataset(Records(10), batch_sampler=batches, num_workers=2,
+                      multiprocessing_context=start_method) as loader:
+        assert len(loader) == 4 and loader.batch_size is None and loader.batch_sampler is batches
+        labels = [batch[1].tolist() for batch in loader]
+    assert labels == [list(b) for b in batches]
+
+
+def test_a_random_sampler_with_replacement_sets_len_and_the_batches():
+    sampler = torch.utils.data.RandomSampler(Records(10), replacement=True, num_samples=15,
+                                             generator=torch.Generator().manual_seed(5))
+    with from_dataset(Records(10), batch_size=4, sampler=sampler, num_workers=2) as loader:
+        assert len(loader) == 4  # 15 samples in batches of 4, as a DataLoader counts them
+        sizes = [len(batch[1]) for batch in loader]
+    assert sizes == [4, 4, 4, 3]
+
+
+def test_distributed_samplers_with_drop_last_cover_each_record_once():
+    from torch.utils.data.distributed import DistributedSampler
+
+    seen = []
+    for rank in range(4):
+        sampler = DistributedSampler(Records(9), num_replicas=4, rank=rank, shuffle=False)
+        with from_dataset(Records(9), batch_size=2, drop_last=True, sampler=sampler,
+                          num_workers=2) as loader:
+            seen += [label for batch in loader for label in batch[1].tolist()]
+    assert sorted(seen) == list(range(8))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_shuffle_with_a_generator_gives_a_dataloaders_order_every_epoch(num_workers, persistent_workers):
+    if num_workers == 0 and persistent_workers:
+        pytest.skip("persistent_workers needs workers")
+    ours, theirs = [], []
+    for make, out in ((from_dataset, ours), (DataLoader, theirs)):
+        loader = make(Records(23), batch_size=4, shuffle=True, num_workers=num_workers,
+                      persistent_workers=persistent_workers,
+                      generator=torch.Generator().manual_seed(11))
+        out += [[batch[1].tolist() for batch in loader] for _ in range(3)]
+        if hasattr(loader, "close"):
+            loader.close()
+    assert ours == theirs and ours[0] != ours[1]
+
+
+class _StartChecked(torch.utils.data.Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        assert self.start == 0, "the workers have the dataset as it was when the loop began"
+        return i
+
+
+def test_workers_start_at_the_first_loop_and_see_the_dataset_as_it_was_then():
+    dataset = _StartChecked()  # no `start` yet: a worker started now would fail
+    with from_dataset(dataset, batch_size=2, num_workers=2, persistent_workers=True) as loader:
+        assert loader.source.worker_pids() == []
+        dataset.start = 0
+        for epoch in range(3):
+            assert torch.cat(list(loader)).tolist() == list(range(6))
+            dataset.start = epoch + 1  # persistent workers keep the copy they started with
+
+
+class _FailsEveryFifth(torch.utils.data.Dataset):
+    def __len__(self):
+        return 23
+
+    def __getitem__(self, i):
+        if i % 5 == 2:
+            raise NotImplementedError(f"record {i}")
+        return i
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(shuffle=True), dict(sampler=list(range(23))[::-1])])
+def test_an_error_in_a_worker_fails_its_batch_and_the_loop_goes_on(kwargs):
+    # As a DataLoader's: each failing batch raises, the others come, the epoch ends after the
+    # last batch, and the next epoch runs on the same workers.
+    with from_dataset(_FailsEveryFifth(), batch_size=3, num_workers=2, **kwargs) as loader:
+        for _ in range(2):
+            it, labels, errors = iter(loader), [], 0
+            while True:
+                try:
+                    labels += next(it).tolist()
+                except NotImplementedError:
+                    errors += 1
+                except StopIteration:
+                    break
+            assert errors + len(labels) // 3 + (len(labels) % 3 > 0) == 8  # ceil(23 / 3) batches
+            assert errors > 0 and all(label % 5 != 2 for label in labels)
+            assert len(set(labels)) == len(labels)
+
+
+def test_in_process_state_dict_resumes_at_the_next_batch_of_the_epoch():
+    def loader():
+        return from_dataset(Records(14), batch_size=3, shuffle=True, seed=4, num_workers=0)
+
+    first = loader()
+    list(first)  # epoch 0
+    it = iter(first)
+    taken = [next(it)[1].tolist() for _ in range(2)]
+    state = first.state_dict()
+    rest = [batch[1].tolist() for batch in it]
+    again = loader()
+    again.load_state_dict(state)
+    assert [batch[1].tolist() for batch in again] == rest
+    assert len(taken) + len(rest) == 5
+
+
+def test_state_dict_is_refused_with_a_sampler_rather_than_resuming_elsewhere():
+    with from_dataset(Records(8), batch_size=2, sampler=[3, 1, 2], num_workers=1) as loader:
+        with pytest.raises(TypeError, match="cannot be drawn again"):
+            loader.state_dict()
+
+
+def test_a_failing_worker_init_fn_is_the_error_raised_not_a_later_one():
+    # The loop must not try to go on past a setup failure (the workers are gone): the error
+    # raised is the worker_init_fn's, not one from a retry on the shut-down workers.
+    from extsrc.errors import PoolClosedError, WorkerDiedError
+
+    for _ in range(3):
+        with from_dataset(_Growing(), batch_size=2, num_workers=2, worker_init_fn=_refuses) as loader:
+            with pytest.raises(RuntimeError, match="no setup in worker") as raised:
+                list(loader)
+            assert not isinstance(raised.value, (PoolClosedError, WorkerDiedError))

@@ -113,8 +113,12 @@ class _Stream(torch.utils.data.IterableDataset):
 
 @pytest.mark.parametrize("dataset, kwargs, error, match", [
     (Records(4), dict(collate_fn=3), TypeError, "collate_fn must be a callable"),
-    (Records(4), dict(sampler=[0, 1]), TypeError, "sampler=: give shuffle="),
+    (Records(4), dict(sampler=[0, 1], shuffle=True), ValueError, "mutually exclusive with shuffle"),
+    (Records(4), dict(batch_sampler=[[0, 1]]), ValueError, "batch_sampler option is mutually"),
+    (Records(4), dict(sampler=[0, 1], seed=3), ValueError, "the sampler decides"),
+    (_Stream(), dict(sampler=[0, 1]), ValueError, "IterableDataset: expected unspecified sampler"),
     (Records(4), dict(generator=3), TypeError, "generator must be a torch.Generator"),
+    (Records(4), dict(in_order=False), ValueError, "in_order=False: from_dataset always hands"),
     (Records(4), dict(colate_fn=None), TypeError, "unexpected keyword argument 'colate_fn'"),
     (Records(4), dict(num_workers=0, persistent_workers=True), ValueError, "num_workers > 0"),
     (Records(4), dict(batch_size=None, drop_last=True), ValueError, "batch_size=None"),
@@ -130,7 +134,7 @@ def test_what_does_not_map_is_refused_saying_what_to_do(dataset, kwargs, error, 
 
 def test_dataloader_arguments_that_map_are_taken():
     with from_dataset(Records(12), batch_size=4, num_workers=2, prefetch_factor=3, timeout=30,
-                      persistent_workers=False, in_order=False, pin_memory=False,
+                      persistent_workers=False, in_order=True, pin_memory=False,
                       multiprocessing_context="fork") as loader:
         assert loader.source.prefetch == 6 and loader.source.timeout == 30
         assert _labels(loader) == list(range(12))
