@@ -66,3 +66,35 @@ def test_a_failing_sample_of_the_next_batch_names_itself_after_the_current_batch
             next(it)
     assert f"idx_in_epoch={failing}," in str(caught.value.__cause__)
     assert not isinstance(caught.value, SourceTimeoutError)
+
+
+class PairsOverlap:
+    """Each odd batch waits until a sample of the next batch has started, then every sample
+    waits ``WAIT_S``: two batches' samples are in flight together, by construction."""
+
+    WAIT_S = 0.05
+
+    def __init__(self):
+        self.started = None
+
+    async def __call__(self, info):
+        if self.started is None:
+            self.started = {}
+        event = self.started.setdefault(info.iteration, asyncio.Event())
+        event.set()
+        if info.iteration % 2 == 1:
+            await self.started.setdefault(info.iteration + 1, asyncio.Event()).wait()
+        await asyncio.sleep(self.WAIT_S)
+        return np.full(2, info.idx_in_epoch, np.int64)
+
+
+def test_stats_count_two_batches_in_flight_together_once():
+    with ParallelSource(PairsOverlap(), BATCH, num_workers=1, concurrency=2 * BATCH, prefetch=3,
+                        timeout=TIMEOUT_S) as source:
+        epoch = iter(source)
+        for _ in range(9):
+            next(epoch)
+        stats = source.stats()
+    # batch 0 alone (BATCH in flight), then pairs (2 * BATCH): the worker's busy time is
+    # counted once, so the mean is above one batch's samples
+    assert BATCH < stats.in_flight_mean <= 2 * BATCH + 0.01, stats.in_flight_mean

@@ -270,6 +270,7 @@ class SourceRunner:
         self.engine: Any = None
         self.call_batch = callback
         self.sample_limit_s = None if setup.timeout is None else setup.timeout * SAMPLE_TIMEOUT_SHARE
+        self.busy_until = 0  # the clock at the end of the last task whose busy time was counted
         if is_async(callback):
             self.engine = AsyncEngine(callback, setup.concurrency)
             self.call_batch = self.engine.call
@@ -343,7 +344,11 @@ class SourceRunner:
     def _conclude(self, task: Task, write: Any, records: Sequence[int], stopped: bool,
                   began: int, outcome: Any) -> Result:
         """The result of a task the engine ran, from its outcome."""
-        busy = self.clock() - began
+        ended = self.clock()
+        # Tasks that overlap (run_overlapping) count the worker's busy time once: each counts
+        # only its time after the end of the last one counted.
+        busy = max(0, ended - max(began, self.busy_until))
+        self.busy_until = max(self.busy_until, ended)
         count = len(records)
         event = outcome.event
         if event is not None:
