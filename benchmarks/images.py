@@ -132,8 +132,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--images-dir", metavar="PATH",
                        help=f"cache folder of the image sets (default {imageset.default_root()})")
     group.add_argument("--plot", metavar="PATH",
-                       help="also draw the images/s as a bar chart into PATH (.png, .svg, .pdf; "
-                            "needs matplotlib)")
+                       help="also draw the images/s (--images) or the samples/s (--remote) as "
+                            "a bar chart into PATH (.png, .svg, .pdf; needs matplotlib)")
 
 
 def targets_text() -> str:

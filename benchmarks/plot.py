@@ -53,3 +53,46 @@ def image_chart(path: str, title: str, rows: List[Any], reference: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=150)
     plt.close(figure)
+
+
+def remote_chart(path: str, title: str, panels: List[Any], reference: str, ceiling: str) -> None:
+    """Draws ``bench --remote``: one panel per row of objects, the samples/s of each loader.
+
+    ``panels`` are ``(heading, [(loader, name, samples_per_s or None), ...])``;
+    the ``reference`` loader's bar is highlighted, the ``ceiling`` loader (the
+    server's own rate) is drawn as a dashed line too, and each bar is labelled
+    with its rate and its share of the ceiling. The format follows the suffix
+    of ``path``. Raises ``ImportError`` without matplotlib.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    count = max(len(bars) for _, bars in panels)
+    figure, all_axes = plt.subplots(len(panels), 1, figsize=(9, len(panels) * (0.42 * count + 1.2) + 0.6),
+                                    squeeze=False)
+    for axes, (heading, bars) in zip(all_axes[:, 0], panels):
+        names = [textwrap.fill(name, LABEL_WIDTH + 16) for _, name, _ in bars]
+        values = [rate or 0.0 for _, _, rate in bars]
+        colours = [MISSING_COLOUR if rate is None else REFERENCE_COLOUR if loader == reference
+                   else OTHER_COLOUR for loader, _, rate in bars]
+        positions = list(range(len(bars)))[::-1]  # the first loader on top
+        axes.barh(positions, values, color=colours)
+        axes.set_yticks(positions, names, fontsize=7)
+        axes.set_title(heading, fontsize=8)
+        axes.set_xlabel("samples/s (median)", fontsize=8)
+        top = max(values + [1.0])
+        roof = next((rate for loader, _, rate in bars if loader == ceiling and rate), None)
+        if roof:
+            axes.axvline(roof, color="#c53030", linestyle="--", linewidth=1)
+        for position, value, (_, _, rate) in zip(positions, values, bars):
+            caption = "not run" if rate is None else f"{value:,.0f}"
+            if rate is not None and roof:
+                caption += f"  ({value / roof:.2f} of the ceiling)"
+            axes.text(value + top * 0.01, position, caption, va="center", fontsize=7)
+        axes.set_xlim(0, top * 1.45)  # room for the captions
+    figure.suptitle(textwrap.fill(title, TITLE_WIDTH), fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=150)
+    plt.close(figure)

@@ -243,6 +243,9 @@ def run(args: argparse.Namespace, seconds: float, warmup_s: float, repeat: int) 
     if not installed("aiohttp"):
         print("extsrc bench: --remote needs aiohttp (pip install 'extsrc[remote]')", file=sys.stderr)
         return 2
+    if getattr(args, "plot", None) and not installed("matplotlib"):
+        print("extsrc bench: --plot needs matplotlib (pip install 'extsrc[bench]')", file=sys.stderr)
+        return 2
     loaders = [loader for loader in LOADERS
                if not (loader in (TORCH_2, TORCH_MANY) and not installed("torch"))
                and not (loader in (DALI, EXTSRC_DALI) and not installed("nvidia.dali"))]
@@ -276,6 +279,9 @@ def run(args: argparse.Namespace, seconds: float, warmup_s: float, repeat: int) 
         print(table(row, runs))
         print()
     print("targets:\n" + TARGETS_TEXT)
+    if getattr(args, "plot", None):
+        chart(args.plot, runs, load_start[0], os.getloadavg()[0])
+        print(f"\nplot: {os.path.abspath(args.plot)}")
     if getattr(args, "json", None):
         import json
 
@@ -284,6 +290,19 @@ def run(args: argparse.Namespace, seconds: float, warmup_s: float, repeat: int) 
     for failure in failures:
         print(f"  failed: {failure}", file=sys.stderr)
     return 1 if failures else 0
+
+
+def chart(path: str, runs: Dict[Tuple[str, str], List[Dict[str, Any]]], load_start: float,
+          load_end: float) -> None:
+    """Draws the rows' samples/s to ``path`` (PNG, SVG, ...: the suffix decides); needs matplotlib."""
+    from extsrc.bench.plot import remote_chart
+
+    panels = [(f"{row.key}: {row.describe()}",
+               [(loader, NAMES[loader], _median(runs, row.key, loader, "samples_per_s"))
+                for loader in LOADERS]) for row in ROWS]
+    title = (f"extsrc bench --remote on {os.cpu_count()} CPUs (load average {load_start:.1f} at "
+             f"start, {load_end:.1f} at end); dashed: the server's ceiling")
+    remote_chart(path, title, panels, EXTSRC_ASYNC, CEILING)
 
 
 def _median(runs: Dict[Tuple[str, str], List[Dict[str, Any]]], row: str, loader: str,

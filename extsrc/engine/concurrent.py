@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import queue
 import sys
 import threading
@@ -111,15 +112,13 @@ class AsyncEngine:
     def __init__(self, callback: Callable[[Any], Any], concurrency: int):
         self.callback = callback
         self.concurrency = concurrency
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._busy = 0  # calls in flight, over all the runs sharing the limit (run_shared)
+        self._room: List["asyncio.Future[None]"] = []  # runs waiting for a call to end
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
-        """The worker's event loop, made on first use (never inherited through a fork)."""
-        if self._loop is None:
-            asyncio.events._set_running_loop(None)  # a fork from inside a running loop leaves its mark
-            self._loop = asyncio.new_event_loop()
-        return self._loop
+        """The worker's event loop (see :func:`worker_loop`)."""
+        return worker_loop()
 
     def call(self, argument: Any) -> Any:
         """One call awaited to its end (batch mode); ``StopIteration`` raised inside the
@@ -130,7 +129,24 @@ class AsyncEngine:
         return value
 
     def run(self, jobs: Iterable[Job], deliver: Deliver, limit_s: Optional[float]) -> Outcome:
-        return self.loop.run_until_complete(self._run(iter(jobs), deliver, limit_s))
+        return self.loop.run_until_complete(self._run(iter(jobs), deliver, limit_s, False))
+
+    async def run_shared(self, jobs: Iterable[Job], deliver: Deliver,
+                         limit_s: Optional[float]) -> Outcome:
+        """:meth:`run` as a coroutine on the running loop, for runs that overlap (the tasks
+        of one worker): all of them together keep at most ``concurrency`` calls in flight,
+        and a run started earlier gets the room a finished call frees first."""
+        return await self._run(iter(jobs), deliver, limit_s, True)
+
+    def _has_room(self, flying: int, shared: bool) -> bool:
+        return (self._busy if shared else flying) < self.concurrency
+
+    def _freed(self, _task: Any) -> None:
+        self._busy -= 1
+        waiting, self._room = self._room, []
+        for future in waiting:  # in the order they began to wait: earlier runs first
+            if not future.done():
+                future.set_result(None)
 
     async def _one(self, argument: Any) -> Tuple[Any, int]:
         began = time.perf_counter_ns()
@@ -142,7 +158,8 @@ class AsyncEngine:
             value = _ENDED  # the coroutine raised StopIteration: the end of the epoch
         return value, time.perf_counter_ns() - began
 
-    async def _run(self, jobs: Any, deliver: Deliver, limit_s: Optional[float]) -> Outcome:
+    async def _run(self, jobs: Any, deliver: Deliver, limit_s: Optional[float],
+                   shared: bool) -> Outcome:
         loop = asyncio.get_running_loop()
         run = _Run(deliver)
         flying: Dict["asyncio.Task[Any]", Tuple[int, float]] = {}  # task -> (position, started)
@@ -150,7 +167,7 @@ class AsyncEngine:
         exhausted = False
         try:
             while True:
-                while not exhausted and len(flying) < self.concurrency:
+                while not exhausted and self._has_room(len(flying), shared):
                     job = next(jobs, None)
                     if job is None or not run.wanted(job[0]):
                         exhausted = True
@@ -158,9 +175,17 @@ class AsyncEngine:
                     position, argument = job
                     task = loop.create_task(self._one(argument))
                     task.add_done_callback(finished.put_nowait)  # O(1) per sample, unlike wait()
+                    if shared:
+                        self._busy += 1
+                        task.add_done_callback(self._freed)
                     flying[task] = (position, loop.time())
                 if not flying:
-                    return run.outcome()
+                    if exhausted:
+                        return run.outcome()
+                    room = loop.create_future()  # the other runs hold every call: wait for one
+                    self._room.append(room)
+                    await room
+                    continue
                 if finished.empty() and limit_s is not None:
                     timeout = max(0.0, min(s for _, s in flying.values()) + limit_s - loop.time())
                     first = None
@@ -210,6 +235,20 @@ class AsyncEngine:
             if now - started >= limit_s and run.wanted(position) and not task.done():
                 run.cut(Event(position, Hung(now - started, _task_stack(task)), True))
                 return
+
+
+_loop: Optional[asyncio.AbstractEventLoop] = None
+_loop_pid = 0
+
+
+def worker_loop() -> asyncio.AbstractEventLoop:
+    """This process's event loop for callbacks, shared by its sources; made on first use,
+    never inherited through a fork (a child makes its own)."""
+    global _loop, _loop_pid
+    if _loop is None or _loop_pid != os.getpid():
+        asyncio.events._set_running_loop(None)  # a fork from inside a running loop leaves its mark
+        _loop, _loop_pid = asyncio.new_event_loop(), os.getpid()
+    return _loop
 
 
 def _task_stack(task: "asyncio.Task[Any]") -> str:

@@ -270,6 +270,7 @@ class SourceRunner:
         self.engine: Any = None
         self.call_batch = callback
         self.sample_limit_s = None if setup.timeout is None else setup.timeout * SAMPLE_TIMEOUT_SHARE
+        self.busy_until = 0  # the clock at the end of the last task whose busy time was counted
         if is_async(callback):
             self.engine = AsyncEngine(callback, setup.concurrency)
             self.call_batch = self.engine.call
@@ -289,6 +290,34 @@ class SourceRunner:
     def _run_concurrent(self, task: Task) -> Result:
         """Up to ``concurrency`` samples of the task in flight (see :mod:`extsrc.engine.concurrent`);
         each is written as soon as it is back; the outcome is that of a sequential run."""
+        jobs, deliver, conclude = self._plan_concurrent(task)
+        try:
+            outcome = self.engine.run(jobs, deliver, self.sample_limit_s)
+        except BaseException as exc:  # a bug in the engine: fail the task rather than the worker
+            return self._failed(task, task.start, None, exc, from_callback=False)
+        return conclude(outcome)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether this source's tasks may run together in the worker (:meth:`run_overlapping`):
+        an ``async def`` callback in sample mode, whose samples share the worker's event loop."""
+        return self.setup.kind == SAMPLE and isinstance(self.engine, AsyncEngine)
+
+    async def run_overlapping(self, task: Task) -> Result:
+        """:meth:`run` as a coroutine on the worker's event loop, for a source that
+        :attr:`overlaps`: the worker starts the samples of its next task while this one's are
+        in flight, all of them within the one ``concurrency`` of the worker. The task's result
+        is the same as :meth:`run`'s; only the timing differs."""
+        jobs, deliver, conclude = self._plan_concurrent(task)
+        try:
+            outcome = await self.engine.run_shared(jobs, deliver, self.sample_limit_s)
+        except Exception as exc:  # a bug in the engine: fail the task rather than the worker
+            return self._failed(task, task.start, None, exc, from_callback=False)
+        return conclude(outcome)
+
+    def _plan_concurrent(self, task: Task) -> Tuple[Any, Any, Any]:
+        """``(jobs, deliver, conclude)`` of a task run by the engine: its samples as jobs, where
+        each one goes when it is back, and the task's result from the engine's outcome."""
         base = task.iteration * self.setup.batch_size
         records, stopped = self._records(task.epoch_idx, base + task.start, base + task.stop)
         seed, iteration, epoch_idx = self.seed, task.iteration, task.epoch_idx
@@ -309,11 +338,17 @@ class SourceRunner:
                                              record, seed)))
                 for position, record in zip(range(task.start, task.stop), records))
         began = self.clock()
-        try:
-            outcome = self.engine.run(jobs, deliver, self.sample_limit_s)
-        except BaseException as exc:  # a bug in the engine: fail the task rather than the worker
-            return self._failed(task, task.start, None, exc, from_callback=False)
-        busy = self.clock() - began
+        return jobs, deliver, lambda outcome: self._conclude(task, write, records, stopped, began,
+                                                             outcome)
+
+    def _conclude(self, task: Task, write: Any, records: Sequence[int], stopped: bool,
+                  began: int, outcome: Any) -> Result:
+        """The result of a task the engine ran, from its outcome."""
+        ended = self.clock()
+        # Tasks that overlap (run_overlapping) count the worker's busy time once: each counts
+        # only its time after the end of the last one counted.
+        busy = max(0, ended - max(began, self.busy_until))
+        self.busy_until = max(self.busy_until, ended)
         count = len(records)
         event = outcome.event
         if event is not None:

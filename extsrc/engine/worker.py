@@ -19,6 +19,7 @@ the last write end closes (see :class:`extsrc.engine.workers.Lifeline`).
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import fcntl
 import os
@@ -26,10 +27,11 @@ import resource
 import select
 import signal
 import traceback
-from typing import Dict, Optional
+from typing import Any, Dict, List, Optional, Set
 
 from extsrc import forking
 from extsrc.engine.channel import Channel
+from extsrc.engine.concurrent import AsyncEngine, worker_loop
 from extsrc.engine.protocol import AddSlot, DropSlot, SetupFailed, Stop, Task, WorkerSetup
 from extsrc.engine.runner import SourceRunner, load_source
 
@@ -109,6 +111,11 @@ def worker_main(setup: WorkerSetup, channel: Channel, lifeline: LifelineEnd) -> 
         except OSError:
             pass
         return
+    if any(runner.overlaps for runner in runners.values()) and not any(
+            isinstance(runner.engine, AsyncEngine) and not runner.overlaps
+            for runner in runners.values()):  # an async batch-mode callback runs the loop itself
+        _serve_overlapping(channel, runners, setup.index)
+        return
     while True:
         try:
             message, fds = channel.recv()
@@ -127,3 +134,79 @@ def worker_main(setup: WorkerSetup, channel: Channel, lifeline: LifelineEnd) -> 
             runners[message.source_id].writer.drop_slot(message.slot_id)
         elif isinstance(message, Stop):
             return
+
+
+def _serve_overlapping(channel: Channel, runners: Dict[int, SourceRunner], index: int) -> None:
+    """The worker's loop when its sources' samples share the event loop (``async def`` callbacks
+    in sample mode): each task runs as a coroutine from the moment it arrives, so that the
+    samples of the next task start while the current one's are in flight, and its result is
+    sent as soon as its own samples are back (tasks of one batch, or of the next, may finish
+    in any order: the pool matches results by ticket). Other sources' tasks run to their end
+    where they arrive. Messages are read in the order sent, so a slot is added before a task
+    writes into it."""
+    loop = worker_loop()
+    ended = loop.create_future()
+    running: Set["asyncio.Task[None]"] = set()
+
+    def end() -> None:
+        if not ended.done():
+            ended.set_result(None)
+
+    def send(result: Any) -> None:
+        try:
+            channel.send(result)
+        except OSError:
+            end()
+
+    failures: List[BaseException] = []  # raised in a callback of the loop: ends the worker
+
+    async def run(runner: SourceRunner, task: Task) -> None:
+        try:
+            send(await runner.run_overlapping(task))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            failures.append(exc)
+            end()
+
+    def readable() -> None:
+        try:
+            message, fds = channel.recv()
+        except (EOFError, OSError):
+            end()
+            return
+        try:
+            handle(message, fds)
+        except BaseException as exc:
+            failures.append(exc)
+            end()
+
+    def handle(message: Any, fds: List[int]) -> None:
+        if isinstance(message, Task):
+            runner = runners[message.source_id]
+            if runner.overlaps:
+                job = loop.create_task(run(runner, message))
+                running.add(job)
+                job.add_done_callback(running.discard)
+            else:
+                send(runner.run(message))
+        elif isinstance(message, AddSlot):
+            runners[message.source_id].writer.add_slot(message.slot_id, fds[0], fds[1],
+                                                       message.kind, index)
+        elif isinstance(message, DropSlot):
+            runners[message.source_id].writer.drop_slot(message.slot_id)
+        elif isinstance(message, Stop):
+            end()
+
+    loop.add_reader(channel.fileno(), readable)
+    try:
+        loop.run_until_complete(ended)
+    finally:
+        loop.remove_reader(channel.fileno())
+        left = list(running)
+        for job in left:
+            job.cancel()
+        if left:
+            loop.run_until_complete(asyncio.wait(left))
+    if failures:
+        raise failures[0]
