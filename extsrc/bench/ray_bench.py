@@ -81,7 +81,7 @@ def open_ray_loader(loader: str, workload: str, workers: int) -> Opened:
     def figures() -> Dict[str, Any]:
         if cluster is None:
             return {}
-        actors = source.pool.actors()
+        actors = source.pool.workers_backend.actors()
         total = sum(a.samples for a in actors) or 1
         shares: Dict[str, float] = {}
         for actor in actors:

@@ -1,6 +1,6 @@
 """A worker of the Ray backend: a Ray actor that runs the callbacks and returns the samples.
 
-:class:`SourceActor` is what :class:`~extsrc.ray.RayPool` makes remote. It
+:class:`SourceActor` is what :class:`~extsrc.ray.RayBackend` makes remote. It
 loads the sources once, like a worker process (they come pickled with the
 pool's pickler), and runs tasks with the engine's
 :class:`~extsrc.engine.runner.SourceRunner`: the same ``SampleInfo`` /
@@ -158,7 +158,7 @@ def pack(checker: Any, output: int, column: Sequence[Any], start: int, count: in
 
 
 class SourceActor:
-    """One worker of a :class:`~extsrc.ray.RayPool`, as a Ray actor (see the module docstring).
+    """One worker of a :class:`~extsrc.ray.RayBackend`, as a Ray actor (see the module docstring).
 
     ``sources`` are the pool's :class:`~extsrc.engine.protocol.SourceSetup` s,
     pickled with ``pickler``. A failure to load them is reported by every

@@ -341,11 +341,11 @@ def _marked(info):
 
 
 def test_ray_options_reach_the_actors_and_ray_refuses_bad_ones_at_once():
-    from extsrc.ray import RayPool
+    from extsrc.ray import RayBackend
 
     pool = WorkerPool(2, backend="ray", ray_options={
         "num_cpus": 0.5, "runtime_env": {"env_vars": {"EXTSRC_TEST_MARK": "actor"}}})
-    assert isinstance(pool, RayPool) and isinstance(pool, WorkerPool)
+    assert isinstance(pool.workers_backend, RayBackend) and pool.max_outstanding == RayBackend.max_outstanding
     with ParallelSource(_marked, 2, pool=pool) as src:
         assert bytes(next(iter(src)).as_array()[0]) == b"actor"
     pool.close()
