@@ -18,7 +18,16 @@ thread. What differs is what a worker is and how results arrive:
   :class:`~extsrc.ray.actor.SourceActor`): the actor keeps running what it
   holds while an answer travels, Ray's cost per call is shared by two
   batches, and a slow task never holds back a finished one.
-* **Results** come back in Ray's reply when small (cut into parts under
+* **Slots**: an actor on the consumer's node writes the samples straight into
+  the slot's shared memory, as a worker process does, with the engine's
+  writer: each new slot goes to every actor not known to run elsewhere, in
+  the next call (:class:`~extsrc.ray.protocol.SlotOpen`: the numbers of
+  descriptors the pool duplicated and keeps open until that call has
+  answered; the actor opens them as ``/proc/<pid>/fd/<n>``), and the actor
+  answers an ordinary :class:`~extsrc.engine.protocol.TaskDone`. Only actors
+  on other nodes (or set :data:`LOCAL_WRITES` to ``False``) return their
+  samples through Ray, as follows.
+* **Results** of the other actors come back in Ray's reply when small (cut into parts under
   Ray's inline limit, :mod:`extsrc.ray.parts`), else through its object
   store: the actor returns the checked samples
   (:class:`~extsrc.ray.protocol.Produced`), and the pool's I/O thread writes
@@ -68,7 +77,8 @@ from extsrc.errors import InternalError, WorkerDiedError
 from extsrc.ray import options as ray_options
 from extsrc.ray.actor import REPLY_TASKS, SourceActor
 from extsrc.ray.parts import columns_bytes, join, parts_for
-from extsrc.ray.protocol import ActorReady, Produced
+from extsrc.engine.channel import OwnedFds
+from extsrc.ray.protocol import ActorReady, Produced, SlotChange, SlotClose, SlotOpen
 from extsrc.ray.writer import ResultWriter
 
 # While calls are out, the I/O thread checks at least this often that Ray is still connected:
@@ -97,6 +107,9 @@ OBJECT_GET_TIMEOUT_S = 120.0
 # for actors is none while running, which would pile any number onto one node), spread over
 # the nodes.
 DEFAULT_ACTOR_OPTIONS = {"num_cpus": 1, "scheduling_strategy": "SPREAD"}
+# Whether actors on the consumer's node write samples into the slots themselves (else every
+# actor returns them through Ray); False is the path of actors on other nodes, on one node.
+LOCAL_WRITES = True
 # Ray's words when an actor's owner, this process's Ray worker, went away (ray.shutdown() here).
 OWNER_GONE = "Owner's worker process has crashed"
 # What the pool's contract needs of its actors (see extsrc.ray.options.RAY_OPTIONS_OWNED).
@@ -126,6 +139,7 @@ class ActorInfo:
     hostname: str
     pid: int
     samples: int
+    direct_samples: int  # of them, written by the actor itself into the slots (its node is ours)
 
 
 class _Lost(Exception):
@@ -148,6 +162,12 @@ class ActorHandle:
         self.sent: Dict[int, Task] = {}  # I/O thread: ticket -> task sent to the actor, not answered
         self.ready: Optional[ActorReady] = None
         self.samples = 0
+        self.direct_samples = 0
+        self.remote = False  # known to run on another node than the consumer's
+        # Slots opened or closed since the last call, with the descriptors of each opened one,
+        # which the pool keeps until the call that carried them answered (see SlotOpen).
+        self.slot_changes: List[Tuple[SlotChange, Optional[OwnedFds]]] = []
+        self.lent: Dict[int, List[OwnedFds]] = {}  # call id -> descriptors it carried
 
     @property
     def pid(self) -> int:
@@ -217,6 +237,7 @@ class RayBackend:
         self._started_at = 0.0
         self._waker: Optional[Wakeable] = None
         self._poller: Any = None
+        self._home = ""  # the Ray node id of this process (the consumer's)
 
     @property
     def ray_options(self) -> Optional[Dict[str, Any]]:
@@ -230,7 +251,7 @@ class RayBackend:
     def actors(self) -> List[ActorInfo]:
         """Where each started actor runs and how many samples it produced, in worker order."""
         return [ActorInfo(w.index, w.ready.actor_id, w.ready.node_id, w.ready.node_ip,
-                          w.ready.hostname, w.ready.pid, w.samples)
+                          w.ready.hostname, w.ready.pid, w.samples, w.direct_samples)
                 for w in list(self._workers) if w.ready is not None]
 
     # -- life cycle -----------------------------------------------------------------------------
@@ -252,9 +273,11 @@ class RayBackend:
         self._waker = waker
         self._started_at = time.monotonic()
         try:
+            self._home = ray.get_runtime_context().get_node_id()
+            home = self._home if LOCAL_WRITES else None
             shared = ray.put(sources)  # once for all actors
             for index in range(self.num_workers):
-                worker = ActorHandle(index, self._actor_class.remote(index, shared, pickler))
+                worker = ActorHandle(index, self._actor_class.remote(index, shared, pickler, home))
                 self._workers.append(worker)
                 self._watch(worker, False, [worker.actor.ready.remote()])
         except BaseException:
@@ -289,16 +312,33 @@ class RayBackend:
         """The I/O thread writes into the slot for the actors (see
         :class:`~extsrc.ray.writer.ResultWriter`); the descriptors are duplicated."""
         writer = self._writers.get(source_id)
-        if writer is not None:
-            from extsrc.shm.segment import backend
+        if writer is None:
+            return
+        from extsrc.shm.segment import backend
 
-            writer.add_slot(slot_id, region_fd, overflow_fds, backend())
+        kind = backend()
+        lent: List[OwnedFds] = []
+        try:
+            for worker in self._workers:
+                if not worker.remote and LOCAL_WRITES:
+                    lent.append(OwnedFds((region_fd, overflow_fds[worker.index])))
+            writer.add_slot(slot_id, region_fd, overflow_fds, kind)
+        except BaseException:
+            for fds in lent:
+                fds.close()
+            raise
+        pid = os.getpid()
+        for worker, fds in zip((w for w in self._workers if not w.remote), lent):
+            worker.slot_changes.append((SlotOpen(source_id, slot_id, kind, pid, *fds.fds), fds))
 
     def drop_slot(self, source_id: int, slot_id: int) -> None:
         """The slot's mappings go at the I/O thread's next round."""
         writer = self._writers.get(source_id)
         if writer is not None:
             writer.drop_slot(slot_id)
+            for worker in self._workers:
+                if not worker.remote and LOCAL_WRITES:
+                    worker.slot_changes.append((SlotClose(source_id, slot_id), None))
 
     def assign(self, worker: int, task: Task) -> None:
         self._workers[worker].outbox.append(task)
@@ -314,7 +354,7 @@ class RayBackend:
 
     # -- calls and their answers ----------------------------------------------------------------
 
-    def _watch(self, worker: ActorHandle, runs: bool, refs: List[Any]) -> None:
+    def _watch(self, worker: ActorHandle, runs: bool, refs: List[Any]) -> int:
         """Queues the answer of a call (its return values ``refs``; ``runs``: a call of
         ``run()``, else of ``ready()``) for the I/O thread once Ray has it."""
         call = next(self._calls)
@@ -323,6 +363,7 @@ class RayBackend:
             worker.task_calls += 1
         # One reply brings every return value: a callback on the last is enough.
         refs[-1].future().add_done_callback(functools.partial(self._arrived, worker, call, refs, runs))
+        return call
 
     def _arrived(self, worker: ActorHandle, call: int, refs: List[Any], runs: bool, future: Any) -> None:
         # In a thread of Ray's (or the I/O thread): only queue and wake, nothing that can block.
@@ -336,10 +377,13 @@ class RayBackend:
         one that holds tasks gets a call without new ones, which takes their answers."""
         ray = import_ray()
         for worker in self._workers:
-            if worker.task_calls or not (worker.outbox or worker.sent):
+            if worker.task_calls or not (worker.outbox or worker.sent or worker.slot_changes):
                 continue
             tasks = tuple(worker.outbox)
             worker.outbox.clear()
+            changes = tuple(change for change, _ in worker.slot_changes)
+            lent = [fds for _, fds in worker.slot_changes if fds is not None]
+            worker.slot_changes = []
             for task in tasks:
                 worker.sent[task.ticket] = task
             # The answer carries up to REPLY_TASKS tasks, the first ones the actor holds.
@@ -349,12 +393,14 @@ class RayBackend:
             try:
                 _connected(ray)
                 if parts:
-                    refs = worker.actor.run.options(num_returns=1 + parts).remote(tasks, parts)
+                    refs = worker.actor.run.options(num_returns=1 + parts).remote(tasks, parts, changes)
                 else:
-                    refs = [worker.actor.run.remote(tasks)]
+                    refs = [worker.actor.run.remote(tasks, 0, changes)]
             except Exception as exc:
+                for fds in lent:
+                    fds.close()
                 return self._connection_lost(exc)
-            self._watch(worker, True, refs)
+            worker.lent[self._watch(worker, True, refs)] = lent
         return None
 
     def wait(self, timeout: Optional[float]) -> Any:
@@ -374,25 +420,32 @@ class RayBackend:
             writer.apply_drops()
         delivered: List[Arrival] = []
         for worker, call, refs, runs, future in arrivals:
-            answer = self._land(worker, refs, runs, future)
+            direct: Dict[int, bool] = {}  # ticket -> written by the actor itself
+            answer = self._land(worker, refs, runs, future, direct)
             if isinstance(answer, _Lost):
                 return Received(tuple(delivered), self._actor_lost(worker, answer.error), True)
             if isinstance(answer, SetupFailed):
                 return Received(tuple(delivered), setup_failed(answer, "extsrc ray worker"), True)
             worker.calls.pop(call, None)
+            for fds in worker.lent.pop(call, ()):
+                fds.close()  # the actor opened its own
             if isinstance(answer, ActorReady):
                 worker.ready = answer
+                worker.remote = answer.node_id != self._home
                 continue
             worker.task_calls -= 1
             for task, result in answer:
                 worker.sent.pop(task.ticket, None)
                 if isinstance(result, TaskDone):
                     worker.samples += result.count
+                    if direct.get(task.ticket, False):
+                        worker.direct_samples += result.count
                 delivered.append(Arrival(worker.index, task.ticket, task.source_id,
                                          result if isinstance(result, (TaskDone, TaskFailed)) else None))
         return Received(tuple(delivered), None, True)
 
-    def _land(self, worker: ActorHandle, refs: List[Any], runs: bool, future: Any) -> Any:
+    def _land(self, worker: ActorHandle, refs: List[Any], runs: bool, future: Any,
+              direct: Dict[int, bool]) -> Any:
         """I/O thread, no lock: a call's answer, with every ``Produced`` written into its slot,
         as ``(task, result)`` pairs (a ``TaskDone``, or ``TaskFailed`` if the memory could not
         be had; ``None`` if the slot is gone), or ``_Lost`` with Ray's error."""
@@ -427,6 +480,7 @@ class RayBackend:
         landed = []
         for result in answer:
             task = worker.sent[result.ticket]
+            direct[result.ticket] = isinstance(result, TaskDone)
             if isinstance(result, Produced):
                 if result.count:
                     self._sample_bytes[task.source_id] = sum(
@@ -542,6 +596,14 @@ class RayBackend:
                     while _running(worker.ready.pid) and time.monotonic() < deadline:
                         time.sleep(PROCESS_EXIT_POLL_S)
         for worker in workers:
+            for lent in worker.lent.values():
+                for fds in lent:
+                    fds.close()
+            for _, fds in worker.slot_changes:
+                if fds is not None:
+                    fds.close()
+            worker.lent.clear()
+            worker.slot_changes = []
             worker.calls.clear()
             worker.task_calls = 0
             worker.sent.clear()

@@ -1,10 +1,11 @@
 """What a Ray actor answers the pool, besides the engine's own records.
 
-A task comes back as a :class:`Produced` (the checked samples themselves,
-through Ray) or as the engine's
-:class:`~extsrc.engine.protocol.TaskFailed`; the pool writes a ``Produced``
-into the slot and hands its source an ordinary
-:class:`~extsrc.engine.protocol.TaskDone`. The samples of a small answer
+A task comes back as the engine's :class:`~extsrc.engine.protocol.TaskDone`
+when the actor runs on the consumer's node and wrote the samples into the
+slot itself (it opened the slot's descriptors, :class:`SlotOpen`), else as
+a :class:`Produced` (the checked samples themselves, through Ray), which the
+pool writes into the slot and hands its source as a ``TaskDone``; or as the
+engine's :class:`~extsrc.engine.protocol.TaskFailed`. The samples of a small answer
 travel as :class:`Piece` s in the call's further return values (see
 :mod:`extsrc.ray.parts`). An actor answers its first call, ``ready()``, with
 an :class:`ActorReady` (where it runs), or with the engine's
@@ -66,3 +67,27 @@ class ActorReady(NamedTuple):
     node_ip: str
     hostname: str
     pid: int
+
+
+class SlotOpen(NamedTuple):
+    """A new slot of a source, for an actor on the consumer's node: its descriptors as the
+    consumer's process ``pid`` holds them (numbers ``region_fd`` and ``overflow_fd``, the
+    latter the actor's own overflow segment), kept open by the pool until the call that
+    carries this record has answered; the actor opens them as ``/proc/<pid>/fd/<n>``."""
+
+    source_id: int
+    slot_id: int
+    kind: str  # the segments' backend ("memfd", "devshm"), for error messages
+    pid: int
+    region_fd: int
+    overflow_fd: int
+
+
+class SlotClose(NamedTuple):
+    """The slot is retired: an actor that opened it closes and unmaps it."""
+
+    source_id: int
+    slot_id: int
+
+
+SlotChange = Union[SlotOpen, SlotClose]
