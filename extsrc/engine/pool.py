@@ -295,9 +295,9 @@ class WorkerPool:
         if self._waker is not None and (thread is None or not thread.is_alive()):
             self._waker.close()  # nothing polls it any more (else the I/O thread closes it)
         with self.lock:
-            if thread is None or not thread.is_alive():  # the I/O thread did not get to it
-                self._backend.stop(ask=False)
-                self._loads = []
+            # The I/O thread stopped the workers, unless it never ran or did not end in time.
+            self._backend.stop(ask=False)  # idempotent
+            self._loads = []
             for i in range(len(self._clients)):
                 client = self._clients[i]()
                 if client is not None:

@@ -74,7 +74,7 @@ from extsrc.engine.backend import Arrival, Fault, HeldBy, Received, Wakeable
 from extsrc.engine.processes import setup_failed
 from extsrc.engine.protocol import SetupFailed, SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.errors import InternalError, WorkerDiedError
-from extsrc.ray import options as ray_options
+from extsrc.ray.options import check_options
 from extsrc.ray.actor import REPLY_TASKS, SourceActor
 from extsrc.ray.parts import columns_bytes, join, parts_for
 from extsrc.engine.channel import OwnedFds
@@ -214,7 +214,7 @@ class RayBackend:
     name = "ray"
     max_outstanding = TASKS_PER_ACTOR
     local_processes = False  # the actors may run on other hosts: no /proc of theirs
-    check_options = staticmethod(ray_options.check_options)
+    check_options = staticmethod(check_options)
 
     def __init__(self, num_workers: int, start_method: Optional[str], pickler: Any,
                  options: Optional[Dict[str, Any]] = None):
