@@ -265,14 +265,12 @@ class SourceActor:
                 continue
             if not self._local:
                 continue
-            try:
-                region = os.open(f"/proc/{change.pid}/fd/{change.region_fd}", os.O_RDWR | os.O_CLOEXEC)
-            except OSError:
-                continue
-            try:
-                overflow = os.open(f"/proc/{change.pid}/fd/{change.overflow_fd}", os.O_RDWR | os.O_CLOEXEC)
-            except OSError:
-                os.close(region)
+            region = _open_of(change.pid, change.region_fd, change.region_file)
+            overflow = _open_of(change.pid, change.overflow_fd, change.overflow_file)
+            if region is None or overflow is None:
+                for fd in (region, overflow):
+                    if fd is not None:
+                        os.close(fd)
                 continue
             writer.add_slot(change.slot_id, region, overflow, change.kind, self.index)
 
@@ -320,6 +318,20 @@ class SourceActor:
 
     def ping(self) -> None:
         """Answers once the actor runs; after ``ray.kill``, the error says it is dead."""
+
+
+def _open_of(pid: int, fd: int, file: Tuple[int, int]) -> Optional[int]:
+    """Descriptor ``fd`` of process ``pid`` of this host, opened anew, if it is ``file``
+    (``(st_dev, st_ino)``); else (gone, not allowed, another file) ``None``."""
+    try:
+        opened = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return None
+    stat = os.fstat(opened)
+    if (stat.st_dev, stat.st_ino) != tuple(file):
+        os.close(opened)
+        return None
+    return opened
 
 
 def _node_id() -> str:

@@ -329,7 +329,9 @@ class RayBackend:
             raise
         pid = os.getpid()
         for worker, fds in zip((w for w in self._workers if not w.remote), lent):
-            worker.slot_changes.append((SlotOpen(source_id, slot_id, kind, pid, *fds.fds), fds))
+            region, overflow = fds.fds
+            worker.slot_changes.append((SlotOpen(source_id, slot_id, kind, pid, region, overflow,
+                                                 _file_id(region), _file_id(overflow)), fds))
 
     def drop_slot(self, source_id: int, slot_id: int) -> None:
         """The slot's mappings go at the I/O thread's next round."""
@@ -672,6 +674,12 @@ def _connected(ray: Any) -> None:
     Ray on their own, here in a thread whose end would take that Ray down with it."""
     if not ray.is_initialized():
         raise RayGone("ray.shutdown() was called, or the connection to the cluster was lost")
+
+
+def _file_id(fd: int) -> Tuple[int, int]:
+    """``(st_dev, st_ino)`` of the file open as ``fd``."""
+    stat = os.fstat(fd)
+    return stat.st_dev, stat.st_ino
 
 
 def _running(pid: int) -> bool:

@@ -73,7 +73,8 @@ class SlotOpen(NamedTuple):
     """A new slot of a source, for an actor on the consumer's node: its descriptors as the
     consumer's process ``pid`` holds them (numbers ``region_fd`` and ``overflow_fd``, the
     latter the actor's own overflow segment), kept open by the pool until the call that
-    carries this record has answered; the actor opens them as ``/proc/<pid>/fd/<n>``."""
+    carries this record has answered; the actor opens them as ``/proc/<pid>/fd/<n>`` and
+    uses them only if they are the files named by ``region_file`` and ``overflow_file``."""
 
     source_id: int
     slot_id: int
@@ -81,6 +82,10 @@ class SlotOpen(NamedTuple):
     pid: int
     region_fd: int
     overflow_fd: int
+    # (st_dev, st_ino) of each segment: the actor checks that what it opened is the slot's
+    # memory, not a file of another process that happens to have this pid where it runs.
+    region_file: Tuple[int, int] = (0, 0)
+    overflow_file: Tuple[int, int] = (0, 0)
 
 
 class SlotClose(NamedTuple):
