@@ -22,8 +22,8 @@ constructor                ``WorkerPool()``                no
 ``assign``, ``flush``      the I/O thread                  held
 ``wait``, ``receive``      the I/O thread                  **not** held
 ``check``                  the I/O thread                  held
-``stop``                   the I/O thread at its end, or   not held /
-                           ``close()`` if it never ran     held
+``stop``                   the I/O thread at its end;      not held;
+                           ``close()`` after it (again)    held
 ``describe_worker``        any thread                      held
 ``forget_after_fork``      a forked child                  no
 =========================  ==============================  ===========
