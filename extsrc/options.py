@@ -22,26 +22,6 @@ if TYPE_CHECKING:
 
 START_METHODS = ("fork", "spawn", "forkserver")
 LAST_BATCH_POLICIES = ("drop", "partial", "pad")
-BACKENDS = ("processes", "ray")
-# Ray actor options a pool passes on (ray_options=...): where its actors run and what they hold.
-RAY_OPTION_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "accelerator_type",
-                   "label_selector", "scheduling_strategy", "runtime_env")
-RAY_STRATEGIES = ("DEFAULT", "SPREAD")  # Ray's scheduling strategies given by name
-# Actor options the pool sets itself, and why a user's value would break its contract.
-RAY_OPTIONS_OWNED = {
-    "max_restarts": "a restarted actor would have lost its source's state; a dead actor is an error",
-    "max_task_retries": "a retried task would call the callback twice; a dead actor is an error",
-    "max_concurrency": "a worker runs its tasks one at a time, in the order sent",
-    "concurrency_groups": "a worker runs its tasks one at a time, in the order sent",
-    "allow_out_of_order_execution": "a worker runs its tasks one at a time, in the order sent",
-    "max_pending_calls": "the pool decides how many tasks each actor holds",
-    "name": "the pool's actors are its own and die with close()",
-    "namespace": "the pool's actors are its own and die with close()",
-    "get_if_exists": "the pool's actors are its own and die with close()",
-    "lifetime": "the pool's actors are its own and die with close()",
-}
-
-
 class _Unset:
     """Marks an argument the caller did not give (so that an explicit default is told apart)."""
 
@@ -74,49 +54,21 @@ def non_negative_number(name: str, value: Any) -> float:
     return value
 
 
-def check_backend(name: str, value: Any) -> str:
-    """``value`` if it names a backend (``"processes"``, ``"ray"``), else ``ValueError``."""
-    if not isinstance(value, str) or value not in BACKENDS:
-        raise ValueError(f"{name} must be one of {BACKENDS}, got {value!r}")
-    return value
+def check_backend(name: str, value: Any, start_method: Any = UNSET, options: Any = None,
+                  names: Tuple[str, str] = ("start_method", "ray_options"),
+                  ) -> Tuple[str, Optional[str], Optional[dict]]:
+    """``(backend, start_method, backend options)`` checked: ``value`` must name a backend
+    (see :mod:`extsrc.engine.backend`, whose module is imported now), which checks the other
+    two (``names``: what they are called where they were given)."""
+    from extsrc.engine.backend import backend_class
 
+    if not isinstance(value, str):
+        from extsrc.engine.backend import backend_names
 
-def check_ray_options(name: str, value: Any) -> Optional[dict]:
-    """A copy of ``value``, Ray actor options for a pool's actors; ``None`` stays ``None``.
-
-    Keys must be among :data:`RAY_OPTION_KEYS`; numbers and resources are
-    checked here, the rest (``scheduling_strategy``, ``runtime_env``,
-    ``label_selector``) by Ray when the pool is created.
-    """
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise TypeError(f"{name} must be a dict of Ray actor options or None, got {type(value).__name__} "
-                        f"{value!r}")
-    for key, option in value.items():
-        where = f"{name}[{key!r}]"
-        if key in RAY_OPTIONS_OWNED:
-            raise ValueError(f"{where}: extsrc sets this Ray option itself ({RAY_OPTIONS_OWNED[key]})")
-        if key not in RAY_OPTION_KEYS:
-            raise ValueError(f"{where}: not an option extsrc passes to its Ray actors; expected one of "
-                             f"{RAY_OPTION_KEYS}")
-        if key in ("num_cpus", "num_gpus", "memory"):
-            non_negative_number(where, option)
-        elif key == "resources":
-            if not isinstance(option, dict):
-                raise TypeError(f"{where} must be a dict of resource name to amount, got {option!r}")
-            for resource, amount in option.items():
-                if not isinstance(resource, str):
-                    raise TypeError(f"{where}: resource names are str, got {resource!r}")
-                non_negative_number(f"{where}[{resource!r}]", amount)
-        elif key in ("runtime_env", "label_selector") and not isinstance(option, dict):
-            raise TypeError(f"{where} must be a dict, got {type(option).__name__} {option!r}")
-        elif key == "accelerator_type" and not isinstance(option, str):
-            raise TypeError(f"{where} must be a str, got {option!r}")
-        elif key == "scheduling_strategy" and isinstance(option, str) and option not in RAY_STRATEGIES:
-            raise ValueError(f"{where} must be one of {RAY_STRATEGIES} or a Ray scheduling strategy "
-                             f"object, got {option!r}")
-    return dict(value)
+        raise ValueError(f"{name} must be one of {backend_names()}, got {value!r}")
+    checked_method, checked_options = backend_class(value, name).check_options(
+        start_method, options, (name, *names), UNSET)
+    return value, checked_method, checked_options
 
 
 # num_outputs=AUTO_OUTPUTS: each sample is a tuple of arrays, as many as the source's first
@@ -170,38 +122,25 @@ class PoolOptions:
 
     ``backend="processes"``: worker processes on this host, started with
     ``start_method``. ``backend="ray"``: Ray actors anywhere in the cluster,
-    created with ``ray_options``; ``start_method`` is then ``None``.
+    created with ``ray_options`` (checked by the Ray backend,
+    :mod:`extsrc.ray.options`, kept here as ``backend_options``);
+    ``start_method`` is then ``None``.
     """
 
     num_workers: int
     start_method: Optional[str]
     pickler: Pickler
     backend: str = "processes"
-    ray_options: Optional[dict] = None
+    backend_options: Optional[dict] = None
 
     @classmethod
     def create(cls, num_workers: Any = 1, start_method: Any = UNSET, pickler: Any = None,
                backend: Any = "processes", ray_options: Any = None) -> "PoolOptions":
         from extsrc.engine.pickling import Pickler
 
-        backend = check_backend("backend", backend)
-        if backend == "ray":
-            if start_method is not UNSET:
-                raise ValueError(
-                    f"start_method={start_method!r} chooses how worker processes start "
-                    "(backend='processes'); with backend='ray' the workers are Ray actors: drop it"
-                )
-            start_method = None
-            ray_options = check_ray_options("ray_options", ray_options)
-        else:
-            if start_method is UNSET:
-                start_method = "fork"
-            if start_method not in START_METHODS:
-                raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
-            if ray_options is not None:
-                raise ValueError(f"ray_options is for backend='ray', got it with backend={backend!r}")
+        backend, start_method, options = check_backend("backend", backend, start_method, ray_options)
         return cls(positive_int("num_workers", num_workers), start_method, Pickler(pickler), backend,
-                   ray_options)
+                   options)
 
 
 @dataclass(frozen=True)

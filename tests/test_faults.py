@@ -153,9 +153,9 @@ def test_small_dev_shm_with_the_dev_shm_backend_fails_before_writing_with_the_si
 
 def test_fork_after_cuda_is_initialised_is_refused_with_advice():
     scenario = ENGINE + '''
-import extsrc.engine.pool
+import extsrc.engine.processes
 def run(report):
-    extsrc.engine.pool.cuda_initialized = lambda: True  # as if a GPU library had run cuInit
+    extsrc.engine.processes.cuda_initialized = lambda: True  # as if a GPU library had run cuInit
     src = extsrc.ParallelSource(lambda info: np.zeros(1), 4)
     try:
         src.start()

@@ -12,7 +12,7 @@ from extsrc.dali.reader_meta import source_reader_meta
 from extsrc.engine.cuda_state import gpu_visible, no_gpu_message
 from extsrc.errors import PoolClosedError
 from extsrc.engine.pool import WorkerPool
-from extsrc.options import START_METHODS, UNSET, check_backend, check_ray_options
+from extsrc.options import UNSET, check_backend
 
 
 # Arguments of extsrc's Pipeline that DALI's does not have.
@@ -28,7 +28,7 @@ class Pipeline(_dali_pipeline.Pipeline):
     serves all parallel external sources of the pipeline; DALI's own worker
     pool is never created. ``py_backend="ray"`` makes its workers Ray actors
     anywhere in the cluster (with ``py_ray_options`` for them, see
-    :class:`extsrc.ray.RayPool`); ``py_start_method`` is then not given.
+    :class:`extsrc.ray.RayBackend`); ``py_start_method`` is then not given.
 
     Life cycle: definition (the graph function runs; each parallel source is
     registered with the pool), ``start_py_workers()`` (starts the workers;
@@ -61,21 +61,9 @@ class Pipeline(_dali_pipeline.Pipeline):
             not isinstance(py_num_workers, int) or isinstance(py_num_workers, bool) or py_num_workers < 0
         ):
             raise ValueError(f"py_num_workers must be None or a non-negative int, got {py_num_workers!r}")
-        py_backend = check_backend("py_backend", py_backend)
-        if py_backend == "ray":
-            if py_start_method is not UNSET:
-                raise ValueError(
-                    f"py_start_method={py_start_method!r} chooses how worker processes start; with "
-                    "py_backend='ray' the workers are Ray actors: drop it"
-                )
-            py_start_method = None
-            py_ray_options = check_ray_options("py_ray_options", py_ray_options)
-        elif py_ray_options is not None:
-            raise ValueError("py_ray_options is for py_backend='ray'")
-        if py_start_method is UNSET:
-            py_start_method = "fork"
-        if py_backend == "processes" and py_start_method not in START_METHODS:
-            raise ValueError(f"py_start_method must be one of {START_METHODS}, got {py_start_method!r}")
+        py_backend, py_start_method, py_ray_options = check_backend(
+            "py_backend", py_backend, py_start_method, py_ray_options,
+            ("py_start_method", "py_ray_options"))
         if py_callback_pickler is not None and py_start_method == "fork":
             raise ValueError(
                 "py_callback_pickler is used only by spawn and forkserver workers; with "

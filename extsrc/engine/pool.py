@@ -35,10 +35,16 @@ source's timeout, or an internal error: the pool keeps the error, stops
 the workers and refuses further use (each source raises the error itself
 once, then :class:`~extsrc.errors.PoolClosedError`).
 
-Scheduling: every worker holds up to :data:`MAX_OUTSTANDING` tasks (one
-running, one queued, so it never waits for the parent); tasks go to the
-least loaded worker in the order they were submitted, except tasks pinned
-to a worker (iterable sources, whose state lives in one worker).
+Scheduling: every worker holds up to its backend's ``max_outstanding``
+tasks (for worker processes two: one running, one queued, so it never waits
+for the parent); tasks go to the least loaded worker in the order they were
+submitted, except tasks pinned to a worker (iterable sources, whose state
+lives in one worker).
+
+Workers: the pool owns its states, scheduling and I/O thread; who the
+workers are (processes of this host, Ray actors) is its *backend*'s, chosen
+by name through :mod:`extsrc.engine.backend`, whose protocol says which
+thread calls what.
 """
 
 from __future__ import annotations
@@ -47,7 +53,6 @@ import _thread
 import atexit
 import enum
 import os
-import select
 import threading
 import time
 import weakref
@@ -55,23 +60,17 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from extsrc.engine import workers as worker_processes
-from extsrc.engine.cuda_state import FORK_AFTER_CUDA, cuda_initialized
-from extsrc.engine.protocol import (
-    AddSlot, DropSlot, Result, SetupFailed, SourceSetup, Task, TaskDone, TaskFailed, WorkerSetup,
-)
-from extsrc.engine.channel import OwnedFds
-from extsrc.engine.workers import WorkerHandle, Waker
-from extsrc.errors import ForkedChildError, InternalError, PoolClosedError, WorkerDiedError
+from extsrc.engine.backend import Arrival, Fault, WorkerBackend, backend_class
+from extsrc.engine.protocol import Result, SourceSetup, Task
+from extsrc.engine.workers import Waker
+from extsrc.errors import ForkedChildError, InternalError, PoolClosedError
 from extsrc import forking
-from extsrc.shm.limits import (
-    DESCRIPTOR_ERRNOS, check_descriptors, out_of_descriptors, thread_start_error,
-)
+from extsrc.shm.limits import DESCRIPTOR_ERRNOS, out_of_descriptors, thread_start_error
 from extsrc.options import UNSET, PoolOptions
 
 if TYPE_CHECKING:
     from extsrc.engine.pickling import Pickler
 
-MAX_OUTSTANDING = 2  # tasks per worker: one running, one waiting, so a worker never idles
 # While the consumer holds batches, the I/O thread looks for ended leases at least this often
 # (a lease's end wakes no thread, see extsrc.shm.slots.Lease); any other event is sooner.
 RETURN_POLL_S = 0.05
@@ -117,8 +116,17 @@ class PoolClient(Protocol):
         """The workers are gone: give back all shared memory no batch holds."""
 
 
+class _Load:
+    """What one worker holds, as the pool's scheduler sees it (I/O thread and sources, lock held)."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.outstanding: Dict[int, Task] = {}  # ticket -> task assigned, in the order assigned
+        self.busy_since = time.monotonic()
+
+
 class WorkerPool:
-    """Worker processes shared by one or more :class:`~extsrc.ParallelSource` s.
+    """Workers shared by one or more :class:`~extsrc.ParallelSource` s.
 
     Create the pool, create the sources with ``pool=pool``, then ``start()``
     (or let the first iteration start it). Sources must exist before the
@@ -137,26 +145,20 @@ class WorkerPool:
     The methods marked *engine* form the contract with sources; each says
     who calls it and whether the pool's lock must be held.
 
-    ``backend="ray"`` makes the workers Ray actors anywhere in a cluster
-    (``WorkerPool(...)`` then returns an :class:`extsrc.ray.RayPool`, with
-    ``ray_options`` for its actors; needs ``extsrc[ray]``); the default
-    ``backend="processes"`` runs worker processes on this host.
+    ``backend`` names who the workers are (see :mod:`extsrc.engine.backend`):
+    ``"processes"`` (the default) runs worker processes on this host;
+    ``"ray"`` makes them Ray actors anywhere in a cluster (with
+    ``ray_options`` for them, see :class:`extsrc.ray.RayBackend`; needs
+    ``extsrc[ray]``). :attr:`workers_backend` is the backend itself.
     """
 
-    max_outstanding = MAX_OUTSTANDING  # tasks a worker holds at most (a backend may hold more)
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> "WorkerPool":
-        backend = kwargs.get("backend", args[3] if len(args) > 3 else "processes")
-        if cls is WorkerPool and backend == "ray":
-            from extsrc.ray.pool import RayPool  # imports Ray: only for this backend
-
-            return super().__new__(RayPool)
-        return super().__new__(cls)
-
     def __init__(self, num_workers: int = 1, start_method: Optional[str] = UNSET,
-                 pickler: Optional[Pickler] = None, backend: str = "processes",
+                 pickler: Optional["Pickler"] = None, backend: str = "processes",
                  ray_options: Optional[Dict[str, Any]] = None):
         self.options = PoolOptions.create(num_workers, start_method, pickler, backend, ray_options)
+        maker = backend_class(self.options.backend)
+        self._backend: WorkerBackend = maker(self.options.num_workers, self.options.start_method,
+                                             self.options.pickler, self.options.backend_options)
         self.lock = threading.RLock()
         self._waiters: List[Any] = []
         self._pid = os.getpid()
@@ -164,7 +166,7 @@ class WorkerPool:
         self._error: Optional[BaseException] = None
         self._reported: set = set()  # clients that raised the fault already
         self._clients: List["weakref.ReferenceType[PoolClient]"] = []
-        self._workers: List[WorkerHandle] = []
+        self._loads: List[_Load] = []
         self._queue: Deque[Task] = deque()
         self._pinned: Dict[int, Deque[Task]] = {}
         self._pins = 0
@@ -186,11 +188,22 @@ class WorkerPool:
 
     @property
     def backend(self) -> str:
-        """``"processes"`` or ``"ray"``."""
+        """The backend's name: ``"processes"``, ``"ray"``, or one registered."""
         return self.options.backend
 
     @property
-    def pickler(self) -> Pickler:
+    def workers_backend(self) -> WorkerBackend:
+        """The backend that runs the workers (e.g. :class:`extsrc.ray.RayBackend`, whose
+        ``actors()`` says where each runs)."""
+        return self._backend
+
+    @property
+    def max_outstanding(self) -> int:
+        """Tasks a worker holds at most (the backend's figure)."""
+        return self._backend.max_outstanding
+
+    @property
+    def pickler(self) -> "Pickler":
         return self.options.pickler
 
     @property
@@ -202,8 +215,8 @@ class WorkerPool:
         return self._state is PoolState.RUNNING
 
     def worker_pids(self) -> List[int]:
-        """The pids of the worker processes (empty before start and after close)."""
-        return [w.pid for w in self._workers]
+        """The pids of the workers (empty before start and after close)."""
+        return self._backend.worker_pids()
 
     def __enter__(self) -> "WorkerPool":
         return self
@@ -225,52 +238,30 @@ class WorkerPool:
         itself, whenever it broke (see :meth:`check_usable`).
 
         With ``fork``, call it before CUDA is initialised. Pickling errors of a
-        source (spawn, forkserver) are raised here, with the pool still NEW.
+        source (spawn, forkserver, ray) are raised here, with the pool still NEW.
         """
         with self.lock:
             self.check_owner()
             if self._state is PoolState.RUNNING:
                 return
             self.check_usable(client_id)
-            method = self.options.start_method
-            if method == "fork" and cuda_initialized():
-                raise RuntimeError(FORK_AFTER_CUDA)
-            pickler = None if method == "fork" else self.options.pickler
+            pickler = None if self.options.start_method == "fork" else self.options.pickler
             clients = [ref() for ref in self._clients]
-            sources = tuple(c.worker_source(pickler) for c in clients if c is not None)
-            # PR_SET_PDEATHSIG follows the thread that forks; the main thread lives as long
-            # as the process, any other may end sooner (then workers use a watchdog).
-            main = threading.current_thread() is threading.main_thread()
-            context = worker_processes.context_for(method)
-            # The default pickler carries everything of __main__ by value: the workers need not
-            # import the main script again (see extsrc.engine.workers._main_hidden).
-            run_main = method == "fork" or not self.options.pickler.by_value_main
-            check_descriptors(2 + self.options.num_workers * worker_processes.DESCRIPTORS_PER_WORKER
-                              + worker_processes.DESCRIPTORS_TO_START_ONE,
-                              f"starting {self.options.num_workers} workers")
+            sources: Tuple[SourceSetup, ...] = tuple(
+                c.worker_source(pickler) for c in clients if c is not None)
             try:
                 self._waker = Waker()
-                for index in range(self.options.num_workers):
-                    setup = WorkerSetup(
-                        index=index,
-                        parent_pid=None if method == "forkserver" else os.getpid(),
-                        forked=method == "fork",
-                        die_with_parent=main or method == "forkserver",
-                        sources=sources,
-                        pickler=pickler,
-                    )
-                    self._workers.append(worker_processes.launch(context, setup, run_main))
-            except BaseException as exc:
-                starting = len(self._workers)
-                worker_processes.stop(self._workers, ask=False)
-                self._workers = []
-                if self._waker is not None:
-                    self._waker.close()
-                self._waker = None
-                if isinstance(exc, OSError) and exc.errno in DESCRIPTOR_ERRNOS:
-                    raise out_of_descriptors(exc, f"starting worker {starting} of the pool",
-                                             OSError) from exc
+            except OSError as exc:
+                if exc.errno in DESCRIPTOR_ERRNOS:
+                    raise out_of_descriptors(exc, "the pool's wake-up pipe", OSError) from exc
                 raise
+            try:
+                self._backend.start(sources, self._waker)
+            except BaseException:
+                self._waker.close()
+                self._waker = None
+                raise
+            self._loads = [_Load(index) for index in range(self.options.num_workers)]
             self._state = PoolState.RUNNING  # the thread waits for the lock held here
             self._thread = threading.Thread(target=self._run, name="extsrc-pool-io", daemon=True)
             try:
@@ -278,8 +269,8 @@ class WorkerPool:
             except RuntimeError as exc:  # no thread could be made (e.g. RLIMIT_AS): back to NEW
                 self._thread = None
                 self._state = PoolState.NEW
-                worker_processes.stop(self._workers, ask=False)
-                self._workers = []
+                self._backend.stop(ask=False)
+                self._loads = []
                 self._waker.close()
                 self._waker = None
                 raise thread_start_error(exc, "the pool's I/O thread") from None
@@ -306,24 +297,19 @@ class WorkerPool:
         if self._waker is not None and (thread is None or not thread.is_alive()):
             self._waker.close()  # nothing polls it any more (else the I/O thread closes it)
         with self.lock:
-            if self._workers:  # the I/O thread did not get to it (or never ran)
-                self._stop_workers(self._workers)
-                self._workers = []
+            # The I/O thread stopped the workers, unless it never ran or did not end in time.
+            self._backend.stop(ask=False)  # idempotent
+            self._loads = []
             for i in range(len(self._clients)):
                 client = self._clients[i]()
                 if client is not None:
                     client.on_pool_closed()
         _live_pools.discard(self)
 
-    def _stop_workers(self, workers: List[Any]) -> None:
-        """Stops ``workers`` at once (close() found them still there); the backend's to override."""
-        worker_processes.stop(workers, ask=False)
-
     def forget_after_fork(self) -> None:
         # In a forked child (no lock taken: the parent's may be held by a thread not here).
-        for worker in self._workers:
-            worker.channel.forget_after_fork()
-        self._workers = []
+        self._backend.forget_after_fork()
+        self._loads = []
         self._thread = None
 
     # -- engine: checks -------------------------------------------------------------------------
@@ -421,48 +407,37 @@ class WorkerPool:
             if mine:
                 removed += mine
                 self._pinned[index] = deque(t for t in queue if t.source_id != source_id)
-        for worker in self._workers:
-            kept: Deque[Tuple[Any, Optional[OwnedFds]]] = deque()
-            for message, fds in worker.outbox:
-                if isinstance(message, Task) and message.source_id == source_id:
-                    del worker.outstanding[message.ticket]
-                    removed.append(message)
-                else:
-                    kept.append((message, fds))
-            worker.outbox = kept
+        if self._state is PoolState.RUNNING:
+            taken = self._backend.take_back(source_id)
+            for task in taken:
+                for load in self._loads:
+                    load.outstanding.pop(task.ticket, None)
+            removed += taken
         return removed
 
     def add_slot(self, source_id: int, slot_id: int, region_fd: int, overflow_fds: Sequence[int]) -> None:
-        """*engine*, lock held: sends every worker a new slot (descriptors are duplicated).
+        """*engine*, lock held: every worker may write into a new slot (descriptors are duplicated).
 
         Raises :class:`~extsrc.errors.SharedMemoryError` naming the limit when
         the process is out of descriptors; then no worker is told of the slot.
         """
         if self._state is not PoolState.RUNNING:
             return
-        from extsrc.shm.segment import backend
-
-        kind = backend()
-        duplicates: List[OwnedFds] = []
         try:
-            for worker in self._workers:
-                duplicates.append(OwnedFds((region_fd, overflow_fds[worker.index])))
+            self._backend.add_slot(source_id, slot_id, region_fd, overflow_fds)
         except OSError as exc:
-            for fds in duplicates:
-                fds.close()
+            if exc.errno not in DESCRIPTOR_ERRNOS:
+                raise
             client = self._clients[source_id]()
             name = client.name if client is not None else f"#{source_id}"
             raise out_of_descriptors(exc, f"shared memory of source {name}, slot {slot_id}") from None
-        for worker, fds in zip(self._workers, duplicates):
-            worker.outbox.append((AddSlot(source_id, slot_id, kind), fds))
         self.wake()
 
     def drop_slot(self, source_id: int, slot_id: int) -> None:
         """*engine*, lock held: tells every worker to drop a slot."""
         if self._state is not PoolState.RUNNING:
             return
-        for worker in self._workers:
-            worker.outbox.append((DropSlot(source_id, slot_id), None))
+        self._backend.drop_slot(source_id, slot_id)
         self.wake()
 
     def wake(self) -> None:
@@ -476,24 +451,19 @@ class WorkerPool:
         of the source's sent tasks."""
         now = time.monotonic()
         rows = []
-        for worker in self._workers:
-            for position, task in enumerate(worker.outstanding.values()):
+        for load in self._loads:
+            for position, task in enumerate(load.outstanding.values()):
                 if task.source_id == source_id:
-                    running = now - worker.busy_since if position == 0 else 0.0
-                    rows.append((worker.index, self.describe_worker(worker), task, running))
+                    running = now - load.busy_since if position == 0 else 0.0
+                    rows.append((load.index, self._backend.describe_worker(load.index), task, running))
         return rows
-
-    def describe_worker(self, worker: Any) -> str:
-        """Lock held: ``worker`` in an error message (which worker, and where it runs)."""
-        return f"worker {worker.index} (pid {worker.pid})"
 
     # -- the I/O thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
         self._io_ident = threading.get_ident()
         try:
-            poller, sockets, sentinels = self._poller()
-            while self._io_round(poller, sockets, sentinels):
+            while self._io_round():
                 pass
         except BaseException as exc:  # a bug: the pool must not hang its consumers
             with self.lock:
@@ -501,26 +471,12 @@ class WorkerPool:
                 error.__cause__ = exc
                 self._break(error)
         finally:
+            self._backend.stop(ask=self._state is PoolState.CLOSED)
             with self.lock:
-                workers, self._workers = self._workers, []
-            worker_processes.stop(workers, ask=self._state is PoolState.CLOSED)
-            with self.lock:
+                self._loads = []
                 self.notify()
             if self._waker is not None:
                 self._waker.close()  # the loop polls it no more; a later wake() does nothing
-
-    def _poller(self) -> Tuple[Any, Dict[int, WorkerHandle], Dict[int, WorkerHandle]]:
-        """One poll set for the life of the pool: the waker, each worker's socket and sentinel."""
-        poller = select.poll()
-        assert self._waker is not None
-        poller.register(self._waker.fileno(), select.POLLIN)
-        sockets, sentinels = {}, {}
-        for worker in self._workers:
-            sockets[worker.channel.fileno()] = worker
-            sentinels[worker.sentinel] = worker
-            poller.register(worker.channel.fileno(), select.POLLIN)
-            poller.register(worker.sentinel, select.POLLIN)
-        return poller, sockets, sentinels
 
     def _service_clients(self) -> Tuple[bool, bool]:
         """I/O thread, lock held: lets every source dispatch and take back memory. Whether any
@@ -534,113 +490,86 @@ class WorkerPool:
                 lending = lending or client.lends()
         return changed, lending
 
-    def _io_round(self, poller: Any, sockets: Dict[int, WorkerHandle],
-                  sentinels: Dict[int, WorkerHandle]) -> bool:
-        """One round: service, send, wait, receive. False when the pool stops running."""
+    def _io_round(self) -> bool:
+        """One round: service, assign, send, wait, receive, deliver. False when the pool stops
+        running."""
+        backend = self._backend
         with self.lock:
             if self._state is not PoolState.RUNNING:
                 return False
             changed, lending = self._service_clients()
             self._assign()
-            if not self._flush():
+            fault = backend.flush()
+            if fault is not None:
+                self._fault(fault)
                 return False
             if changed:
                 self.notify()
-            waker = self._waker
-            assert waker is not None
-        events = poller.poll(RETURN_POLL_S * 1000 if lending else None)
+            period = backend.poll_period()
+        timeout = RETURN_POLL_S if lending else None
+        if period is not None:
+            timeout = period if timeout is None else min(timeout, period)
+        # Waiting and receiving (which may copy samples into slots) run without the lock.
+        received = backend.receive(backend.wait(timeout))
         with self.lock:
             if self._state is not PoolState.RUNNING:
                 return False
             changed = False
-            for fd, _event in events:
-                if fd == waker.fileno():
-                    waker.drain()
-                elif fd in sockets:
-                    worker = sockets[fd]
-                    received = self._receive(worker)
-                    if received is None:
-                        self._worker_died(worker)
-                        return False
-                    changed = received or changed
-                elif fd in sentinels:
-                    worker = sentinels[fd]
-                    self._receive(worker)  # what it sent before it ended still counts
-                    self._worker_died(worker)
+            for arrival in received.arrivals:
+                changed = self._deliver(arrival) or changed
+            if received.fault is not None:
+                self._fault(received.fault)
+                return False
+            if period is not None:
+                fault = backend.check()
+                if fault is not None:
+                    self._fault(fault)
                     return False
             if changed:
                 self.notify()
         return True
 
+    def _deliver(self, arrival: Arrival) -> bool:
+        """Lock held: hands a task's answer to its source; whether a consumer may now go on."""
+        load = self._loads[arrival.worker]
+        load.outstanding.pop(arrival.ticket, None)
+        load.busy_since = time.monotonic()  # the next task it holds runs (or waits) since
+        if arrival.result is None:
+            return False  # its slot is gone: the source was closed
+        client = self._clients[arrival.source_id]()
+        return client is not None and client.on_result(arrival.result)
+
     def _assign(self) -> None:
         if not self._queue and not any(self._pinned.values()):
             return
-        for level in range(1, self.max_outstanding + 1):
-            for worker in self._workers:
-                if len(worker.outstanding) >= level:
+        for level in range(1, self._backend.max_outstanding + 1):
+            for load in self._loads:
+                if len(load.outstanding) >= level:
                     continue
-                pinned = self._pinned.get(worker.index)
+                pinned = self._pinned.get(load.index)
                 if pinned:
                     task = pinned.popleft()
                 elif self._queue:
                     task = self._queue.popleft()
                 else:
                     continue
-                if not worker.outstanding:
-                    worker.busy_since = time.monotonic()
-                worker.outstanding[task.ticket] = task
-                worker.outbox.append((task, None))
+                if not load.outstanding:
+                    load.busy_since = time.monotonic()
+                load.outstanding[task.ticket] = task
+                self._backend.assign(load.index, task)
 
-    def _flush(self) -> bool:
-        for worker in self._workers:
-            while worker.outbox:
-                message, fds = worker.outbox[0]
-                try:
-                    worker.channel.send(message, fds.fds if fds is not None else ())
-                except OSError:
-                    self._worker_died(worker)
-                    return False
-                worker.outbox.popleft()
-                if fds is not None:
-                    fds.close()
-        return True
-
-    def _receive(self, worker: WorkerHandle) -> Optional[bool]:
-        """Routes every message that arrived from ``worker``: ``None`` if its channel
-        closed, else whether a consumer may be waiting for what changed."""
-        try:
-            messages = worker.channel.recv_available()
-        except (EOFError, OSError):
-            return None
-        changed = False
-        for message in messages:
-            if isinstance(message, (TaskDone, TaskFailed)):
-                worker.outstanding.pop(message.ticket, None)
-                worker.busy_since = time.monotonic()
-                client = self._clients[message.source_id]()
-                if client is not None and client.on_result(message):
-                    changed = True
-            elif isinstance(message, SetupFailed):
-                self._break(RuntimeError(
-                    f"extsrc worker {message.worker} could not load the sources: {message.message}\n"
-                    f"Worker traceback:\n{message.traceback}"
-                ))
-                changed = True
-        return changed
-
-    def _worker_died(self, worker: WorkerHandle) -> None:
-        if self._state is not PoolState.RUNNING:
-            return
-        how, hint = worker_processes.describe_exit(worker, self.options.start_method)
+    def _held(self, worker: int) -> str:
+        """Lock held: what ``worker`` held, for an error message."""
         held = []
-        for task in worker.outstanding.values():
+        for task in self._loads[worker].outstanding.values() if worker < len(self._loads) else ():
             client = self._clients[task.source_id]()
             held.append(client.describe_task(task) if client is not None else f"a task of source {task.source_id}")
-        what = "; ".join(held) if held else "no samples"
-        self._break(WorkerDiedError(
-            f"extsrc worker {worker.index} (pid {worker.pid}) {how} while it held {what}."
-            f"{hint} The remaining workers were shut down."
-        ))
+        return "; ".join(held) if held else "no samples"
+
+    def _fault(self, fault: Fault) -> None:
+        """Lock held: the backend found a fault: break the pool with its error."""
+        if self._state is PoolState.RUNNING:
+            self._break(fault(self._held))
 
     def _break(self, error: BaseException) -> None:
         if self._state in (PoolState.BROKEN, PoolState.CLOSED):

@@ -141,7 +141,7 @@ class ParallelSource:
     this process is connected to (or a local Ray started on first use), with
     ``ray_options`` (``num_cpus``, ``resources``, ``scheduling_strategy``,
     ``runtime_env``, ...) for the actors; everything above holds unchanged
-    (see :class:`extsrc.ray.RayPool`). The default, ``"processes"``, runs
+    (see :class:`extsrc.ray.RayBackend`). The default, ``"processes"``, runs
     worker processes on this host.
     """
 

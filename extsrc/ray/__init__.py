@@ -2,10 +2,11 @@
 
 Use it through ``ParallelSource(..., backend="ray")``,
 ``WorkerPool(num_workers, backend="ray")`` or ``pipeline_def(...,
-py_backend="ray")``; :class:`RayPool` is the pool they make. Needs
+py_backend="ray")``: the pool finds :class:`RayBackend` by its name
+(:mod:`extsrc.engine.backend`) and ``pool.workers_backend`` is it. Needs
 ``extsrc[ray]``; Ray itself is imported only when a pool is made.
 """
 
-from extsrc.ray.pool import ActorInfo, RayPool
+from extsrc.ray.backend import ActorInfo, RayBackend
 
-__all__ = ["ActorInfo", "RayPool"]
+__all__ = ["ActorInfo", "RayBackend"]

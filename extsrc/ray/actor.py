@@ -1,14 +1,19 @@
 """A worker of the Ray backend: a Ray actor that runs the callbacks and returns the samples.
 
-:class:`SourceActor` is what :class:`~extsrc.ray.RayPool` makes remote. It
+:class:`SourceActor` is what :class:`~extsrc.ray.RayBackend` makes remote. It
 loads the sources once, like a worker process (they come pickled with the
 pool's pickler), and runs tasks with the engine's
 :class:`~extsrc.engine.runner.SourceRunner`: the same ``SampleInfo`` /
-``BatchInfo`` / ``Order`` records, the same checks and the same errors. Only
-the last step differs: instead of writing the samples into shared memory it
-cannot reach (it may be on another host), it returns them, checked, as a
+``BatchInfo`` / ``Order`` records, the same checks and the same errors. On
+the consumer's node (``home``), it writes the samples straight into the
+slot's shared memory with the engine's
+:class:`~extsrc.shm.writer.TaskWriter`, as a worker process does: it opens
+the slot's descriptors as ``/proc/<consumer pid>/fd/<n>``
+(:class:`~extsrc.ray.protocol.SlotOpen`) and answers a
+:class:`~extsrc.engine.protocol.TaskDone`. On another node (or for a slot
+it could not open), it returns the samples, checked, as a
 :class:`~extsrc.ray.protocol.Produced`, in Ray's reply or its object store
-(see :mod:`extsrc.ray.parts`).
+(see :mod:`extsrc.ray.parts`), and the pool writes them.
 
 Ray runs an actor's calls one at a time in the order they were sent, and the
 actor runs their tasks in that order, one at a time, which iterable sources
@@ -23,14 +28,15 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 
 from extsrc.engine.protocol import SetupFailed, SourceSetup, Task
 from extsrc.engine.runner import SAMPLE, SourceRunner, load_source
 from extsrc.ray.parts import INLINE_MAX_BYTES, columns_bytes, fitting, split
-from extsrc.ray.protocol import ActorReady, Produced
+from extsrc.ray.protocol import ActorReady, Produced, SlotChange, SlotOpen
+from extsrc.shm.writer import TaskWriter
 
 # Samples up to this size travel stacked, as one array per output: Ray serialises every array
 # with some fixed cost (tens of microseconds), which dominates for small samples. Larger ones
@@ -99,27 +105,41 @@ class PackedWrite:
         return pieces
 
 
-class PackingWriter:
-    """In place of the engine's :class:`~extsrc.shm.writer.TaskWriter`: a
-    :class:`PackedWrite` per task, whatever its slot (the pool writes the slot)."""
+class ActorWriter:
+    """In place of the runner's :class:`~extsrc.shm.writer.TaskWriter`: a task whose slot this
+    actor opened is written into it by ``slots`` (the engine's writer, as in a worker
+    process); any other is kept as a :class:`PackedWrite` to be returned (the pool writes it).
 
-    def __init__(self, checker: Any):
-        self.checker = checker
+    Slots are added and dropped by Ray's call thread (:meth:`SourceActor.run`), tasks written by
+    the runner thread: a slot is added before the tasks that use it are queued, and dropped
+    only once every task for it has answered."""
+
+    def __init__(self, slots: TaskWriter):
+        self.slots = slots
+        self.checker = slots.checker
 
     def begin(self, slot_id: int, batch_seq: int, start: int, stop: int, region_bytes: int,
-              regions: Any, describe: Callable[[int], str]) -> PackedWrite:
+              regions: Any, describe: Callable[[int], str]) -> Any:
+        if slot_id in self.slots.slots:
+            return self.slots.begin(slot_id, batch_seq, start, stop, region_bytes, regions, describe)
         return PackedWrite(self.checker, describe)
+
+    def close(self) -> None:
+        self.slots.close()
 
 
 class ActorRunner(SourceRunner):
-    """The engine's runner, answering with the checked samples rather than writing them."""
+    """The engine's runner, answering with the checked samples where it did not write them."""
 
     def __init__(self, setup: SourceSetup, callback: Any, worker: int, worker_init: Any = None):
         super().__init__(setup, callback, worker, worker_init)
-        self.writer = PackingWriter(self.writer.checker)
+        # The runner writes through whatever `writer` is; ActorWriter offers the same calls.
+        self.writer = ActorWriter(self.writer)  # type: ignore[assignment]
 
     def _done(self, task: Task, write: Any, count: int, stopped: bool, busy_ns: int,
-              timed: Tuple[Tuple[int, int], ...]) -> Produced:
+              timed: Tuple[Tuple[int, int], ...]) -> Any:
+        if not isinstance(write, PackedWrite):  # written into the slot, as by a worker process
+            return super()._done(task, write, count, stopped, busy_ns, timed)
         start = task.start if self.setup.kind == SAMPLE else 0
         return Produced(task.source_id, task.ticket, start, count, stopped, write.answer(), busy_ns,
                         timed, self._notes())
@@ -158,7 +178,7 @@ def pack(checker: Any, output: int, column: Sequence[Any], start: int, count: in
 
 
 class SourceActor:
-    """One worker of a :class:`~extsrc.ray.RayPool`, as a Ray actor (see the module docstring).
+    """One worker of a :class:`~extsrc.ray.RayBackend`, as a Ray actor (see the module docstring).
 
     ``sources`` are the pool's :class:`~extsrc.engine.protocol.SourceSetup` s,
     pickled with ``pickler``. A failure to load them is reported by every
@@ -179,8 +199,11 @@ class SourceActor:
     what the runner catches (a bug), which every later call raises.
     """
 
-    def __init__(self, index: int, sources: Tuple[SourceSetup, ...], pickler: Any):
+    def __init__(self, index: int, sources: Tuple[SourceSetup, ...], pickler: Any,
+                 home: Optional[str] = None):
         self.index = index
+        self.home = home  # the consumer's Ray node id: slots are opened only there
+        self._local: Optional[bool] = None  # whether this actor runs on it (known at the first slot)
         self.runners: Dict[int, ActorRunner] = {}
         self.setup_failed: Optional[SetupFailed] = None
         self._changed = threading.Condition()  # guards everything below
@@ -205,11 +228,12 @@ class SourceActor:
         import ray
 
         context = ray.get_runtime_context()
-        return ActorReady(self.index, context.get_actor_id(), context.get_node_id(),
-                          ray.util.get_node_ip_address(), socket.gethostname(), os.getpid())
+        return ActorReady(self.index, context.get_actor_id() or "", context.get_node_id(),
+                          str(ray.util.get_node_ip_address()), socket.gethostname(), os.getpid())
 
-    def run(self, tasks: Tuple[Task, ...], parts: int = 0) -> Any:
-        """Queues ``tasks`` behind those of earlier calls (see
+    def run(self, tasks: Tuple[Task, ...], parts: int = 0, slots: Tuple[SlotChange, ...] = ()) -> Any:
+        """Applies ``slots`` (opened before this returns, so the pool may close its copies of
+        the descriptors once it has the answer), then queues ``tasks`` behind those of earlier calls (see
         :meth:`extsrc.engine.runner.SourceRunner.run`) and answers with the
         tasks finished since the last call, in the order they ran: at least
         one, unless the actor holds none. One list, or with ``parts`` its
@@ -219,11 +243,37 @@ class SourceActor:
         if self.setup_failed is not None:
             answers: Any = self.setup_failed
             return (answers,) + (None,) * parts if parts else answers
+        if slots:
+            self._change_slots(slots)
         with self._changed:
             self._queue.extend(tasks)
             self._changed.notify_all()
             answers = self._take(parts)
         return split(answers, parts) if parts else answers
+
+    def _change_slots(self, slots: Tuple[SlotChange, ...]) -> None:
+        """Opens (on the consumer's node) or closes slots for the runners' writers. A slot that
+        cannot be opened is left to the pool: the actor returns that slot's samples instead."""
+        if self._local is None:
+            self._local = self.home is not None and self.home == _node_id()
+        for change in slots:
+            runner = self.runners.get(change.source_id)
+            if runner is None:
+                continue
+            writer = cast(ActorWriter, runner.writer).slots
+            if not isinstance(change, SlotOpen):
+                writer.drop_slot(change.slot_id)
+                continue
+            if not self._local:
+                continue
+            region = _open_of(change.pid, change.region_fd, change.region_file)
+            overflow = _open_of(change.pid, change.overflow_fd, change.overflow_file)
+            if region is None or overflow is None:
+                for fd in (region, overflow):
+                    if fd is not None:
+                        os.close(fd)
+                continue
+            writer.add_slot(change.slot_id, region, overflow, change.kind, self.index)
 
     def _take(self, parts: int) -> List[Any]:
         """Lock held: the answers to hand over, once there are some (see :meth:`run`); with
@@ -269,3 +319,24 @@ class SourceActor:
 
     def ping(self) -> None:
         """Answers once the actor runs; after ``ray.kill``, the error says it is dead."""
+
+
+def _open_of(pid: int, fd: int, file: Tuple[int, int]) -> Optional[int]:
+    """Descriptor ``fd`` of process ``pid`` of this host, opened anew, if it is ``file``
+    (``(st_dev, st_ino)``); else (gone, not allowed, another file) ``None``."""
+    try:
+        opened = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return None
+    stat = os.fstat(opened)
+    if (stat.st_dev, stat.st_ino) != tuple(file):
+        os.close(opened)
+        return None
+    return opened
+
+
+def _node_id() -> str:
+    """The id of the Ray node this process runs on."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()

@@ -23,7 +23,7 @@ then stores in the object store), and parts left over travel empty.
 from __future__ import annotations
 
 import math
-from typing import Any, List, Sequence, Tuple, Union
+from typing import Any, List, Sequence, Tuple, TypeGuard, Union
 
 import numpy as np
 
@@ -84,7 +84,7 @@ def fitting(answers: Sequence[Answer], parts: int) -> int:
     return min(1, len(answers))
 
 
-def _inline(answer: Answer) -> bool:
+def _inline(answer: Answer) -> TypeGuard[Produced]:
     """Whether ``answer``'s samples travel in parts (not a failure, not in the object store)."""
     return isinstance(answer, Produced) and isinstance(answer.pieces, tuple)
 
@@ -116,7 +116,7 @@ def join(heads: List[Answer], bins: Sequence[List[Piece]]) -> List[Answer]:
     for part in bins:
         for piece in part:
             pieces[piece.answer].append((piece.position, piece.count, piece.columns))
-    return [head._replace(pieces=tuple(pieces[k])) if pieces[k] else head
+    return [head._replace(pieces=tuple(pieces[k])) if pieces[k] and isinstance(head, Produced) else head
             for k, head in enumerate(heads)]
 
 
@@ -127,7 +127,7 @@ def _cut(index: int, position: int, count: int, columns: Tuple[PieceColumns, ...
         return [Piece(index, position, count, columns)]
     fixed = ARRAY_OVERHEAD_BYTES * sum(isinstance(c, np.ndarray) for c in columns)
     if fixed == ARRAY_OVERHEAD_BYTES * len(columns):  # every output stacked: rows weigh the same
-        row = sum(c.nbytes for c in columns) // count  # type: ignore[union-attr]
+        row = sum(c.nbytes for c in columns if isinstance(c, np.ndarray)) // count
         step = max(1, (PART_BYTES - fixed) // max(1, row))
         bounds = list(range(0, count, step)) + [count]
     else:

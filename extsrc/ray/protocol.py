@@ -1,10 +1,11 @@
 """What a Ray actor answers the pool, besides the engine's own records.
 
-A task comes back as a :class:`Produced` (the checked samples themselves,
-through Ray) or as the engine's
-:class:`~extsrc.engine.protocol.TaskFailed`; the pool writes a ``Produced``
-into the slot and hands its source an ordinary
-:class:`~extsrc.engine.protocol.TaskDone`. The samples of a small answer
+A task comes back as the engine's :class:`~extsrc.engine.protocol.TaskDone`
+when the actor runs on the consumer's node and wrote the samples into the
+slot itself (it opened the slot's descriptors, :class:`SlotOpen`), else as
+a :class:`Produced` (the checked samples themselves, through Ray), which the
+pool writes into the slot and hands its source as a ``TaskDone``; or as the
+engine's :class:`~extsrc.engine.protocol.TaskFailed`. The samples of a small answer
 travel as :class:`Piece` s in the call's further return values (see
 :mod:`extsrc.ray.parts`). An actor answers its first call, ``ready()``, with
 an :class:`ActorReady` (where it runs), or with the engine's
@@ -39,7 +40,7 @@ class Produced(NamedTuple):
     source_id: int
     ticket: int
     start: int
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count, never called on these
     stopped: bool
     pieces: Any  # Tuple[Tuple[int, int, Tuple[PieceColumns, ...]], ...], or its ObjectRef
     busy_ns: int = 0  # the actor's time on the task, and the callback's per group of samples
@@ -53,16 +54,45 @@ class Piece(NamedTuple):
 
     answer: int
     position: int
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count, never called on these
     columns: Tuple[PieceColumns, ...]
 
 
 class ActorReady(NamedTuple):
     """Where actor ``index`` runs: Ray's ids for it and its node, the node's address, the pid."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index, never called on these
     actor_id: str
     node_id: str
     node_ip: str
     hostname: str
     pid: int
+
+
+class SlotOpen(NamedTuple):
+    """A new slot of a source, for an actor on the consumer's node: its descriptors as the
+    consumer's process ``pid`` holds them (numbers ``region_fd`` and ``overflow_fd``, the
+    latter the actor's own overflow segment), kept open by the pool until the call that
+    carries this record has answered; the actor opens them as ``/proc/<pid>/fd/<n>`` and
+    uses them only if they are the files named by ``region_file`` and ``overflow_file``."""
+
+    source_id: int
+    slot_id: int
+    kind: str  # the segments' backend ("memfd", "devshm"), for error messages
+    pid: int
+    region_fd: int
+    overflow_fd: int
+    # (st_dev, st_ino) of each segment: the actor checks that what it opened is the slot's
+    # memory, not a file of another process that happens to have this pid where it runs.
+    region_file: Tuple[int, int] = (0, 0)
+    overflow_file: Tuple[int, int] = (0, 0)
+
+
+class SlotClose(NamedTuple):
+    """The slot is retired: an actor that opened it closes and unmaps it."""
+
+    source_id: int
+    slot_id: int
+
+
+SlotChange = Union[SlotOpen, SlotClose]

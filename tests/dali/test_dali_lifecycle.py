@@ -91,7 +91,7 @@ def test_dalis_own_parallel_external_source_is_refused():
 
 
 def test_fork_after_cuda_is_refused_with_advice(monkeypatch):
-    monkeypatch.setattr("extsrc.engine.pool.cuda_initialized", lambda: True)
+    monkeypatch.setattr("extsrc.engine.processes.cuda_initialized", lambda: True)
     with counting() as p:
         with pytest.raises(RuntimeError, match=r"start_py_workers\(\).*spawn"):
             p.build()
@@ -101,7 +101,7 @@ def test_fork_after_cuda_is_refused_with_advice(monkeypatch):
 def test_start_py_workers_before_cuda_then_build(monkeypatch):
     with counting() as p:
         p.start_py_workers()
-        monkeypatch.setattr("extsrc.engine.pool.cuda_initialized", lambda: True)  # e.g. torch.cuda.init()
+        monkeypatch.setattr("extsrc.engine.processes.cuda_initialized", lambda: True)  # e.g. torch.cuda.init()
         p.build()
         assert len(run_epoch(p)) == 3
 

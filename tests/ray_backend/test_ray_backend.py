@@ -30,6 +30,17 @@ from sources import (
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("local_ray")]
 
 
+@pytest.fixture(params=["same-node", "other-node"])
+def actor_path(request, monkeypatch):
+    """Each data test runs both ways samples reach the slots: written by actors on the
+    consumer's node themselves, and returned through Ray as by actors on other nodes (forced
+    here on one node)."""
+    import extsrc.ray.backend
+
+    monkeypatch.setattr(extsrc.ray.backend, "LOCAL_WRITES", request.param == "same-node")
+    return request.param
+
+
 def epochs(epoch_count=2, batches=None, **kwargs):
     """Every batch of ``epoch_count`` epochs, copied: a tuple of outputs as arrays or lists."""
     out = []
@@ -70,13 +81,28 @@ def both(**kwargs):
             epochs(num_workers=2, start_method="fork", **kwargs))
 
 
-def test_sample_mode_gives_the_batches_processes_give_despite_jitter():
+@pytest.mark.parametrize("sample_bytes", [64, 256 << 10])
+def test_actors_on_the_consumers_node_write_the_slots_themselves_others_through_ray(actor_path, sample_bytes):
+    with ParallelSource(ReusesItsBuffers(16, sample_bytes, False), 16, backend="ray",
+                        num_workers=2) as src:
+        taken = [_copy(batch) for _, batch in zip(range(6), src)]
+        actors = src.pool.workers_backend.actors()
+    with ParallelSource(ReusesItsBuffers(16, sample_bytes, False), 16, num_workers=2) as src:
+        expected = [_copy(batch) for _, batch in zip(range(6), src)]
+    assert_same([taken], [expected])
+    delivered = sum(a.samples for a in actors)
+    direct = sum(a.direct_samples for a in actors)
+    assert delivered >= 6 * 16
+    assert direct == (delivered if actor_path == "same-node" else 0), [tuple(a) for a in actors]
+
+
+def test_sample_mode_gives_the_batches_processes_give_despite_jitter(actor_path):
     ours, theirs = both(source=jittered, batch_size=6, batches=7)
     assert_same(ours, theirs)
     assert all(dense for epoch in ours for batch in epoch for dense, _ in batch[1:])
 
 
-def test_large_samples_written_one_by_one_are_the_same():
+def test_large_samples_written_one_by_one_are_the_same(actor_path):
     ours, theirs = both(source=large_sample, batch_size=4, batches=3, epoch_count=1)
     assert_same(ours, theirs)
     assert ours[0][0][0][0], "a batch of same-shaped large samples is one dense array"
@@ -86,7 +112,7 @@ def test_large_samples_written_one_by_one_are_the_same():
     (16, True),  # small samples of varying shape: they travel as they are, not stacked
     (16 << 10, False),  # 2 MiB per batch of 16: the actor puts them into the object store
 ])
-def test_a_callback_that_reuses_its_buffers_gives_the_batches_processes_give(sample_bytes, ragged):
+def test_a_callback_that_reuses_its_buffers_gives_the_batches_processes_give(sample_bytes, ragged, actor_path):
     # The actor runs the next task while the last answer waits to be sent: it must not send
     # memory the callback overwrites meanwhile.
     ours, theirs = both(source=ReusesItsBuffers(16, sample_bytes, ragged), batch_size=16, batches=12,
@@ -95,14 +121,14 @@ def test_a_callback_that_reuses_its_buffers_gives_the_batches_processes_give(sam
 
 
 @pytest.mark.parametrize("sample_bytes", [64, 128 << 10])  # 1 KiB or 2 MiB per batch of 16
-def test_a_batch_callback_that_refills_one_array_gives_the_batches_processes_give(sample_bytes):
+def test_a_batch_callback_that_refills_one_array_gives_the_batches_processes_give(sample_bytes, actor_path):
     ours, theirs = both(source=ReusesItsBatch(16, sample_bytes, 10), batch_size=16, batch=True,
                         batch_info=True, epoch_count=1)
     assert_same(ours, theirs)
     assert [int(batch[0][1][0][0]) for batch in ours[0]] == list(range(10))
 
 
-def test_sizes_that_jump_between_batches_and_empty_samples_give_what_processes_give():
+def test_sizes_that_jump_between_batches_and_empty_samples_give_what_processes_give(actor_path):
     # Tiny batches then MiB ones and back: answers outgrow what the pool expected of them.
     ours, theirs = both(source=varying_sizes, batch_size=6, num_outputs=3, batches=16, epoch_count=1)
     assert_same(ours, theirs)
@@ -110,7 +136,7 @@ def test_sizes_that_jump_between_batches_and_empty_samples_give_what_processes_g
     assert_same(ours, theirs)
 
 
-def test_in_place_callbacks_give_what_processes_give():
+def test_in_place_callbacks_give_what_processes_give(actor_path):
     ours, theirs = both(source=filling_two_outputs, batch_size=5, num_outputs=2, in_place=True,
                         batches=3, epoch_count=1)
     assert_same(ours, theirs)
@@ -130,7 +156,7 @@ def test_statistics_count_what_the_actors_delivered():
     assert stats.callback_median_s is not None and stats.callback_median_s >= 0
 
 
-def test_several_outputs_dense_and_ragged_are_the_same():
+def test_several_outputs_dense_and_ragged_are_the_same(actor_path):
     ours, theirs = both(source=two_outputs, batch_size=5, num_outputs=2, batches=4)
     assert_same(ours, theirs)
     images, ragged = ours[0][2]
@@ -181,7 +207,7 @@ def test_an_order_with_padding_shards_and_resume_give_the_same_records_and_draws
     assert_same([rest], [ours[0][3:]])
 
 
-def test_batches_are_zero_copy_and_stay_right_for_as_long_as_they_are_held():
+def test_batches_are_zero_copy_and_stay_right_for_as_long_as_they_are_held(actor_path):
     def sample(info):
         return np.full((256,), info.idx_in_epoch % 251, np.uint8)
 
@@ -341,11 +367,11 @@ def _marked(info):
 
 
 def test_ray_options_reach_the_actors_and_ray_refuses_bad_ones_at_once():
-    from extsrc.ray import RayPool
+    from extsrc.ray import RayBackend
 
     pool = WorkerPool(2, backend="ray", ray_options={
         "num_cpus": 0.5, "runtime_env": {"env_vars": {"EXTSRC_TEST_MARK": "actor"}}})
-    assert isinstance(pool, RayPool) and isinstance(pool, WorkerPool)
+    assert isinstance(pool.workers_backend, RayBackend) and pool.max_outstanding == RayBackend.max_outstanding
     with ParallelSource(_marked, 2, pool=pool) as src:
         assert bytes(next(iter(src)).as_array()[0]) == b"actor"
     pool.close()

@@ -34,7 +34,7 @@ with extsrc.ParallelSource(load, 8, num_outputs=2, num_workers=2, backend="ray")
         index, node = next(it)
         indices += index.as_array().tolist()
         nodes += [bytes(n).hex() for n in node.as_array()]
-    actors = [a.node_id for a in source.pool.actors()]
+    actors = [a.node_id for a in source.pool.workers_backend.actors()]
 print(json.dumps({"cluster": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
                   "actors": actors, "indices": indices, "nodes": nodes}))
 ray.shutdown()

@@ -146,7 +146,7 @@ with extsrc.ParallelSource(load, 4, num_workers=1, backend="ray") as fresh:
 
 
 def test_a_source_first_used_in_a_thread_that_ends_leaves_ray_usable():
-    # RayPool.start() calls ray.init() in whatever thread first iterates the source. Ray's
+    # The Ray backend's start() calls ray.init() in whatever thread first iterates the source. Ray's
     # processes get a parent-death signal tied to that thread: when it ends, the local Ray dies
     # under the pool. close() then waits for actors that Ray cannot report (seconds), and the
     # next Ray source kills the process (plasma store gone, exit status 1), leaving Ray's

@@ -130,8 +130,8 @@ for _ in it:
 
 def test_actors_no_node_has_room_for_are_an_error_that_says_what_they_asked():
     result = run_fault(ray_case('''
-import extsrc.ray.pool
-extsrc.ray.pool.ACTOR_START_TIMEOUT_S = 3  # instead of minutes: nothing will come
+import extsrc.ray.backend
+extsrc.ray.backend.ACTOR_START_TIMEOUT_S = 3  # instead of minutes: nothing will come
 src = extsrc.ParallelSource(lambda info: np.zeros(1), 4, num_workers=2, backend="ray",
                             ray_options={"resources": {"tpu_pod": 1}})
 report.fault_starts()

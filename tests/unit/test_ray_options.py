@@ -36,7 +36,7 @@ def test_bad_backend_arguments_say_what_was_expected(kwargs, message):
 def test_good_ray_options_are_kept_as_given_and_processes_keep_fork_by_default():
     options = PoolOptions.create(3, backend="ray", ray_options={"num_cpus": 0.5, "resources": {"ssd": 1}})
     assert (options.backend, options.start_method, options.num_workers) == ("ray", None, 3)
-    assert options.ray_options == {"num_cpus": 0.5, "resources": {"ssd": 1}}
+    assert options.backend_options == {"num_cpus": 0.5, "resources": {"ssd": 1}}
     assert PoolOptions.create().start_method == "fork" and PoolOptions.create().backend == "processes"
 
 

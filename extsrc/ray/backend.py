@@ -1,11 +1,10 @@
-"""The Ray backend: a worker pool whose workers are Ray actors, anywhere in a cluster.
+"""The Ray backend: the workers of a pool as Ray actors, anywhere in a cluster.
 
-:class:`RayPool` is a :class:`~extsrc.WorkerPool` with another kind of
-worker. Everything a source sees stays the pool's: the engine methods (the
-contract with :class:`~extsrc.engine.producer.Producer`), the lock and
-waiters, the states and faults, and the scheduling (tasks go to the least
-loaded worker in submission order, at most :data:`TASKS_PER_ACTOR` per
-actor). What differs is what a worker is and how results arrive:
+:class:`RayBackend` implements :class:`~extsrc.engine.backend.WorkerBackend`
+(``WorkerPool(backend="ray")`` finds it by name). Everything a source sees
+stays the pool's: the lock and waiters, the states and faults, the
+scheduling (at most :data:`TASKS_PER_ACTOR` tasks per actor) and the I/O
+thread. What differs is what a worker is and how results arrive:
 
 * **Workers** are :class:`~extsrc.ray.actor.SourceActor` actors, created at
   ``start()`` with ``ray_options``, in the cluster this process is connected
@@ -19,23 +18,32 @@ actor). What differs is what a worker is and how results arrive:
   :class:`~extsrc.ray.actor.SourceActor`): the actor keeps running what it
   holds while an answer travels, Ray's cost per call is shared by two
   batches, and a slow task never holds back a finished one.
-* **Results** come back in Ray's reply when small (cut into parts under
+* **Slots**: an actor on the consumer's node writes the samples straight into
+  the slot's shared memory, as a worker process does, with the engine's
+  writer: each new slot goes to every actor not known to run elsewhere, in
+  the next call (:class:`~extsrc.ray.protocol.SlotOpen`: the numbers of
+  descriptors the pool duplicated and keeps open until that call has
+  answered; the actor opens them as ``/proc/<pid>/fd/<n>``), and the actor
+  answers an ordinary :class:`~extsrc.engine.protocol.TaskDone`. Only actors
+  on other nodes (or set :data:`LOCAL_WRITES` to ``False``) return their
+  samples through Ray, as follows.
+* **Results** of the other actors come back in Ray's reply when small (cut into parts under
   Ray's inline limit, :mod:`extsrc.ray.parts`), else through its object
   store: the actor returns the checked samples
   (:class:`~extsrc.ray.protocol.Produced`), and the pool's I/O thread writes
   them into the slot (:class:`~extsrc.ray.writer.ResultWriter`) and hands the
   source an ordinary :class:`~extsrc.engine.protocol.TaskDone`.
 
-Threads: the pool's I/O thread (``extsrc-ray-io``) is the only one that
-calls Ray, apart from ``start()`` (which connects and creates the actors, in
-the thread calling it, as the process backend starts its processes there).
-Each call's answer is a list of ``ObjectRef`` s; the future of the last,
-once Ray has it, is queued for the I/O thread and wakes it through the
-pool's waker; the I/O thread waits on nothing but that waker, so a
+Threads: the pool's I/O thread is the only one that calls Ray, apart from
+``start()`` (which connects and creates the actors, in the thread calling
+it, as the process backend starts its processes there). Each call's answer
+is a list of ``ObjectRef`` s; the future of the last, once Ray has it, is
+queued for the I/O thread and wakes it through the pool's waker; the I/O
+thread waits on nothing but that waker (:meth:`RayBackend.wait`), so a
 consumer's wake-up (a batch taken or dropped, ``close()``) is served at once
-too. Results are written into the slots without the pool's lock: only the
-I/O thread touches the writers' memory, and a dropped slot is unmapped by
-it, between writes.
+too. Results are written into the slots in :meth:`RayBackend.receive`,
+without the pool's lock: only the I/O thread touches the writers' memory,
+and a dropped slot is unmapped by it, between writes.
 
 Faults: an actor that dies (``ray.kill``, a crash in native code, its node
 lost) fails its calls with Ray's ``RayActorError``; the pool then raises
@@ -60,16 +68,17 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
-from extsrc.engine.pool import RETURN_POLL_S, PoolState, WorkerPool
-from extsrc.engine.protocol import SetupFailed, Task, TaskDone, TaskFailed
-from extsrc.engine.workers import Waker
+from extsrc.engine.backend import Arrival, Fault, HeldBy, Received, Wakeable
+from extsrc.engine.processes import setup_failed
+from extsrc.engine.protocol import SetupFailed, SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.errors import InternalError, WorkerDiedError
-from extsrc.options import UNSET
+from extsrc.ray.options import check_options
 from extsrc.ray.actor import REPLY_TASKS, SourceActor
 from extsrc.ray.parts import columns_bytes, join, parts_for
-from extsrc.ray.protocol import ActorReady, Produced
+from extsrc.engine.channel import OwnedFds
+from extsrc.ray.protocol import ActorReady, Produced, SlotChange, SlotClose, SlotOpen
 from extsrc.ray.writer import ResultWriter
 
 # While calls are out, the I/O thread checks at least this often that Ray is still connected:
@@ -98,9 +107,12 @@ OBJECT_GET_TIMEOUT_S = 120.0
 # for actors is none while running, which would pile any number onto one node), spread over
 # the nodes.
 DEFAULT_ACTOR_OPTIONS = {"num_cpus": 1, "scheduling_strategy": "SPREAD"}
+# Whether actors on the consumer's node write samples into the slots themselves (else every
+# actor returns them through Ray); False is the path of actors on other nodes, on one node.
+LOCAL_WRITES = True
 # Ray's words when an actor's owner, this process's Ray worker, went away (ray.shutdown() here).
 OWNER_GONE = "Owner's worker process has crashed"
-# What the pool's contract needs of its actors (see extsrc.options.RAY_OPTIONS_OWNED).
+# What the pool's contract needs of its actors (see extsrc.ray.options.RAY_OPTIONS_OWNED).
 FIXED_ACTOR_OPTIONS = {"max_restarts": 0, "max_task_retries": 0, "max_concurrency": 1}
 
 
@@ -118,7 +130,7 @@ def import_ray() -> Any:
 
 @dataclass(frozen=True)
 class ActorInfo:
-    """Where worker ``index`` of a :class:`RayPool` runs, and how many samples it produced."""
+    """Where worker ``index`` of a :class:`RayBackend` runs, and how many samples it produced."""
 
     index: int
     actor_id: str
@@ -127,6 +139,7 @@ class ActorInfo:
     hostname: str
     pid: int
     samples: int
+    direct_samples: int  # of them, written by the actor itself into the slots (its node is ours)
 
 
 class _Lost(Exception):
@@ -143,14 +156,18 @@ class ActorHandle:
     def __init__(self, index: int, actor: Any):
         self.index = index
         self.actor = actor
-        self.outstanding: Dict[int, Task] = {}  # ticket -> task assigned, in the order assigned
-        self.outbox: Deque[Tuple[Task, None]] = deque()  # assigned, not yet sent
-        self.busy_since = time.monotonic()
+        self.outbox: Deque[Task] = deque()  # assigned, not yet sent
         self.calls: Dict[int, List[Any]] = {}  # call id -> its ObjectRefs, until its answer is handled
         self.task_calls = 0  # calls of run() among them: 0 or 1
         self.sent: Dict[int, Task] = {}  # I/O thread: ticket -> task sent to the actor, not answered
         self.ready: Optional[ActorReady] = None
         self.samples = 0
+        self.direct_samples = 0
+        self.remote = False  # known to run on another node than the consumer's
+        # Slots opened or closed since the last call, with the descriptors of each opened one,
+        # which the pool keeps until the call that carried them answered (see SlotOpen).
+        self.slot_changes: List[Tuple[SlotChange, Optional[OwnedFds]]] = []
+        self.lent: Dict[int, List[OwnedFds]] = {}  # call id -> descriptors it carried
 
     @property
     def pid(self) -> int:
@@ -165,27 +182,27 @@ class ActorHandle:
                 f"{ready.node_ip} ({ready.hostname}), node id {ready.node_id})")
 
 
-class RayPool(WorkerPool):
-    """A :class:`~extsrc.WorkerPool` whose ``num_workers`` workers are Ray actors.
+class RayBackend:
+    """The workers of a :class:`~extsrc.WorkerPool` as ``num_workers`` Ray actors.
 
     Made by ``WorkerPool(num_workers, backend="ray", ray_options=...)``,
-    ``ParallelSource(..., backend="ray")``, ``pipeline_def(...,
-    py_backend="ray")``, or directly. Sources on it behave as on worker
-    processes: the same batches in the same order, zero-copy and valid for as
-    long as they are held, the same errors (see the module docstring for
-    what differs underneath). The actors run wherever Ray places them in the
-    cluster this process is connected to (``ray.init(address=...)`` before
-    ``start()``), or in a local Ray that ``start()`` starts when none is
-    connected. ``ray_options`` go to every actor: ``num_cpus`` (default 1),
-    ``num_gpus``, ``memory``, ``resources``, ``accelerator_type``,
-    ``label_selector``, ``scheduling_strategy`` (default ``"SPREAD"``),
-    ``runtime_env`` (e.g. ``{"py_modules": [...]}`` when the callback's
-    modules are not installed on the nodes). extsrc itself must be
-    importable on every node.
+    ``ParallelSource(..., backend="ray")`` or ``pipeline_def(...,
+    py_backend="ray")``; ``pool.workers_backend`` is this object. Sources on
+    it behave as on worker processes: the same batches in the same order,
+    zero-copy and valid for as long as they are held, the same errors (see
+    the module docstring for what differs underneath). The actors run
+    wherever Ray places them in the cluster this process is connected to
+    (``ray.init(address=...)`` before ``start()``), or in a local Ray that
+    ``start()`` starts when none is connected. ``ray_options`` go to every
+    actor: ``num_cpus`` (default 1), ``num_gpus``, ``memory``,
+    ``resources``, ``accelerator_type``, ``label_selector``,
+    ``scheduling_strategy`` (default ``"SPREAD"``), ``runtime_env`` (e.g.
+    ``{"py_modules": [...]}`` when the callback's modules are not installed
+    on the nodes). extsrc itself must be importable on every node.
 
     ``worker_pids()`` are the actors' pids on their nodes; :meth:`actors`
-    says which node each runs on. ``close()`` kills the actors and returns
-    once Ray reports them dead. Raises ``ImportError`` when Ray is missing,
+    says which node each runs on. Stopping kills the actors and returns once
+    Ray reports them dead. Raises ``ImportError`` when Ray is missing,
     ``ValueError`` for ``ray_options`` Ray refuses.
 
     Each actor holds up to :attr:`max_outstanding` tasks (a source's default
@@ -194,19 +211,23 @@ class RayPool(WorkerPool):
     ones (see :class:`~extsrc.ray.actor.SourceActor`).
     """
 
+    name = "ray"
     max_outstanding = TASKS_PER_ACTOR
+    local_processes = False  # the actors may run on other hosts: no /proc of theirs
+    check_options = staticmethod(check_options)
 
-    def __init__(self, num_workers: int = 1, start_method: str = UNSET, pickler: Any = None,
-                 backend: str = "ray", ray_options: Optional[Dict[str, Any]] = None):
-        if backend != "ray":
-            raise ValueError(f"a RayPool runs backend='ray', got backend={backend!r}")
-        super().__init__(num_workers, start_method, pickler, backend, ray_options)
+    def __init__(self, num_workers: int, start_method: Optional[str], pickler: Any,
+                 options: Optional[Dict[str, Any]] = None):
+        self.num_workers = num_workers
+        self.pickler = pickler
+        self._options = options
         ray = import_ray()
-        options = {**DEFAULT_ACTOR_OPTIONS, **(self.options.ray_options or {}), **FIXED_ACTOR_OPTIONS}
+        merged = {**DEFAULT_ACTOR_OPTIONS, **(options or {}), **FIXED_ACTOR_OPTIONS}
         try:
-            self._actor_class = ray.remote(SourceActor).options(**options)
+            self._actor_class = ray.remote(SourceActor).options(**merged)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"ray_options={self.options.ray_options!r}: Ray refused them: {exc}") from None
+            raise ValueError(f"ray_options={options!r}: Ray refused them: {exc}") from None
+        self._workers: List[ActorHandle] = []
         self._writers: Dict[int, ResultWriter] = {}  # source id -> its writer
         # Calls answered, queued by Ray's threads for the I/O thread: (worker, call, its
         # ObjectRefs, whether it ran tasks, the future of its last return value).
@@ -214,67 +235,67 @@ class RayPool(WorkerPool):
         self._sample_bytes: Dict[int, float] = {}  # I/O thread: source id -> bytes per sample seen
         self._calls = itertools.count()
         self._started_at = 0.0
+        self._waker: Optional[Wakeable] = None
+        self._poller: Any = None
+        self._home = ""  # the Ray node id of this process (the consumer's)
 
     @property
     def ray_options(self) -> Optional[Dict[str, Any]]:
-        """The ``ray_options`` given (before the pool's defaults)."""
-        return None if self.options.ray_options is None else dict(self.options.ray_options)
+        """The ``ray_options`` given (before the backend's defaults)."""
+        return None if self._options is None else dict(self._options)
 
     def worker_pids(self) -> List[int]:
         """The pids of the actors that have started, each on its own node (empty after close)."""
-        return [w.pid for w in self._workers if w.ready is not None]
+        return [w.pid for w in list(self._workers) if w.ready is not None]
 
     def actors(self) -> List[ActorInfo]:
         """Where each started actor runs and how many samples it produced, in worker order."""
-        with self.lock:
-            return [ActorInfo(w.index, w.ready.actor_id, w.ready.node_id, w.ready.node_ip,
-                              w.ready.hostname, w.ready.pid, w.samples)
-                    for w in self._workers if w.ready is not None]
+        return [ActorInfo(w.index, w.ready.actor_id, w.ready.node_id, w.ready.node_ip,
+                          w.ready.hostname, w.ready.pid, w.samples, w.direct_samples)
+                for w in list(self._workers) if w.ready is not None]
 
     # -- life cycle -----------------------------------------------------------------------------
 
-    def start(self, client_id: Optional[int] = None) -> None:
-        """Creates the actors; no-op if running. Raises if closed or broken.
+    def start(self, sources: Tuple[SourceSetup, ...], waker: Wakeable) -> None:
+        """Creates the actors (pool's lock held, in the thread calling ``WorkerPool.start()``).
 
         Connects to Ray first if this process is not connected (``ray.init()``:
         the cluster named by ``RAY_ADDRESS`` or started on this host with
         ``ray start``, else a new local one, which lives until the process
-        exits). Pickling errors of a source are raised here, with the pool
-        still NEW. Returns without waiting for the actors to run: tasks queue
+        exits). Returns without waiting for the actors to run: tasks queue
         until they do.
         """
-        with self.lock:
-            self.check_owner()
-            if self._state is PoolState.RUNNING:
-                return
-            self.check_usable(client_id)
-            pickler = self.options.pickler
-            clients = [ref() for ref in self._clients]
-            sources = tuple(c.worker_source(pickler) for c in clients if c is not None)
-            ray = import_ray()
-            if not ray.is_initialized():
-                _start_local_ray(ray)
-            self._writers = {s.source_id: ResultWriter(s, self.options.num_workers) for s in sources}
-            self._waker = Waker()
-            self._started_at = time.monotonic()
-            try:
-                shared = ray.put(sources)  # once for all actors
-                for index in range(self.options.num_workers):
-                    worker = ActorHandle(index, self._actor_class.remote(index, shared, pickler))
-                    self._workers.append(worker)
-                    self._watch(worker, False, [worker.actor.ready.remote()])
-            except BaseException:
-                self._kill(self._workers)
-                self._workers = []
-                self._writers = {}
-                self._waker = None
-                raise
-            self._state = PoolState.RUNNING
-            self._thread = threading.Thread(target=self._run, name="extsrc-ray-io", daemon=True)
-            self._thread.start()
+        pickler = self.pickler
+        ray = import_ray()
+        if not ray.is_initialized():
+            _start_local_ray(ray)
+        self._writers = {s.source_id: ResultWriter(s, self.num_workers) for s in sources}
+        self._waker = waker
+        self._started_at = time.monotonic()
+        try:
+            self._home = ray.get_runtime_context().get_node_id()
+            home = self._home if LOCAL_WRITES else None
+            shared = ray.put(sources)  # once for all actors
+            for index in range(self.num_workers):
+                worker = ActorHandle(index, self._actor_class.remote(index, shared, pickler, home))
+                self._workers.append(worker)
+                self._watch(worker, False, [worker.actor.ready.remote()])
+        except BaseException:
+            self._kill(self._workers)
+            self._workers = []
+            self._writers = {}
+            self._waker = None
+            raise
+        self._poller = select.poll()
+        self._poller.register(waker.fileno(), select.POLLIN)
 
-    def _stop_workers(self, workers: List[Any]) -> None:
+    def stop(self, ask: bool) -> None:
+        workers, self._workers = self._workers, []
+        writers, self._writers = self._writers, {}
         self._kill(workers)
+        self._arrivals.clear()  # the answers and the object-store memory they pin
+        for writer in writers.values():
+            writer.close()
 
     def forget_after_fork(self) -> None:
         # In a forked child: the actors and the memory are the parent's. Their Ray objects are
@@ -284,37 +305,67 @@ class RayPool(WorkerPool):
         self._workers = []
         self._writers = {}
         self._arrivals = deque()
-        self._thread = None
 
-    # -- engine: slots (lock held) --------------------------------------------------------------
+    # -- slots and tasks (pool's lock held) -----------------------------------------------------
 
-    def add_slot(self, source_id: int, slot_id: int, region_fd: int, overflow_fds: Any) -> None:
-        """*engine*, lock held: the pool writes into the slot for the actors (see
+    def add_slot(self, source_id: int, slot_id: int, region_fd: int, overflow_fds: Sequence[int]) -> None:
+        """The I/O thread writes into the slot for the actors (see
         :class:`~extsrc.ray.writer.ResultWriter`); the descriptors are duplicated."""
         writer = self._writers.get(source_id)
-        if self._state is PoolState.RUNNING and writer is not None:
-            from extsrc.shm.segment import backend
+        if writer is None:
+            return
+        from extsrc.shm.segment import backend
 
-            writer.add_slot(slot_id, region_fd, overflow_fds, backend())
+        kind = backend()
+        lent: List[OwnedFds] = []
+        try:
+            for worker in self._workers:
+                if not worker.remote and LOCAL_WRITES:
+                    lent.append(OwnedFds((region_fd, overflow_fds[worker.index])))
+            writer.add_slot(slot_id, region_fd, overflow_fds, kind)
+        except BaseException:
+            for fds in lent:
+                fds.close()
+            raise
+        pid = os.getpid()
+        for worker, fds in zip((w for w in self._workers if not w.remote), lent):
+            region, overflow = fds.fds
+            worker.slot_changes.append((SlotOpen(source_id, slot_id, kind, pid, region, overflow,
+                                                 _file_id(region), _file_id(overflow)), fds))
 
     def drop_slot(self, source_id: int, slot_id: int) -> None:
-        """*engine*, lock held: the slot's mappings go at the I/O thread's next round."""
+        """The slot's mappings go at the I/O thread's next round."""
         writer = self._writers.get(source_id)
-        if self._state is PoolState.RUNNING and writer is not None:
+        if writer is not None:
             writer.drop_slot(slot_id)
-            self.wake()
+            for worker in self._workers:
+                if not worker.remote and LOCAL_WRITES:
+                    worker.slot_changes.append((SlotClose(source_id, slot_id), None))
+
+    def assign(self, worker: int, task: Task) -> None:
+        self._workers[worker].outbox.append(task)
+
+    def take_back(self, source_id: int) -> List[Task]:
+        removed: List[Task] = []
+        for worker in self._workers:
+            mine = [t for t in worker.outbox if t.source_id == source_id]
+            if mine:
+                removed += mine
+                worker.outbox = deque(t for t in worker.outbox if t.source_id != source_id)
+        return removed
 
     # -- calls and their answers ----------------------------------------------------------------
 
-    def _watch(self, worker: ActorHandle, runs: bool, refs: List[Any]) -> None:
-        """Lock held: queues the answer of a call (its return values ``refs``; ``runs``: a call
-        of ``run()``, else of ``ready()``) for the I/O thread once Ray has it."""
+    def _watch(self, worker: ActorHandle, runs: bool, refs: List[Any]) -> int:
+        """Queues the answer of a call (its return values ``refs``; ``runs``: a call of
+        ``run()``, else of ``ready()``) for the I/O thread once Ray has it."""
         call = next(self._calls)
         worker.calls[call] = refs
         if runs:
             worker.task_calls += 1
         # One reply brings every return value: a callback on the last is enough.
         refs[-1].future().add_done_callback(functools.partial(self._arrived, worker, call, refs, runs))
+        return call
 
     def _arrived(self, worker: ActorHandle, call: int, refs: List[Any], runs: bool, future: Any) -> None:
         # In a thread of Ray's (or the I/O thread): only queue and wake, nothing that can block.
@@ -323,16 +374,18 @@ class RayPool(WorkerPool):
         if waker is not None:
             waker.wake()
 
-    def _send(self) -> bool:
-        """Lock held: sends each actor that has no call out the tasks assigned to it since its
-        last call; one that holds tasks gets a call without new ones, which takes their
-        answers. False if Ray is gone."""
+    def flush(self) -> Optional[Fault]:
+        """Sends each actor that has no call out the tasks assigned to it since its last call;
+        one that holds tasks gets a call without new ones, which takes their answers."""
         ray = import_ray()
         for worker in self._workers:
-            if worker.task_calls or not (worker.outbox or worker.sent):
+            if worker.task_calls or not (worker.outbox or worker.sent or worker.slot_changes):
                 continue
-            tasks = tuple(task for task, _ in worker.outbox)
+            tasks = tuple(worker.outbox)
             worker.outbox.clear()
+            changes = tuple(change for change, _ in worker.slot_changes)
+            lent = [fds for _, fds in worker.slot_changes if fds is not None]
+            worker.slot_changes = []
             for task in tasks:
                 worker.sent[task.ticket] = task
             # The answer carries up to REPLY_TASKS tasks, the first ones the actor holds.
@@ -342,16 +395,59 @@ class RayPool(WorkerPool):
             try:
                 _connected(ray)
                 if parts:
-                    refs = worker.actor.run.options(num_returns=1 + parts).remote(tasks, parts)
+                    refs = worker.actor.run.options(num_returns=1 + parts).remote(tasks, parts, changes)
                 else:
-                    refs = [worker.actor.run.remote(tasks)]
+                    refs = [worker.actor.run.remote(tasks, 0, changes)]
             except Exception as exc:
-                self._connection_lost(exc)
-                return False
-            self._watch(worker, True, refs)
-        return True
+                for fds in lent:
+                    fds.close()
+                return self._connection_lost(exc)
+            worker.lent[self._watch(worker, True, refs)] = lent
+        return None
 
-    def _land(self, worker: ActorHandle, refs: List[Any], runs: bool, future: Any) -> Any:
+    def wait(self, timeout: Optional[float]) -> Any:
+        if not self._arrivals:
+            self._poller.poll(None if timeout is None else timeout * 1000)
+        if self._waker is not None:
+            self._waker.drain()
+        return None
+
+    def receive(self, events: Any) -> Received:
+        """Writes what came into the slots (no lock: see the module docstring) and hands the
+        pool the tasks' answers."""
+        arrivals = []
+        while self._arrivals:
+            arrivals.append(self._arrivals.popleft())
+        for writer in list(self._writers.values()):
+            writer.apply_drops()
+        delivered: List[Arrival] = []
+        for worker, call, refs, runs, future in arrivals:
+            direct: Dict[int, bool] = {}  # ticket -> written by the actor itself
+            answer = self._land(worker, refs, runs, future, direct)
+            if isinstance(answer, _Lost):
+                return Received(tuple(delivered), self._actor_lost(worker, answer.error), True)
+            if isinstance(answer, SetupFailed):
+                return Received(tuple(delivered), setup_failed(answer, "extsrc ray worker"), True)
+            worker.calls.pop(call, None)
+            for fds in worker.lent.pop(call, ()):
+                fds.close()  # the actor opened its own
+            if isinstance(answer, ActorReady):
+                worker.ready = answer
+                worker.remote = answer.node_id != self._home
+                continue
+            worker.task_calls -= 1
+            for task, result in answer:
+                worker.sent.pop(task.ticket, None)
+                if isinstance(result, TaskDone):
+                    worker.samples += result.samples
+                    if direct.get(task.ticket, False):
+                        worker.direct_samples += result.samples
+                delivered.append(Arrival(worker.index, task.ticket, task.source_id,
+                                         result if isinstance(result, (TaskDone, TaskFailed)) else None))
+        return Received(tuple(delivered), None, True)
+
+    def _land(self, worker: ActorHandle, refs: List[Any], runs: bool, future: Any,
+              direct: Dict[int, bool]) -> Any:
         """I/O thread, no lock: a call's answer, with every ``Produced`` written into its slot,
         as ``(task, result)`` pairs (a ``TaskDone``, or ``TaskFailed`` if the memory could not
         be had; ``None`` if the slot is gone), or ``_Lost`` with Ray's error."""
@@ -386,6 +482,7 @@ class RayPool(WorkerPool):
         landed = []
         for result in answer:
             task = worker.sent[result.ticket]
+            direct[result.ticket] = isinstance(result, TaskDone)
             if isinstance(result, Produced):
                 if result.count:
                     self._sample_bytes[task.source_id] = sum(
@@ -395,141 +492,37 @@ class RayPool(WorkerPool):
             landed.append((task, result))
         return landed
 
-    # -- the I/O thread -------------------------------------------------------------------------
+    def poll_period(self) -> Optional[float]:
+        """While calls are out, Ray's connection is checked this often (see :meth:`check`)."""
+        return LIVENESS_PERIOD_S if any(w.calls for w in self._workers) else None
 
-    def _run(self) -> None:
-        self._io_ident = threading.get_ident()
-        try:
-            assert self._waker is not None
-            poller = select.poll()
-            poller.register(self._waker.fileno(), select.POLLIN)
-            while self._round(poller):
-                pass
-        except BaseException as exc:  # a bug: the pool must not hang its consumers
-            with self.lock:
-                error = InternalError(f"the extsrc Ray pool's I/O thread failed: {type(exc).__name__}: {exc}")
-                error.__cause__ = exc
-                self._break(error)
-        finally:
-            with self.lock:
-                workers, self._workers = self._workers, []
-                writers, self._writers = self._writers, {}
-            self._kill(workers)
-            with self.lock:
-                self._arrivals.clear()  # the answers and the object-store memory they pin
-                for writer in writers.values():
-                    writer.close()
-                self.notify()
-
-    def _round(self, poller: Any) -> bool:
-        """One round: service, send, wait, write what came, deliver it. False when stopping."""
-        with self.lock:
-            if self._state is not PoolState.RUNNING:
-                return False
-            changed, lending = self._service_clients()
-            self._assign()
-            if not self._send():
-                return False
-            if changed:
-                self.notify()
-            waiting = any(w.calls for w in self._workers)
-            waker = self._waker
-            assert waker is not None
-        timeout: Optional[float] = None
-        if lending:
-            timeout = RETURN_POLL_S
-        if waiting:
-            timeout = LIVENESS_PERIOD_S if timeout is None else min(timeout, LIVENESS_PERIOD_S)
-        if not self._arrivals:
-            poller.poll(None if timeout is None else timeout * 1000)
-        waker.drain()
-        arrivals = []
-        while self._arrivals:
-            arrivals.append(self._arrivals.popleft())
-        with self.lock:
-            if self._state is not PoolState.RUNNING:
-                return False
-            for writer in self._writers.values():
-                writer.apply_drops()
-        # The copies into the slots, without the lock (see the module docstring).
-        answers = [(worker, call, self._land(worker, refs, runs, future))
-                   for worker, call, refs, runs, future in arrivals]
-        del arrivals
-        with self.lock:
-            if self._state is not PoolState.RUNNING:
-                return False
-            changed = False
-            for worker, call, answer in answers:
-                delivered = self._deliver(worker, call, answer)
-                if delivered is None:
-                    return False
-                changed = delivered or changed
-            if waiting and not self._check_alive():
-                return False
-            if changed:
-                self.notify()
-        return True
-
-    def _deliver(self, worker: ActorHandle, call: int, answer: Any) -> Optional[bool]:
-        """Lock held: hands a call's answers to their sources. Whether a consumer may now go
-        on; ``None`` when the answer broke the pool."""
-        if isinstance(answer, _Lost):
-            self._actor_lost(worker, answer.error)
-            return None
-        if isinstance(answer, SetupFailed):
-            self._break(RuntimeError(
-                f"extsrc ray worker {answer.worker} could not load the sources: {answer.message}\n"
-                f"Worker traceback:\n{answer.traceback}"
-            ))
-            return None
-        worker.calls.pop(call, None)
-        if isinstance(answer, ActorReady):
-            worker.ready = answer
-            return False
-        worker.task_calls -= 1
-        if answer:
-            worker.busy_since = time.monotonic()  # the next task it holds runs (or waits) since
-        changed = False
-        for task, result in answer:
-            worker.sent.pop(task.ticket, None)
-            worker.outstanding.pop(task.ticket, None)
-            if not isinstance(result, (TaskDone, TaskFailed)):
-                continue  # its slot is gone: the source was closed
-            if isinstance(result, TaskDone):
-                worker.samples += result.samples
-            client = self._clients[task.source_id]()
-            if client is not None and client.on_result(result):
-                changed = True
-        return changed
-
-    def _check_alive(self) -> bool:
-        """Lock held: whether Ray is still connected and every actor started in time."""
+    def check(self) -> Optional[Fault]:
+        """Whether Ray is still connected and every actor started in time."""
         ray = import_ray()
         if not ray.is_initialized():
-            self._connection_lost(None)
-            return False
+            return self._connection_lost(None)
         late = [w for w in self._workers if w.ready is None]
         if late and time.monotonic() - self._started_at > ACTOR_START_TIMEOUT_S:
-            self._break(RuntimeError(
+            message = (
                 f"extsrc ray worker {late[0].index} (of {len(late)} not started) was not running "
                 f"{ACTOR_START_TIMEOUT_S:g} s after start(): no node of the cluster has room for an "
                 f"actor with {self._asked()}. The cluster has {self._resources(ray)}. Lower "
                 "num_workers, ask for less in ray_options, or add nodes."
-            ))
-            return False
-        return True
+            )
+            return lambda held: RuntimeError(message)
+        return None
 
-    def describe_worker(self, worker: ActorHandle) -> str:
-        """Lock held: which actor, where it runs; for one not running yet, why it may not be."""
-        ready = worker.ready
+    def describe_worker(self, worker: int) -> str:
+        """Which actor, where it runs; for one not running yet, why it may not be."""
+        ready = self._workers[worker].ready if worker < len(self._workers) else None
         if ready is not None:
-            return f"worker {worker.index} (Ray actor pid {ready.pid} on node {ready.node_ip} ({ready.hostname}))"
-        return (f"worker {worker.index} (a Ray actor not running yet, "
+            return f"worker {worker} (Ray actor pid {ready.pid} on node {ready.node_ip} ({ready.hostname}))"
+        return (f"worker {worker} (a Ray actor not running yet, "
                 f"{time.monotonic() - self._started_at:.0f} s after start(): it asks for {self._asked()}; "
                 f"the cluster has {self._resources(import_ray())})")
 
     def _asked(self) -> str:
-        asked = {**DEFAULT_ACTOR_OPTIONS, **(self.options.ray_options or {})}
+        asked = {**DEFAULT_ACTOR_OPTIONS, **(self._options or {})}
         return ", ".join(f"{k}={v!r}" for k, v in asked.items() if k != "runtime_env")
 
     @staticmethod
@@ -545,42 +538,42 @@ class RayPool(WorkerPool):
 
     # -- faults ---------------------------------------------------------------------------------
 
-    def _held(self, worker: ActorHandle) -> str:
-        held = []
-        for task in worker.outstanding.values():
-            client = self._clients[task.source_id]()
-            held.append(client.describe_task(task) if client is not None else f"a task of source {task.source_id}")
-        return "; ".join(held) if held else "no samples"
-
-    def _actor_lost(self, worker: ActorHandle, error: BaseException) -> None:
-        """Lock held: ``worker``'s call failed with Ray's ``error``: break the pool saying so."""
+    def _actor_lost(self, worker: ActorHandle, error: BaseException) -> Fault:
+        """``worker``'s call failed with Ray's ``error``: the fault that says so."""
         ray = import_ray()
         if not ray.is_initialized() or OWNER_GONE in str(error):
             # ray.shutdown() in this process (or its connection lost) fails the actors' calls
             # first, sometimes before Ray says it is disconnected: say what happened.
-            self._connection_lost(error)
-            return
-        if isinstance(error, ray.exceptions.RayTaskError):
-            broken: BaseException = InternalError(
-                f"{worker.describe()} failed outside the callback: {_first_lines(error)}"
-            )
-        else:
-            broken = WorkerDiedError(
-                f"{worker.describe()} died while it held {self._held(worker)}. Ray says: "
-                f"{_first_lines(error)} The remaining workers were shut down."
-            )
-        broken.__cause__ = error
-        self._break(broken)
+            return self._connection_lost(error)
+        described = worker.describe()
 
-    def _connection_lost(self, error: Optional[BaseException]) -> None:
-        held = "; ".join(f"worker {w.index}: {self._held(w)}" for w in self._workers if w.outstanding)
+        def fault(held: HeldBy) -> BaseException:
+            if isinstance(error, ray.exceptions.RayTaskError):
+                broken: BaseException = InternalError(
+                    f"{described} failed outside the callback: {_first_lines(error)}")
+            else:
+                broken = WorkerDiedError(
+                    f"{described} died while it held {held(worker.index)}. Ray says: "
+                    f"{_first_lines(error)} The remaining workers were shut down.")
+            broken.__cause__ = error
+            return broken
+
+        return fault
+
+    def _connection_lost(self, error: Optional[BaseException]) -> Fault:
+        indices = [w.index for w in self._workers]
         why = "" if error is None else f" ({type(error).__name__}: {error})"
-        broken = WorkerDiedError(
-            f"this process is no longer connected to Ray{why} (ray.shutdown(), or the cluster "
-            f"went away); the extsrc ray workers held {held or 'no samples'}. The pool was shut down."
-        )
-        broken.__cause__ = error
-        self._break(broken)
+
+        def fault(held: HeldBy) -> BaseException:
+            holding = "; ".join(f"worker {i}: {held(i)}" for i in indices if held(i) != "no samples")
+            broken = WorkerDiedError(
+                f"this process is no longer connected to Ray{why} (ray.shutdown(), or the cluster "
+                f"went away); the extsrc ray workers held {holding or 'no samples'}. The pool was "
+                "shut down.")
+            broken.__cause__ = error
+            return broken
+
+        return fault
 
     def _kill(self, workers: List[ActorHandle]) -> None:
         """Kills the actors and waits (briefly) until Ray reports them dead; drops their calls."""
@@ -605,14 +598,21 @@ class RayPool(WorkerPool):
                     while _running(worker.ready.pid) and time.monotonic() < deadline:
                         time.sleep(PROCESS_EXIT_POLL_S)
         for worker in workers:
+            for lent in worker.lent.values():
+                for fds in lent:
+                    fds.close()
+            for _, change_fds in worker.slot_changes:
+                if change_fds is not None:
+                    change_fds.close()
+            worker.lent.clear()
+            worker.slot_changes = []
             worker.calls.clear()
             worker.task_calls = 0
             worker.sent.clear()
-            worker.outstanding.clear()
             worker.outbox.clear()
 
 
-_kept_in_child: List[Any] = []  # see RayPool.forget_after_fork
+_kept_in_child: List[Any] = []  # see RayBackend.forget_after_fork
 
 
 def _start_local_ray(ray: Any) -> None:
@@ -674,6 +674,12 @@ def _connected(ray: Any) -> None:
     Ray on their own, here in a thread whose end would take that Ray down with it."""
     if not ray.is_initialized():
         raise RayGone("ray.shutdown() was called, or the connection to the cluster was lost")
+
+
+def _file_id(fd: int) -> Tuple[int, int]:
+    """``(st_dev, st_ino)`` of the file open as ``fd``."""
+    stat = os.fstat(fd)
+    return stat.st_dev, stat.st_ino
 
 
 def _running(pid: int) -> bool:

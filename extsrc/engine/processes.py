@@ -1,0 +1,233 @@
+"""The ``"processes"`` backend: worker processes on this host, one channel each.
+
+Implements :class:`~extsrc.engine.backend.WorkerBackend` with the
+processes of :mod:`extsrc.engine.workers`: a task or a slot is a message on
+the worker's channel (a slot's descriptors travel with ``SCM_RIGHTS``), and
+the I/O thread waits on every channel, every worker's sentinel and the
+pool's waker with one ``poll``. Workers write samples into the slots
+themselves and answer with :class:`~extsrc.engine.protocol.TaskDone`.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+
+from extsrc.engine import workers as worker_processes
+from extsrc.engine.backend import Arrival, Fault, HeldBy, Received, Wakeable
+from extsrc.engine.channel import OwnedFds
+from extsrc.engine.cuda_state import FORK_AFTER_CUDA, cuda_initialized
+from extsrc.engine.protocol import (
+    AddSlot, DropSlot, SetupFailed, SourceSetup, Task, TaskDone, TaskFailed, WorkerSetup,
+)
+from extsrc.engine.workers import WorkerHandle
+from extsrc.errors import WorkerDiedError
+from extsrc.options import START_METHODS
+from extsrc.shm.limits import DESCRIPTOR_ERRNOS, check_descriptors, out_of_descriptors
+
+MAX_OUTSTANDING = 2  # tasks per worker: one running, one waiting, so a worker never idles
+
+
+def setup_failed(message: SetupFailed, kind: str = "extsrc worker") -> Fault:
+    """The fault of a worker that could not load the sources (for any backend)."""
+    return lambda held: RuntimeError(
+        f"{kind} {message.worker} could not load the sources: {message.message}\n"
+        f"Worker traceback:\n{message.traceback}"
+    )
+
+
+class ProcessBackend:
+    """Worker processes started with ``start_method`` (see :mod:`extsrc.engine.workers`)."""
+
+    name = "processes"
+    max_outstanding = MAX_OUTSTANDING
+    local_processes = True
+
+    @staticmethod
+    def check_options(start_method: Any, options: Any, names: Tuple[str, str, str],
+                      unset: Any) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
+        if start_method is unset:
+            start_method = "fork"
+        if start_method not in START_METHODS:
+            raise ValueError(f"{names[1]} must be one of {START_METHODS}, got {start_method!r}")
+        if options is not None:
+            raise ValueError(f"{names[2]} is for {names[0]}='ray', got it with {names[0]}='processes'")
+        return start_method, None
+
+    def __init__(self, num_workers: int, start_method: Optional[str], pickler: Any,
+                 options: Optional[Dict[str, Any]] = None):
+        assert start_method is not None
+        self.num_workers = num_workers
+        self.start_method = start_method
+        self.pickler = pickler
+        self._workers: List[WorkerHandle] = []
+        self._poller: Any = None
+        self._sockets: Dict[int, WorkerHandle] = {}
+        self._sentinels: Dict[int, WorkerHandle] = {}
+        self._waker: Optional[Wakeable] = None
+
+    def start(self, sources: Tuple[SourceSetup, ...], waker: Wakeable) -> None:
+        method = self.start_method
+        if method == "fork" and cuda_initialized():
+            raise RuntimeError(FORK_AFTER_CUDA)
+        # PR_SET_PDEATHSIG follows the thread that forks; the main thread lives as long
+        # as the process, any other may end sooner (then workers use a watchdog).
+        main = threading.current_thread() is threading.main_thread()
+        context = worker_processes.context_for(method)
+        # The default pickler carries everything of __main__ by value: the workers need not
+        # import the main script again (see extsrc.engine.workers._main_hidden).
+        run_main = method == "fork" or not self.pickler.by_value_main
+        pickler = None if method == "fork" else self.pickler
+        check_descriptors(2 + self.num_workers * worker_processes.DESCRIPTORS_PER_WORKER
+                          + worker_processes.DESCRIPTORS_TO_START_ONE,
+                          f"starting {self.num_workers} workers")
+        try:
+            for index in range(self.num_workers):
+                setup = WorkerSetup(
+                    index=index,
+                    parent_pid=None if method == "forkserver" else os.getpid(),
+                    forked=method == "fork",
+                    die_with_parent=main or method == "forkserver",
+                    sources=sources,
+                    pickler=pickler,
+                )
+                self._workers.append(worker_processes.launch(context, setup, run_main))
+        except BaseException as exc:
+            starting = len(self._workers)
+            self.stop(ask=False)
+            if isinstance(exc, OSError) and exc.errno in DESCRIPTOR_ERRNOS:
+                raise out_of_descriptors(exc, f"starting worker {starting} of the pool", OSError) from exc
+            raise
+        self._waker = waker
+        # One poll set for the life of the pool: the waker, each worker's socket and sentinel.
+        self._poller = select.poll()
+        self._poller.register(waker.fileno(), select.POLLIN)
+        for worker in self._workers:
+            self._sockets[worker.channel.fileno()] = worker
+            self._sentinels[worker.sentinel] = worker
+            self._poller.register(worker.channel.fileno(), select.POLLIN)
+            self._poller.register(worker.sentinel, select.POLLIN)
+
+    # -- slots and tasks (lock held) ----------------------------------------------------------
+
+    def add_slot(self, source_id: int, slot_id: int, region_fd: int, overflow_fds: Sequence[int]) -> None:
+        from extsrc.shm.segment import backend
+
+        kind = backend()
+        duplicates: List[OwnedFds] = []
+        try:
+            for worker in self._workers:
+                duplicates.append(OwnedFds((region_fd, overflow_fds[worker.index])))
+        except BaseException:
+            for fds in duplicates:
+                fds.close()
+            raise
+        for worker, fds in zip(self._workers, duplicates):
+            worker.outbox.append((AddSlot(source_id, slot_id, kind), fds))
+
+    def drop_slot(self, source_id: int, slot_id: int) -> None:
+        for worker in self._workers:
+            worker.outbox.append((DropSlot(source_id, slot_id), None))
+
+    def assign(self, worker: int, task: Task) -> None:
+        self._workers[worker].outbox.append((task, None))
+
+    def take_back(self, source_id: int) -> List[Task]:
+        removed: List[Task] = []
+        for worker in self._workers:
+            kept: Deque[Tuple[Any, Optional[OwnedFds]]] = deque()
+            for message, fds in worker.outbox:
+                if isinstance(message, Task) and message.source_id == source_id:
+                    removed.append(message)
+                else:
+                    kept.append((message, fds))
+            worker.outbox = kept
+        return removed
+
+    def flush(self) -> Optional[Fault]:
+        for worker in self._workers:
+            while worker.outbox:
+                message, fds = worker.outbox[0]
+                try:
+                    worker.channel.send(message, fds.fds if fds is not None else ())
+                except OSError:
+                    return self._died(worker)
+                worker.outbox.popleft()
+                if fds is not None:
+                    fds.close()
+        return None
+
+    # -- the I/O thread, no lock --------------------------------------------------------------
+
+    def wait(self, timeout: Optional[float]) -> Any:
+        return self._poller.poll(None if timeout is None else timeout * 1000)
+
+    def receive(self, events: Any) -> Received:
+        arrivals: List[Arrival] = []
+        woken = False
+        for fd, _event in events:
+            woken = True
+            if self._waker is not None and fd == self._waker.fileno():
+                self._waker.drain()
+            elif fd in self._sockets:
+                worker = self._sockets[fd]
+                fault = self._receive(worker, arrivals)
+                if fault is not None:
+                    return Received(tuple(arrivals), fault, True)
+            elif fd in self._sentinels:
+                worker = self._sentinels[fd]
+                fault = self._receive(worker, arrivals)  # what it sent before it ended still counts
+                return Received(tuple(arrivals), fault or self._died(worker), True)
+        return Received(tuple(arrivals), None, woken)
+
+    def _receive(self, worker: WorkerHandle, arrivals: List[Arrival]) -> Optional[Fault]:
+        try:
+            messages = worker.channel.recv_available()
+        except (EOFError, OSError):
+            return self._died(worker)
+        for message in messages:
+            if isinstance(message, (TaskDone, TaskFailed)):
+                arrivals.append(Arrival(worker.index, message.ticket, message.source_id, message))
+            elif isinstance(message, SetupFailed):
+                return setup_failed(message)
+        return None
+
+    def _died(self, worker: WorkerHandle) -> Fault:
+        how, hint = worker_processes.describe_exit(worker, self.start_method)
+
+        def error(held: HeldBy) -> BaseException:
+            return WorkerDiedError(
+                f"extsrc worker {worker.index} (pid {worker.pid}) {how} while it held "
+                f"{held(worker.index)}.{hint} The remaining workers were shut down."
+            )
+
+        return error
+
+    def poll_period(self) -> Optional[float]:
+        return None
+
+    def check(self) -> Optional[Fault]:
+        return None
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def stop(self, ask: bool) -> None:
+        workers, self._workers = self._workers, []
+        self._sockets, self._sentinels, self._poller = {}, {}, None
+        worker_processes.stop(workers, ask=ask)
+
+    def worker_pids(self) -> List[int]:
+        return [w.pid for w in self._workers]
+
+    def describe_worker(self, worker: int) -> str:
+        return f"worker {worker} (pid {self._workers[worker].pid})" if worker < len(self._workers) \
+            else f"worker {worker}"
+
+    def forget_after_fork(self) -> None:
+        for worker in self._workers:
+            worker.channel.forget_after_fork()
+        self._workers = []
+        self._sockets, self._sentinels, self._poller = {}, {}, None
