@@ -52,9 +52,8 @@ from typing import (
     Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Type, Union, runtime_checkable,
 )
 
-from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
+from extsrc.engine.protocol import Result, SourceSetup, Task
 
-Result = Union[TaskDone, TaskFailed]
 # Describes what worker ``index`` held when it was lost: "samples 0..3 of batch 1 of ...", or
 # "no samples". Given by the pool, which alone knows which tasks a worker holds.
 HeldBy = Callable[[int], str]
