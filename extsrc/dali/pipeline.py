@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from nvidia.dali import pipeline as _dali_pipeline
 
+from extsrc.dali.pickling import DaliDefaultPickler
 from extsrc.dali.reader_meta import source_reader_meta
 from extsrc.engine.cuda_state import gpu_visible, no_gpu_message
 from extsrc.errors import PoolClosedError
@@ -224,13 +225,14 @@ class Pipeline(_dali_pipeline.Pipeline):
                 "py_num_workers=N (N >= 1) to the pipeline, or drop parallel=True"
             )
         if self._extsrc_pool is None:
+            # DALI's default pickler refuses what extsrc's would carry by value: a function its
+            # module does not hold under its name (extsrc.dali.pickling).
+            pickler = DaliDefaultPickler if self._extsrc_pickler is None else self._extsrc_pickler
             if self._extsrc_backend == "ray":
-                self._extsrc_pool = WorkerPool(self._extsrc_num_workers, pickler=self._extsrc_pickler,
+                self._extsrc_pool = WorkerPool(self._extsrc_num_workers, pickler=pickler,
                                                backend="ray", ray_options=self._extsrc_ray_options)
             else:
-                self._extsrc_pool = WorkerPool(
-                    self._extsrc_num_workers, self._extsrc_start_method, self._extsrc_pickler
-                )
+                self._extsrc_pool = WorkerPool(self._extsrc_num_workers, self._extsrc_start_method, pickler)
         if self._extsrc_pool.started:
             raise RuntimeError(
                 "a parallel external source cannot be added after the pipeline's workers "
