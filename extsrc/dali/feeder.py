@@ -63,6 +63,7 @@ class Feeder:
         self._expected: Optional[tuple] = None  # (epoch_idx, iteration) it will yield next
         self._exhausted = False  # cycle "no" over an iterable: ended for good
         self._kept: Deque[Any] = deque(maxlen=keep)
+        self._handed: Optional[tuple] = None  # (DALI's position, batch) of the last batch handed
 
     def __repr__(self) -> str:
         return f"extsrc parallel source {self.original!r}"
@@ -72,6 +73,21 @@ class Feeder:
         position = (info.epoch_idx, info.iteration)
         if self._exhausted:
             raise StopIteration
+        handed = self._handed
+        if handed is not None and handed[0] == position:
+            # DALI asks again for the batch this feeder handed it last: an exception (an
+            # interrupt) reached DALI after this call returned and before DALI counted the
+            # iteration. The same batch again: the next one would skip it (an iterable cannot
+            # rewind), and a callable would be made again for nothing.
+            batch = handed[1]
+        else:
+            batch = self._take(position)
+        if self.source.num_outputs is None:
+            return _to_dali(batch)
+        return tuple(_to_dali(samples) for samples in batch)
+
+    def _take(self, position: tuple) -> Any:
+        """The engine's batch for DALI's ``position``, kept for DALI (and for a repeated ask)."""
         # A callable follows DALI's numbers. An iterable or generator is one stream, as in DALI:
         # a reset() caused by another source's end does not rewind it (it goes on where it
         # was); only its own end starts its next pass (see _after_end).
@@ -86,13 +102,12 @@ class Feeder:
         except Exception:
             self._epoch, self._expected = None, None  # next call resumes at DALI's position
             raise
-        # An interrupt (KeyboardInterrupt) above leaves the engine's epoch holding the batch for
-        # the next call (extsrc.engine.take): nothing to restart.
+        # No call between the take and this store: an interrupt lands before the take (the
+        # engine's epoch keeps the batch, extsrc.engine.take) or after the batch is recorded.
+        self._handed = (position, batch)
         self._expected = (position[0], position[1] + 1)
         self._kept.append(batch)
-        if self.source.num_outputs is None:
-            return _to_dali(batch)
-        return tuple(_to_dali(samples) for samples in batch)
+        return batch
 
     def _restart(self, position: tuple) -> None:
         epoch_idx, iteration = position
@@ -127,4 +142,5 @@ class Feeder:
     def release(self) -> None:
         """Drops the references to fed batches (after DALI stopped reading them)."""
         self._kept.clear()
+        self._handed = None
         self._epoch, self._expected = None, None
