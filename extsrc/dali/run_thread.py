@@ -31,6 +31,7 @@ holds no reference to the pipeline between calls.
 from __future__ import annotations
 
 import _thread
+import os
 import threading
 from typing import Any, Callable, Optional
 
@@ -70,8 +71,17 @@ class RunThread:
         self._wake.acquire()
         self._finished = _thread.allocate_lock()  # released by the thread: a call is done
         self._finished.acquire()
-        self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        self._ident: Optional[int] = None  # the run thread's, once it runs
+        # Started here, not on first use: a thread started in the middle of an interruptible
+        # call could be started twice, or be stored and never run.
+        self._pid = os.getpid()
+        self._thread = self._new_thread()
+
+    def _new_thread(self) -> threading.Thread:
+        thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+        thread.start()
+        return thread
 
     # -- caller's thread -----------------------------------------------------------------------
 
@@ -79,10 +89,9 @@ class RunThread:
         """Makes ``fn`` the pending call (step 1) and wakes the thread. Nothing may be pending."""
         if self.pending is not None:
             raise RuntimeError(f"{self.name}: a {self.pending.kind}() call is still pending")
-        if self._thread is None:
-            thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-            thread.start()
-            self._thread = thread
+        if self._pid != os.getpid():  # a forked child: the parent's thread is not here
+            self._pid = os.getpid()
+            self._thread = self._new_thread()
         self.pending = Call(kind, fn)  # the commit point: the thread runs it from here on
         if self._wake.locked():
             self._wake.release()
@@ -90,11 +99,16 @@ class RunThread:
     def wait(self) -> None:
         """Waits until the pending call (if any) is done (step 2); hands nothing over. Returns at
         once on the run thread itself (the call waited for would be the one running there)."""
-        if self._thread is threading.current_thread():
+        if threading.get_ident() == self._ident:
             return
         call = self.pending
         while call is not None and not call.done:
             self._finished.acquire(timeout=POLL_S)
+            if not call.done and (self._pid != os.getpid() or not self._thread.is_alive()):
+                # A child forked while the call ran has no run thread: nothing will finish it.
+                self.pending = None
+                raise RuntimeError(f"{self.name}: the {call.kind}() call cannot finish here: the "
+                                   "thread running it is gone (a process forked while it ran)")
 
     def collect(self) -> Any:
         """Waits for the pending call and hands its outcome over: returns its value or raises its
@@ -122,13 +136,13 @@ class RunThread:
         self._stopping = True
         if self._wake.locked():
             self._wake.release()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        if self._pid == os.getpid() and threading.get_ident() != self._ident:
+            self._thread.join()
 
     # -- the run thread ------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        self._ident = threading.get_ident()
         while not self._stopping:
             self._wake.acquire(timeout=POLL_S)
             call = self.pending
