@@ -96,9 +96,10 @@ try:
         epochs += 1
 finally:
     sys.settrace(None)
+    # Ignored before the sender is stopped: a SIGINT in subprocess's code would end the script.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sender.kill()
     sender.wait()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 close()
 print("landed", landed[0], "epochs", epochs)
 '''

@@ -8,7 +8,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 from nvidia.dali import pipeline as _dali_pipeline
 
+from extsrc.dali.pickling import DaliDefaultPickler
 from extsrc.dali.reader_meta import source_reader_meta
+from extsrc.dali.run_thread import RESET, RUN, RunThread
 from extsrc.engine.cuda_state import gpu_visible, no_gpu_message
 from extsrc.errors import PoolClosedError
 from extsrc.engine.pool import WorkerPool
@@ -69,6 +71,7 @@ class Pipeline(_dali_pipeline.Pipeline):
                 "py_callback_pickler is used only by spawn and forkserver workers; with "
                 "py_start_method='fork' the callbacks are inherited, not pickled"
             )
+        self._extsrc_runner = RunThread("extsrc-dali-run")
         self._extsrc_closed = False
         self._extsrc_pool: Optional[WorkerPool] = None
         self._extsrc_feeders: List[Any] = []
@@ -212,13 +215,14 @@ class Pipeline(_dali_pipeline.Pipeline):
                 "py_num_workers=N (N >= 1) to the pipeline, or drop parallel=True"
             )
         if self._extsrc_pool is None:
+            # DALI's default pickler refuses what extsrc's would carry by value: a function its
+            # module does not hold under its name (extsrc.dali.pickling).
+            pickler = DaliDefaultPickler if self._extsrc_pickler is None else self._extsrc_pickler
             if self._extsrc_backend == "ray":
-                self._extsrc_pool = WorkerPool(self._extsrc_num_workers, pickler=self._extsrc_pickler,
+                self._extsrc_pool = WorkerPool(self._extsrc_num_workers, pickler=pickler,
                                                backend="ray", ray_options=self._extsrc_ray_options)
             else:
-                self._extsrc_pool = WorkerPool(
-                    self._extsrc_num_workers, self._extsrc_start_method, self._extsrc_pickler
-                )
+                self._extsrc_pool = WorkerPool(self._extsrc_num_workers, self._extsrc_start_method, pickler)
         if self._extsrc_pool.started:
             raise RuntimeError(
                 "a parallel external source cannot be added after the pipeline's workers "
@@ -273,6 +277,68 @@ class Pipeline(_dali_pipeline.Pipeline):
                 "'mixed' or 'gpu'), or run it where a GPU is visible.",
             )) from None
 
+    def run(self, *args: Any, **pipeline_inputs: Any) -> Any:
+        """DALI's ``run()``; an interrupt (Ctrl-C) during it loses and repeats no batch.
+
+        DALI's ``run()`` runs on a thread of the pipeline's (see
+        :mod:`extsrc.dali.run_thread`), so a ``KeyboardInterrupt`` reaches you
+        at once while DALI's iteration goes on; the next ``run()`` returns its
+        outputs (or raises what it raised, ``StopIteration`` at the end of the
+        epoch) instead of running another iteration. Same arguments, outputs
+        and exceptions as DALI's ``run()``.
+        """
+        self._extsrc_check_open()
+        runner = self._extsrc_runner
+        if runner.pending is not None and runner.pending.kind == RESET:
+            runner.collect()  # an interrupted reset() finishes first
+        if runner.pending is None:
+            self.build()  # in this thread: workers start from it, as without the run thread
+            runner.start(RUN, functools.partial(_dali_pipeline.Pipeline.run, self, *args, **pipeline_inputs))
+        return runner.collect()
+
+    def reset(self) -> None:
+        """DALI's ``reset()`` (next epoch after ``StopIteration``), on the run thread like
+        :meth:`run`: an interrupt during it leaves it to finish; calling it again then only
+        waits for it. An epoch end that an interrupted ``run()`` did not hand over is the one
+        this reset answers."""
+        runner = self._extsrc_runner
+        pending = runner.pending
+        if pending is not None and pending.kind == RESET:
+            return runner.collect()
+        if pending is not None:
+            runner.wait()
+            if not isinstance(pending.error, StopIteration):
+                # Outputs of an interrupted run() wait for the next run(); DALI's reset() does
+                # nothing before the epoch's end.
+                return super().reset()
+            runner.drop()
+        runner.start(RESET, functools.partial(_dali_pipeline.Pipeline.reset, self))
+        return runner.collect()
+
+    def _extsrc_settle(self) -> None:
+        """Waits for an interrupted run()/reset() still running, so DALI is used by one thread."""
+        self._extsrc_runner.wait()
+
+    def schedule_run(self) -> None:
+        self._extsrc_settle()
+        super().schedule_run()
+
+    def outputs(self, *args: Any, **kwargs: Any) -> Any:
+        self._extsrc_settle()
+        return super().outputs(*args, **kwargs)
+
+    def share_outputs(self, *args: Any, **kwargs: Any) -> Any:
+        self._extsrc_settle()
+        return super().share_outputs(*args, **kwargs)
+
+    def release_outputs(self) -> None:
+        self._extsrc_settle()
+        super().release_outputs()
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        self._extsrc_settle()
+        return super().checkpoint(*args, **kwargs)
+
     def close(self) -> None:
         """Stops DALI's backend and the workers and frees the shared memory. Idempotent.
 
@@ -282,6 +348,8 @@ class Pipeline(_dali_pipeline.Pipeline):
         if getattr(self, "_extsrc_closed", True):
             return
         self._extsrc_closed = True
+        self._extsrc_runner.stop()  # after a run() an interrupt left running
+        self._extsrc_runner.drop()
         # DALI first, so nothing reads a batch while the workers go away.
         self._shutdown()
         for feeder in self._extsrc_feeders:

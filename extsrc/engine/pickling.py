@@ -56,7 +56,17 @@ def _by_value_pickler_class():
 
 
 class DefaultPickler:
-    """cloudpickle for ``dumps`` (honouring :func:`pickle_by_value`), ``pickle.loads`` to load."""
+    """cloudpickle for ``dumps`` (honouring :func:`pickle_by_value`), ``pickle.loads`` to load.
+
+    A subclass keeps what the default pickler promises (everything of ``__main__`` travels by
+    value, so workers do not run the main script again) and may refuse more: it can build on
+    :meth:`pickler_class`.
+    """
+
+    @staticmethod
+    def pickler_class() -> type:
+        """The ``cloudpickle.Pickler`` subclass ``dumps`` uses (for subclasses to extend)."""
+        return _by_value_pickler_class()
 
     @staticmethod
     def dumps(obj: Any) -> bytes:
@@ -67,6 +77,13 @@ class DefaultPickler:
     @staticmethod
     def loads(data: bytes) -> Any:
         return pickle.loads(data)
+
+
+# What a user may pass as ``pickler=`` (resolved once into a :class:`Pickler`): ``None``, a
+# module or object with ``dumps``/``loads`` (``pickle``, ``dill``, ``cloudpickle``, one's own),
+# a ``(pickler, dumps_kwargs[, loads_kwargs])`` tuple, or a ``Pickler``. Any: modules and
+# objects with differing signatures all fit.
+PicklerSpec = Any
 
 
 class Pickler:
@@ -108,7 +125,7 @@ class Pickler:
     @property
     def by_value_main(self) -> bool:
         """Whether everything defined in ``__main__`` travels by value (the default pickler)."""
-        return self.impl is DefaultPickler
+        return isinstance(self.impl, type) and issubclass(self.impl, DefaultPickler)
 
     @property
     def name(self) -> str:
@@ -124,7 +141,7 @@ class Pickler:
         try:
             return self.impl.dumps(obj, **self.dumps_kwargs)
         except Exception as exc:
-            if self.impl is not DefaultPickler and not isinstance(exc, pickle.PicklingError):
+            if not self.by_value_main and not isinstance(exc, pickle.PicklingError):
                 # The user's own pickler raised something of its own (a ValueError about its
                 # arguments, ...): it reaches the user as it is, with where it happened.
                 if hasattr(exc, "add_note"):  # Python 3.11+

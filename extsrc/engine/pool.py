@@ -69,7 +69,7 @@ from extsrc.shm.limits import DESCRIPTOR_ERRNOS, out_of_descriptors, thread_star
 from extsrc.options import UNSET, PoolOptions
 
 if TYPE_CHECKING:
-    from extsrc.engine.pickling import Pickler
+    from extsrc.engine.pickling import Pickler, PicklerSpec
 
 # While the consumer holds batches, the I/O thread looks for ended leases at least this often
 # (a lease's end wakes no thread, see extsrc.shm.slots.Lease); any other event is sooner.
@@ -153,7 +153,7 @@ class WorkerPool:
     """
 
     def __init__(self, num_workers: int = 1, start_method: Optional[str] = UNSET,
-                 pickler: Optional["Pickler"] = None, backend: str = "processes",
+                 pickler: "PicklerSpec" = None, backend: str = "processes",
                  ray_options: Optional[Dict[str, Any]] = None):
         self.options = PoolOptions.create(num_workers, start_method, pickler, backend, ray_options)
         maker = backend_class(self.options.backend)

@@ -36,7 +36,7 @@ from extsrc.options import UNSET, SourceOptions
 from extsrc.order import Order
 
 if TYPE_CHECKING:
-    from extsrc.engine.pickling import Pickler
+    from extsrc.engine.pickling import PicklerSpec
 
 
 class ParallelSource:
@@ -155,7 +155,7 @@ class ParallelSource:
         batch_info: bool = False,
         num_workers: int = UNSET,
         start_method: str = UNSET,
-        pickler: Optional[Pickler] = UNSET,
+        pickler: PicklerSpec = UNSET,
         prefetch: Optional[int] = None,
         last_batch: str = "drop",
         dtype: Any = None,

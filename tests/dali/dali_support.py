@@ -199,3 +199,13 @@ class FileListSource:
         with open(os.path.join(self.folder, self.files[i]), "rb") as f:
             encoded = np.frombuffer(f.read(), dtype=np.uint8)
         return encoded, np.array([self.labels[i]], dtype=np.int32)
+
+
+def index_sample(info):
+    """Sample source: [idx_in_epoch] (tests rename it to see how it is pickled)."""
+    return np.array([info.idx_in_epoch], dtype=np.int64)
+
+
+def marked_index_sample(info):
+    """As ``index_sample``; the tests mark it with DALI's ``pickle_by_value``."""
+    return np.array([info.idx_in_epoch], dtype=np.int64)

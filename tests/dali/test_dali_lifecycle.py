@@ -209,3 +209,41 @@ def test_checkpoint_resumes_exactly(epoch, taken):
     assert got == expected
     first = got[0][0][0] if got[0] else None
     assert first == [[3 * taken + k, k, taken, epoch] for k in range(3)]
+
+
+def _spawn_pipe(source):
+    @pipeline_def(batch_size=2, py_num_workers=1, py_start_method="spawn", **CPU)
+    def pipe():
+        return fn.external_source(source, parallel=True, batch=False)
+
+    return pipe()
+
+
+def test_default_pickler_refuses_a_function_its_module_lost_as_dali_does(monkeypatch):
+    import pickle
+
+    import dali_support
+
+    # The module no longer holds the function under its name: DALI's default pickler refuses it
+    # (rather than sending a copy that would run with copies of the module's globals).
+    monkeypatch.setattr(dali_support.index_sample, "__name__", "renamed_sample")
+    monkeypatch.setattr(dali_support.index_sample, "__qualname__", "renamed_sample")
+    p = _spawn_pipe(dali_support.index_sample)
+    with pytest.raises(pickle.PicklingError, match="attribute lookup renamed_sample on dali_support failed"):
+        p.build()
+    p.close()
+    assert extsrc_workers() == []
+
+
+def test_dalis_by_value_mark_sends_such_a_function_by_value(monkeypatch):
+    import dali_support
+    from nvidia.dali.pickling import pickle_by_value
+
+    source = dali_support.marked_index_sample
+    monkeypatch.setattr(source, "_dali_pickle_by_value", False, raising=False)  # undone after the test
+    pickle_by_value(source)
+    monkeypatch.setattr(source, "__name__", "renamed_marked")
+    monkeypatch.setattr(source, "__qualname__", "renamed_marked")
+    with _spawn_pipe(source) as p:
+        (out,) = p.run()
+    assert [s.tolist() for s in samples_of(out)] == [[0], [1]]

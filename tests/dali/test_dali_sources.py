@@ -235,3 +235,22 @@ def test_a_pipeline_reports_the_statistics_of_each_parallel_source():
         stats = p.extsrc_stats()
     assert list(stats) == ["images"]
     assert stats["images"].samples >= 24 and stats["images"].diagnosis().startswith(("Input-bound", "Machine busy"))
+
+
+def test_dali_asking_again_for_the_batch_it_was_handed_gets_the_same_batch():
+    # DALI counts an iteration after the feeder returned its batch; an exception (an interrupt)
+    # in between makes it ask for the same BatchInfo again. An iterable cannot rewind: handing
+    # the next batch then would skip one.
+    from nvidia.dali.types import BatchInfo
+
+    from dali_support import RewindingBatches
+    from extsrc.dali.feeder import CYCLE_OFF, Feeder
+
+    with extsrc.ParallelSource(RewindingBatches(2, 4), 2, batch=True, num_workers=1) as source:
+        feeder = Feeder(source, callable_source=False, cycle=CYCLE_OFF, keep=3, original=None)
+        first = [s.tolist() for s in feeder(BatchInfo(0, 0))]
+        again = [s.tolist() for s in feeder(BatchInfo(0, 0))]
+        following = [s.tolist() for s in feeder(BatchInfo(0, 1))]
+        feeder.release()
+    assert first == again == [[0, 0, 0], [0, 0, 1]]
+    assert following == [[0, 1, 0], [0, 1, 1]]

@@ -1,0 +1,160 @@
+"""DALI's ``run()`` and ``reset()`` on a thread of their own, so that no interrupt splits them.
+
+A ``KeyboardInterrupt`` (Ctrl-C, or any signal handler's exception) is raised
+in the main thread at almost any point of Python code. Inside DALI's
+``Pipeline.run()`` that loses data: DALI counts an iteration before it feeds
+it, and ``Outputs()`` pops DALI's output queue before the outputs reach the
+caller, so an interrupt in between drops a batch or shifts the epoch. DALI's
+frames are DALI's; what the drop-in can do is keep the interrupt out of them.
+
+:class:`RunThread` runs each call in one thread that is not the main thread
+(Python runs signal handlers in the main thread only), while the caller waits
+for the outcome. An interrupt reaches the caller at once, in the wait; the
+call goes on and its outcome (outputs, or the exception DALI raised,
+``StopIteration`` included) is kept as the *pending call*, handed over by the
+next call of the same kind: exactly once, whatever interrupts which line.
+
+The steps, in the caller's thread:
+
+1. **Start**: one store makes the call pending (:meth:`RunThread.start`);
+   from then on the thread runs it, whether or not the caller is still there.
+2. **Wait**: until the call is done (its outcome stored, then ``done`` set).
+   Waiting consumes nothing, so an interrupt here leaves the call pending.
+3. **Hand over**: the call is swapped out of ``pending`` and its outcome
+   returned or raised, with no call in between (see :mod:`extsrc.engine.take`
+   for why that cannot be split).
+
+Threads: one consumer thread at a time (as DALI's ``run()``); the run thread
+holds no reference to the pipeline between calls.
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import threading
+from typing import Any, Callable, Optional
+
+# How long each side waits on its wake-up lock before it looks at the state again. The lock
+# normally ends the wait at once; the poll only bounds it when an interrupt made the caller
+# take a wake-up it then did not act on.
+POLL_S = 0.05
+
+RUN = "run"
+RESET = "reset"
+
+
+class Call:
+    """One call made on the run thread: what to run, then its outcome.
+
+    ``done`` is stored last, after ``value`` or ``error``; the caller reads
+    the outcome only once ``done`` is true.
+    """
+
+    __slots__ = ("kind", "fn", "value", "error", "done")
+
+    def __init__(self, kind: str, fn: Callable[[], Any]):
+        self.kind = kind
+        self.fn: Optional[Callable[[], Any]] = fn
+        self.value: Any = None
+        self.error: Optional[BaseException] = None
+        self.done = False
+
+
+class RunThread:
+    """Runs one call at a time on a daemon thread for a consumer thread (see the module doc)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.pending: Optional[Call] = None  # started and not handed over yet
+        self._wake = _thread.allocate_lock()  # released by the caller: a call was started
+        self._wake.acquire()
+        self._finished = _thread.allocate_lock()  # released by the thread: a call is done
+        self._finished.acquire()
+        self._stopping = False
+        self._ident: Optional[int] = None  # the run thread's, once it runs
+        # Started here, not on first use: a thread started in the middle of an interruptible
+        # call could be started twice, or be stored and never run.
+        self._pid = os.getpid()
+        self._thread = self._new_thread()
+
+    def _new_thread(self) -> threading.Thread:
+        thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+        thread.start()
+        return thread
+
+    # -- caller's thread -----------------------------------------------------------------------
+
+    def start(self, kind: str, fn: Callable[[], Any]) -> None:
+        """Makes ``fn`` the pending call (step 1) and wakes the thread. Nothing may be pending."""
+        if self.pending is not None:
+            raise RuntimeError(f"{self.name}: a {self.pending.kind}() call is still pending")
+        if self._pid != os.getpid():  # a forked child: the parent's thread is not here
+            self._pid = os.getpid()
+            self._thread = self._new_thread()
+        self.pending = Call(kind, fn)  # the commit point: the thread runs it from here on
+        if self._wake.locked():
+            self._wake.release()
+
+    def wait(self) -> None:
+        """Waits until the pending call (if any) is done (step 2); hands nothing over. Returns at
+        once on the run thread itself (the call waited for would be the one running there)."""
+        if threading.get_ident() == self._ident:
+            return
+        call = self.pending
+        while call is not None and not call.done:
+            self._finished.acquire(timeout=POLL_S)
+            if not call.done and (self._pid != os.getpid() or not self._thread.is_alive()):
+                # A child forked while the call ran has no run thread: nothing will finish it.
+                self.pending = None
+                raise RuntimeError(f"{self.name}: the {call.kind}() call cannot finish here: the "
+                                   "thread running it is gone (a process forked while it ran)")
+
+    def collect(self) -> Any:
+        """Waits for the pending call and hands its outcome over: returns its value or raises its
+        exception (steps 2 and 3). Exactly once per call, whatever interrupts the caller."""
+        self.wait()
+        call = self.pending
+        assert call is not None, "collect() without a call"
+        self.pending = None
+        error, call.error = call.error, None
+        if error is not None:
+            try:
+                raise error
+            finally:
+                # No cycle (error -> traceback -> this frame -> error) keeping the pipeline
+                # alive until the garbage collector runs: DALI's frames in it reference it.
+                error = call = None
+        return call.value
+
+    def drop(self) -> None:
+        """Forgets the pending call's outcome (it must be done: :meth:`wait` first)."""
+        self.pending = None
+
+    def stop(self) -> None:
+        """Waits for a call in progress, then ends the thread. Idempotent."""
+        self.wait()
+        self._stopping = True
+        if self._wake.locked():
+            self._wake.release()
+        if self._pid == os.getpid() and threading.get_ident() != self._ident:
+            self._thread.join()
+
+    # -- the run thread ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        self._ident = threading.get_ident()
+        while not self._stopping:
+            self._wake.acquire(timeout=POLL_S)
+            call = self.pending
+            if call is None or call.fn is None:
+                continue
+            fn, call.fn = call.fn, None  # the pipeline is referenced only while the call runs
+            try:
+                call.value = fn()
+            except BaseException as exc:  # handed to the caller, whatever it is
+                call.error = exc
+            del fn
+            call.done = True
+            if self._finished.locked():
+                self._finished.release()
