@@ -295,7 +295,7 @@ def run(args: argparse.Namespace, seconds: float, warmup_s: float, repeat: int) 
 def chart(path: str, runs: Dict[Tuple[str, str], List[Dict[str, Any]]], load_start: float,
           load_end: float) -> None:
     """Draws the rows' samples/s to ``path`` (PNG, SVG, ...: the suffix decides); needs matplotlib."""
-    from extsrc.bench.plot import remote_chart
+    from benchmarks.plot import remote_chart
 
     panels = [(f"{row.key}: {row.describe()}",
                [(loader, NAMES[loader], _median(runs, row.key, loader, "samples_per_s"))

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from extsrc.bench import remote  # noqa: E402
+from benchmarks import remote  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
