@@ -57,6 +57,7 @@ class IndexTable:
     def __init__(self) -> None:
         self._owner = os.getpid()
         self._fds: Dict[int, int] = {}  # epoch -> memfd (memfd mode)
+        self._finalizer: "weakref.finalize[Any, Any]"
         if _memfd_usable():
             self.directory: Optional[str] = None
             self._token = f"{self._owner}-{os.urandom(6).hex()}"
