@@ -33,7 +33,7 @@ from __future__ import annotations
 import _thread
 import os
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 # How long each side waits on its wake-up lock before it looks at the state again. The lock
 # normally ends the wait at once; the poll only bounds it when an interrupt made the caller
@@ -77,6 +77,9 @@ class RunThread:
         # call could be started twice, or be stored and never run.
         self._pid = os.getpid()
         self._thread = self._new_thread()
+        # (pid, thread ident) of the consumer thread inside run()/reset() now; dict.setdefault
+        # claims it atomically (no lock an interrupt could leave held).
+        self._caller: Dict[int, Tuple[int, int]] = {}
 
     def _new_thread(self) -> threading.Thread:
         thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
@@ -84,6 +87,27 @@ class RunThread:
         return thread
 
     # -- caller's thread -----------------------------------------------------------------------
+
+    def enter(self, what: str) -> None:
+        """Claims the pipeline for the calling thread until :meth:`leave`. Raises
+        ``RuntimeError`` if another thread of this process is inside a call now: the pending
+        call's outcome would reach one of them and the other would find none."""
+        me = (os.getpid(), threading.get_ident())
+        owner = self._caller.setdefault(0, me)
+        if owner == me:
+            return
+        if owner[0] != me[0]:  # claimed in the parent before a fork: no such thread here
+            self._caller[0] = me
+            return
+        raise RuntimeError(
+            f"{self.name}: {what}() called from thread {me[1]} while thread {owner[1]} is "
+            "inside run() or reset() of the same pipeline; use a pipeline from one thread "
+            "at a time (as DALI's), e.g. under a lock of yours")
+
+    def leave(self) -> None:
+        """Ends the calling thread's claim (if it holds it)."""
+        if self._caller.get(0) == (os.getpid(), threading.get_ident()):
+            self._caller.pop(0, None)
 
     def start(self, kind: str, fn: Callable[[], Any]) -> None:
         """Makes ``fn`` the pending call (step 1) and wakes the thread. Nothing may be pending."""
