@@ -289,16 +289,12 @@ class Pipeline(_dali_pipeline.Pipeline):
         """
         self._extsrc_check_open()
         runner = self._extsrc_runner
-        try:
-            runner.enter("run")
-            if runner.pending is not None and runner.pending.kind == RESET:
-                runner.collect()  # an interrupted reset() finishes first
-            if runner.pending is None:
-                self.build()  # in this thread: workers start from it, as without the run thread
-                runner.start(RUN, functools.partial(_dali_pipeline.Pipeline.run, self, *args, **pipeline_inputs))
-            return runner.collect()
-        finally:
-            runner.leave()
+        if runner.pending is not None and runner.pending.kind == RESET:
+            runner.collect()  # an interrupted reset() finishes first
+        if runner.pending is None:
+            self.build()  # in this thread: workers start from it, as without the run thread
+            runner.start(RUN, functools.partial(_dali_pipeline.Pipeline.run, self, *args, **pipeline_inputs))
+        return runner.collect()
 
     def reset(self) -> None:
         """DALI's ``reset()`` (next epoch after ``StopIteration``), on the run thread like
@@ -306,22 +302,18 @@ class Pipeline(_dali_pipeline.Pipeline):
         waits for it. An epoch end that an interrupted ``run()`` did not hand over is the one
         this reset answers."""
         runner = self._extsrc_runner
-        try:
-            runner.enter("reset")
-            pending = runner.pending
-            if pending is not None and pending.kind == RESET:
-                return runner.collect()
-            if pending is not None:
-                runner.wait()
-                if not isinstance(pending.error, StopIteration):
-                    # Outputs of an interrupted run() wait for the next run(); DALI's reset()
-                    # does nothing before the epoch's end.
-                    return super().reset()
-                runner.drop()
-            runner.start(RESET, functools.partial(_dali_pipeline.Pipeline.reset, self))
+        pending = runner.pending
+        if pending is not None and pending.kind == RESET:
             return runner.collect()
-        finally:
-            runner.leave()
+        if pending is not None:
+            runner.wait()
+            if not isinstance(pending.error, StopIteration):
+                # Outputs of an interrupted run() wait for the next run(); DALI's reset() does
+                # nothing before the epoch's end.
+                return super().reset()
+            runner.drop()
+        runner.start(RESET, functools.partial(_dali_pipeline.Pipeline.reset, self))
+        return runner.collect()
 
     def _extsrc_settle(self) -> None:
         """Waits for an interrupted run()/reset() still running, so DALI is used by one thread."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 import _thread
 import os
 import threading
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Optional
 
 # How long each side waits on its wake-up lock before it looks at the state again. The lock
 # normally ends the wait at once; the poll only bounds it when an interrupt made the caller
@@ -51,10 +51,11 @@ class Call:
     the outcome only once ``done`` is true.
     """
 
-    __slots__ = ("kind", "fn", "value", "error", "done")
+    __slots__ = ("kind", "fn", "value", "error", "done", "caller")
 
     def __init__(self, kind: str, fn: Callable[[], Any]):
         self.kind = kind
+        self.caller = threading.get_ident()  # the thread its outcome is handed to
         self.fn: Optional[Callable[[], Any]] = fn
         self.value: Any = None
         self.error: Optional[BaseException] = None
@@ -77,9 +78,6 @@ class RunThread:
         # call could be started twice, or be stored and never run.
         self._pid = os.getpid()
         self._thread = self._new_thread()
-        # (pid, thread ident) of the consumer thread inside run()/reset() now; dict.setdefault
-        # claims it atomically (no lock an interrupt could leave held).
-        self._caller: Dict[int, Tuple[int, int]] = {}
 
     def _new_thread(self) -> threading.Thread:
         thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
@@ -87,27 +85,6 @@ class RunThread:
         return thread
 
     # -- caller's thread -----------------------------------------------------------------------
-
-    def enter(self, what: str) -> None:
-        """Claims the pipeline for the calling thread until :meth:`leave`. Raises
-        ``RuntimeError`` if another thread of this process is inside a call now: the pending
-        call's outcome would reach one of them and the other would find none."""
-        me = (os.getpid(), threading.get_ident())
-        owner = self._caller.setdefault(0, me)
-        if owner == me:
-            return
-        if owner[0] != me[0]:  # claimed in the parent before a fork: no such thread here
-            self._caller[0] = me
-            return
-        raise RuntimeError(
-            f"{self.name}: {what}() called from thread {me[1]} while thread {owner[1]} is "
-            "inside run() or reset() of the same pipeline; use a pipeline from one thread "
-            "at a time (as DALI's), e.g. under a lock of yours")
-
-    def leave(self) -> None:
-        """Ends the calling thread's claim (if it holds it)."""
-        if self._caller.get(0) == (os.getpid(), threading.get_ident()):
-            self._caller.pop(0, None)
 
     def start(self, kind: str, fn: Callable[[], Any]) -> None:
         """Makes ``fn`` the pending call (step 1) and wakes the thread. Nothing may be pending."""
@@ -136,10 +113,18 @@ class RunThread:
 
     def collect(self) -> Any:
         """Waits for the pending call and hands its outcome over: returns its value or raises its
-        exception (steps 2 and 3). Exactly once per call, whatever interrupts the caller."""
+        exception (steps 2 and 3). Exactly once per call, whatever interrupts the caller; only
+        to the thread that started it (``RuntimeError`` in any other)."""
         self.wait()
         call = self.pending
         assert call is not None, "collect() without a call"
+        if call.caller != threading.get_ident():
+            # Another thread's call (two threads in run() at once): it stays pending for the
+            # thread that started it, which would otherwise find nothing to hand over.
+            raise RuntimeError(
+                f"{self.name}: a {call.kind}() call of thread {call.caller} is in progress and "
+                f"thread {threading.get_ident()} called too; use a pipeline from one thread at a "
+                "time (as DALI's), e.g. under a lock of yours")
         self.pending = None
         error, call.error = call.error, None
         if error is not None:

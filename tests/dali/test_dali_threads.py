@@ -52,5 +52,5 @@ def test_a_second_thread_in_run_is_refused_and_no_batch_goes_astray():
     result = run_fault(TWO_THREADS)
     assert result.type in (None, "RuntimeError"), result.traceback or result.stderr
     if result.type == "RuntimeError":  # the threads met inside run(): the usual case
-        assert "called from thread" in result.message and "one thread at a time" in result.message
+        assert "called too" in result.message and "one thread at a time" in result.message
     assert result.leftover_pids == []
