@@ -155,6 +155,11 @@ class IndexTable:
             names = os.listdir(fd_dir)
         except FileNotFoundError:
             return None  # the consumer is gone
+        except PermissionError:
+            raise RuntimeError(
+                f"the worker (pid {os.getpid()}) cannot read {fd_dir}, where the loader's process "
+                "keeps the batches of indices of a sampler: run the workers as the same user, "
+                "with /proc mounted without hidepid") from None
         for name in names:
             try:
                 if os.readlink(f"{fd_dir}/{name}") != target:
