@@ -142,3 +142,28 @@ def test_a_storm_of_interrupts_loses_and_repeats_no_batch_of_a_torch_loader():
     pytest.importorskip("torch")
     _check(run_isolated(STORM.format(setup=TORCH_LOADER, seed=3, wanted=1000), timeout=300))
 
+
+
+FROM_DATASET_SAMPLER = '''
+import torch
+from extsrc.torch import from_dataset
+
+class Numbers:
+    def __len__(self):
+        return 96
+    def __getitem__(self, i):
+        return torch.tensor([i])
+
+loader = from_dataset(Numbers(), batch_size=4, num_workers=2, persistent_workers=True,
+                      sampler=torch.utils.data.SequentialSampler(range(96)))
+EXPECTED = list(range(0, 96, 4))
+make_iterator = lambda: iter(loader)
+first_of = lambda batch: int(batch[0, 0])
+close = loader.close
+'''
+
+
+@pytest.mark.slow
+def test_a_storm_of_interrupts_loses_and_repeats_no_batch_of_a_loader_with_a_sampler():
+    pytest.importorskip("torch")
+    _check(run_isolated(STORM.format(setup=FROM_DATASET_SAMPLER, seed=4, wanted=1000), timeout=300))

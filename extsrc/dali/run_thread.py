@@ -51,10 +51,11 @@ class Call:
     the outcome only once ``done`` is true.
     """
 
-    __slots__ = ("kind", "fn", "value", "error", "done")
+    __slots__ = ("kind", "fn", "value", "error", "done", "caller")
 
     def __init__(self, kind: str, fn: Callable[[], Any]):
         self.kind = kind
+        self.caller = threading.get_ident()  # the thread its outcome is handed to
         self.fn: Optional[Callable[[], Any]] = fn
         self.value: Any = None
         self.error: Optional[BaseException] = None
@@ -112,10 +113,18 @@ class RunThread:
 
     def collect(self) -> Any:
         """Waits for the pending call and hands its outcome over: returns its value or raises its
-        exception (steps 2 and 3). Exactly once per call, whatever interrupts the caller."""
+        exception (steps 2 and 3). Exactly once per call, whatever interrupts the caller; only
+        to the thread that started it (``RuntimeError`` in any other)."""
         self.wait()
         call = self.pending
         assert call is not None, "collect() without a call"
+        if call.caller != threading.get_ident():
+            # Another thread's call (two threads in run() at once): it stays pending for the
+            # thread that started it, which would otherwise find nothing to hand over.
+            raise RuntimeError(
+                f"{self.name}: a {call.kind}() call of thread {call.caller} is in progress and "
+                f"thread {threading.get_ident()} called too; use a pipeline from one thread at a "
+                "time (as DALI's), e.g. under a lock of yours")
         self.pending = None
         error, call.error = call.error, None
         if error is not None:

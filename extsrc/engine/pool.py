@@ -163,6 +163,7 @@ class WorkerPool:
         self._waiters: List[Any] = []
         self._pid = os.getpid()
         self._state = PoolState.NEW
+        self._closed_fully = False  # close() ran to its end (_state is CLOSED from its start)
         self._error: Optional[BaseException] = None
         self._reported: set = set()  # clients that raised the fault already
         self._clients: List["weakref.ReferenceType[PoolClient]"] = []
@@ -283,8 +284,10 @@ class WorkerPool:
         if self._pid != os.getpid():
             return
         with self.lock:
-            if self._state is PoolState.CLOSED:
+            if self._closed_fully:
                 return
+            # A close() interrupted (KeyboardInterrupt) after this point is finished by the next
+            # call: each step below may be repeated.
             self._state = PoolState.CLOSED
             if self._error is None:
                 self._error = PoolClosedError("the pool was closed")
@@ -304,6 +307,7 @@ class WorkerPool:
                 client = self._clients[i]()
                 if client is not None:
                     client.on_pool_closed()
+            self._closed_fully = True
         _live_pools.discard(self)
 
     def forget_after_fork(self) -> None:

@@ -229,6 +229,7 @@ class ParallelSource:
         self._next_epoch = 0
         self._resume_iteration = 0
         self._closed = False
+        self._close_done = False  # close() ran to its end
 
     # -- properties users read -------------------------------------------------------------------
 
@@ -305,8 +306,10 @@ class ParallelSource:
         Idempotent; a loop over the source ends quietly. Batches still held
         stay valid until dropped. In a forked child it does nothing.
         """
-        if self._closed or self._pid != os.getpid():
+        if self._close_done or self._pid != os.getpid():
             return
+        # Unusable from here; a close() interrupted (KeyboardInterrupt) below is finished by the
+        # next call: each step may be repeated.
         self._closed = True
         with self._pool.lock:
             self._taker.close()
@@ -316,6 +319,7 @@ class ParallelSource:
         else:
             with self._pool.lock:
                 self._producer.close(tell_workers=not self._pool.closed)
+        self._close_done = True
 
     def __enter__(self) -> "ParallelSource":
         return self
