@@ -28,3 +28,35 @@ def test_a_large_sample_is_let_go_before_the_callback_makes_the_next():
         next(it)  # the first batch tells the layout (its first sample is kept to compare)
         firsts = [int(sample[0]) for _ in range(3) for sample in next(it)]
     assert firsts == [0] * len(firsts)
+
+
+_made = None  # a multiprocessing.Value shared with fork workers: samples made
+
+
+def counts_samples(info):
+    with _made.get_lock():
+        _made.value += 1
+    return np.full(4, info.idx_in_epoch, np.int64)
+
+
+def test_finished_batches_not_taken_yet_leave_the_workers_work_within_the_kept_memory():
+    # prefetch=2, batches_held=2: the source keeps 4 batches of memory. While the consumer
+    # holds none, finished batches waiting for it do not stop the workers: up to 4 batches
+    # are made ahead (never more), not only 2.
+    import multiprocessing
+    import time
+
+    global _made
+    _made = multiprocessing.get_context("fork").Value("q", 0)
+    batch = 4
+    with ParallelSource(counts_samples, batch, num_workers=1, start_method="fork", prefetch=2,
+                        batches_held=2) as src:
+        it = iter(src)
+        assert next(it)[0][0] == 0  # taken and dropped: the consumer holds nothing
+        deadline = time.monotonic() + 30
+        while _made.value < 5 * batch and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # whatever else would be made by now
+        made = _made.value
+        assert made == 5 * batch, f"{made // batch} batches made, expected 1 taken + 4 ahead"
+        assert [int(next(it)[0][0]) for _ in range(4)] == [4, 8, 12, 16]

@@ -240,7 +240,7 @@ class Producer:
         if run is None or self.error is not None:
             return
         o = self.options
-        while len(self.pending) < o.prefetch:
+        while self._room_ahead():
             if not self.layout.known and len(self.pending) >= self.pool.num_workers:
                 # The first results tell the layouts; until then a batch per worker at most (their
                 # samples go to overflow), so that workers that wait for each other all get work.
@@ -273,6 +273,18 @@ class Producer:
             self.next_dispatch += 1
             for task in tasks:
                 self.pool.submit(task, self.pinned_worker)
+
+    def _room_ahead(self) -> bool:
+        """Whether another batch may be dispatched: fewer than ``prefetch`` are being made, and
+        the slots in use (batches ahead, and those the consumer holds) stay within the
+        ``prefetch + batches_held`` the source keeps. A finished batch the consumer has not
+        taken yet thus takes no worker's place while the consumer holds fewer than
+        ``batches_held``: the workers keep a task queued instead of waiting for the take."""
+        ahead = len(self.pending)
+        if ahead < self.options.prefetch:
+            return True
+        slots = self.slots
+        return ahead - slots.ready < self.options.prefetch and ahead + slots.held < slots.keep
 
     def _ranges(self) -> List[Tuple[int, int]]:
         if self._range_cache is None:

@@ -229,11 +229,21 @@ class Waker:
     :meth:`wake` exclusive: once closed, a late wake-up does nothing, and
     never writes into a descriptor number the process has since reused. A
     full pipe is ignored (a wake-up is pending already).
+
+    A wake-up that is still pending writes nothing (a pipe write costs more
+    than the rest of a take): :meth:`wake` writes only when no byte is
+    pending, and :meth:`drain` clears that mark only after it has read the
+    pipe empty. Contract: the caller queues its work before :meth:`wake`, and
+    the reader looks at the work after :meth:`drain`; a wake-up skipped while
+    the drain runs is then covered by that look. (Clearing the mark before
+    reading would lose wake-ups: a byte written in between would be read with
+    the mark left set, and no later wake-up would write again.)
     """
 
     def __init__(self) -> None:
         self._pid = os.getpid()
         self._open = True
+        self._pending = False  # a byte is in the pipe, or a drain has not finished
         self._lock = threading.Lock()
         with forking.lock:
             self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -243,19 +253,24 @@ class Waker:
         return self._read
 
     def wake(self) -> None:
+        if self._pending:
+            return  # read after the caller's work was queued: the drain's reader sees it
         with self._lock:
-            if self._open:
+            if self._open and not self._pending:
+                self._pending = True
                 try:
                     os.write(self._write, b"\0")
                 except OSError:
                     pass  # full: a wake-up is pending already
 
     def drain(self) -> None:
+        """Reads every pending wake-up; the caller looks at the queued work afterwards."""
         try:
             while os.read(self._read, 4096):
                 pass
         except OSError:
             pass
+        self._pending = False  # only now: see the class docstring
 
     def close(self) -> None:
         """Closes the pipe (idempotent). Only once nothing polls :meth:`fileno` any more."""
