@@ -681,6 +681,7 @@ def _sampled_loader(dataset: Any, collate_fn: Callable[[Any], Any], batched: boo
             timeout=timeout or None,
             name=f"from_dataset({type(dataset).__name__}, sampler)",
             worker_init=worker_init,
+            round_robin=True,  # batch i by worker i % num_workers, as DataLoader's
         )
     except BaseException:
         table.close()
@@ -949,6 +950,7 @@ def from_dataset(
             name=f"from_dataset({type(dataset).__name__})",
             concurrency=concurrency,
             worker_init=WorkerStart(dataset, base_seed, worker_init_fn),
+            round_robin=True,  # batch i by worker i % num_workers, as DataLoader's
         )
     except EmptyEpochError:
         raise EmptyEpochError(
