@@ -207,14 +207,20 @@ class _DataLoaderAttributes:
 
     _loops_begun = 0
 
-    def _begin_sampled_loop(self) -> Any:
-        """One loop's index sampler, after drawing from ``generator`` what a DataLoader draws
-        before it: a new base seed for the loop's workers (the first loop's was drawn when the
-        loader was made; persistent workers keep theirs), so that a sampler sharing the
-        generator gives the DataLoader's indices."""
+    def _begin_loop(self) -> Optional[int]:
+        """Draws from ``generator`` what a DataLoader draws when a loop begins: a new base seed
+        for the loop's workers (the first loop's was drawn when the loader was made; persistent
+        workers keep theirs), so that a sampler sharing the generator gives the DataLoader's
+        indices. The seed, or None when the workers of the last loop go on."""
+        seed = None
         if self._loops_begun and not (self.persistent_workers and self.num_workers > 0):
-            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
         object.__setattr__(self, "_loops_begun", self._loops_begun + 1)
+        return seed
+
+    def _begin_sampled_loop(self) -> Any:
+        """One loop's index sampler, after :meth:`_begin_loop`."""
+        self._begin_loop()
         return self._index_sampler
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -417,6 +423,36 @@ class DatasetLoader(_DataLoaderAttributes, TorchLoader):
         self.__dict__["pin_memory"] = value  # reached only before _describe() ends
 
     _index_table: Optional[IndexTable] = None  # with a sampler: where the workers read indices
+    # persistent_workers=False: makes the source of a loop's new workers, given their base seed.
+    _new_source: Optional[Callable[[int], ParallelSource]] = None
+
+    def _restart_with(self, new_source: Callable[[int], ParallelSource]) -> None:
+        """Makes each loop after the first run on new workers (``persistent_workers=False``):
+        the last loop's source is closed and ``new_source(base_seed)`` made in its place, so that
+        ``worker_init_fn`` runs again and the workers' copy of the dataset is fresh, as a
+        DataLoader's workers are at each ``iter()``."""
+        object.__setattr__(self, "_new_source", new_source)
+
+    def _renew_workers(self, base_seed: Optional[int]) -> None:
+        """With ``persistent_workers=False``, at the start of a loop after the first: the workers
+        of the last loop stop, new ones load this loop, from where the old source stood."""
+        if base_seed is None or self._new_source is None:
+            return
+        old = self._source
+        position = self._position
+        if position is not None and not position.finished:  # the last loop was left unfinished
+            state = {"epoch_idx": old.next_epoch_idx, "iteration": 0}
+        else:
+            state = old.get_state()  # the next epoch, or where load_state_dict() put it
+        new = self._new_source(base_seed)
+        try:
+            new.set_state(state)
+        except BaseException:
+            new.close()
+            raise
+        self._end_loop("a newer iter(loader)")
+        object.__setattr__(self, "_source", new)
+        old.close()  # batches of the last loop still held stay valid until dropped
 
     def _drive_with(self, table: IndexTable) -> None:
         """Makes each loop draw its batches of indices from the loader's index sampler, here,
@@ -426,12 +462,13 @@ class DatasetLoader(_DataLoaderAttributes, TorchLoader):
     def __iter__(self) -> Any:
         """Starts the next epoch; with a sampler, its indices are drawn now, in this process
         (as a DataLoader's iterator draws them), then the workers load them."""
+        if self._closed:
+            raise ValueError("this TorchLoader is closed")
+        self._renew_workers(self._begin_loop())
         table = self._index_table
         if table is None:
             return _GoesOnAfterErrors(self, super().__iter__(), len(self._source))
-        if self._closed:
-            raise ValueError("this TorchLoader is closed")
-        batches = draw_batches(self._begin_sampled_loop(), self.batch_sampler is not None)
+        batches = draw_batches(self._index_sampler, self.batch_sampler is not None)
         if not batches:  # no batch this epoch: a DataLoader's loop ends at once
             self._end_loop("a newer iter(loader)")
             return iter(())
@@ -666,8 +703,9 @@ def _sampled_loader(dataset: Any, collate_fn: Callable[[Any], Any], batched: boo
         raise ValueError(f"concurrency={concurrency} needs the loader's own order (no sampler, "
                          "batch_sampler or generator=): a sampler's batches are made one at a time")
     table = IndexTable()
-    try:
-        source = ParallelSource(
+
+    def new_source(worker_start: WorkerStart) -> ParallelSource:
+        return ParallelSource(
             SampledBatches(dataset, collate_fn, table, batched),
             1,
             num_outputs=2,
@@ -680,9 +718,12 @@ def _sampled_loader(dataset: Any, collate_fn: Callable[[Any], Any], batched: boo
             last_batch="partial",
             timeout=timeout or None,
             name=f"from_dataset({type(dataset).__name__}, sampler)",
-            worker_init=worker_init,
+            worker_init=worker_start,
             round_robin=True,  # batch i by worker i % num_workers, as DataLoader's
         )
+
+    try:
+        source = new_source(worker_init)
     except BaseException:
         table.close()
         raise
@@ -695,6 +736,9 @@ def _sampled_loader(dataset: Any, collate_fn: Callable[[Any], Any], batched: boo
         raise
     loader._drive_with(table)
     loader._describe(attributes, None, index_sampler)
+    if not attributes["persistent_workers"] and _renewable(device, pin_memory):
+        loader._restart_with(lambda seed: new_source(
+            WorkerStart(dataset, seed, worker_init.worker_init_fn)))
     return loader
 
 
@@ -933,8 +977,8 @@ def from_dataset(
                 f"of batch_size={batch_size} with drop_last=True; give drop_last=False or a "
                 f"batch_size of at most {len(order)} (a DataLoader would yield no batch at all)")
         source_order, source_batch = Order(batches), 1
-    try:
-        source = ParallelSource(
+    def new_source(worker_start: WorkerStart) -> ParallelSource:
+        return ParallelSource(
             callback,
             source_batch,
             num_outputs=AUTO_OUTPUTS if default else 2,
@@ -949,9 +993,12 @@ def from_dataset(
             order=source_order,
             name=f"from_dataset({type(dataset).__name__})",
             concurrency=concurrency,
-            worker_init=WorkerStart(dataset, base_seed, worker_init_fn),
+            worker_init=worker_start,
             round_robin=True,  # batch i by worker i % num_workers, as DataLoader's
         )
+
+    try:
+        source = new_source(WorkerStart(dataset, base_seed, worker_init_fn))
     except EmptyEpochError:
         raise EmptyEpochError(
             f"{len(order)} records (this shard's, of len(dataset) == {records}) make no batch of "
@@ -962,4 +1009,12 @@ def from_dataset(
                                    pin_memory=pin_memory and torch.cuda.is_available(),
                                    rebuild=Collation() if default else unpack_whole)
     loader._describe(attributes, order)
+    if not persistent_workers and _renewable(device, pin_memory):
+        loader._restart_with(lambda seed: new_source(WorkerStart(dataset, seed, worker_init_fn)))
     return loader
+
+
+def _renewable(device: Device, pin_memory: bool) -> bool:
+    """Whether a loop's workers can be new ones (persistent_workers=False): not when the shared
+    memory is made CUDA's (device=, pin_memory=True with CUDA), which is done once."""
+    return device is None and not (pin_memory and torch.cuda.is_available())
