@@ -791,10 +791,13 @@ def from_dataset(
     none; a late batch raises :class:`~extsrc.errors.SourceTimeoutError`, a
     ``RuntimeError`` as DataLoader's), ``pin_memory`` (the shared memory is
     page-locked once: no pinning copy; without CUDA a warning, as DataLoader
-    gives). ``persistent_workers`` is accepted, but the workers always
-    persist until ``close()`` (with their copy of the dataset as it was at
-    the first loop); ``in_order=False`` is refused (batches always come in
-    order). Each worker uses one PyTorch thread and has its global generators
+    gives), ``persistent_workers`` (``False``, the default: each loop after
+    the first runs on new workers, with ``worker_init_fn`` run again, a fresh
+    copy of the dataset and a new base seed; the workers persist anyway for
+    an ``IterableDataset`` and with
+    ``device=`` or ``pin_memory=True`` with CUDA); ``in_order=False`` is
+    refused (batches always come in order). Batch ``i`` of each loop is made
+    whole by worker ``i % num_workers``, as a DataLoader assigns them. Each worker uses one PyTorch thread and has its global generators
     seeded from a base seed drawn here and its index, as DataLoader's
     workers. An error loading a batch (in ``dataset[i]`` or ``collate_fn``)
     is raised at that batch, and the loop goes on with the next one, as
