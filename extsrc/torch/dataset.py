@@ -447,11 +447,12 @@ class DatasetLoader(_DataLoaderAttributes, TorchLoader):
         new = self._new_source(base_seed)
         try:
             new.set_state(state)
-        except BaseException:
+            self._end_loop("a newer iter(loader)")
+            object.__setattr__(self, "_source", new)
+        except BaseException:  # an interrupt included: the loader keeps its old source
+            object.__setattr__(self, "_source", old)
             new.close()
             raise
-        self._end_loop("a newer iter(loader)")
-        object.__setattr__(self, "_source", new)
         old.close()  # batches of the last loop still held stay valid until dropped
 
     def _drive_with(self, table: IndexTable) -> None:
