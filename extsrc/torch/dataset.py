@@ -423,37 +423,65 @@ class DatasetLoader(_DataLoaderAttributes, TorchLoader):
         self.__dict__["pin_memory"] = value  # reached only before _describe() ends
 
     _index_table: Optional[IndexTable] = None  # with a sampler: where the workers read indices
-    # persistent_workers=False: makes the source of a loop's new workers, given their base seed.
-    _new_source: Optional[Callable[[int], ParallelSource]] = None
+    # persistent_workers=False: makes the source of a loop's new workers, set up by the given
+    # WorkerStart (whose base seed may be set until the source's workers start).
+    _new_source: Optional[Callable[[WorkerStart], ParallelSource]] = None
+    # A source made after the last loop's workers stopped (load_state_dict), not iterated yet.
+    _fresh_start: Optional[WorkerStart] = None
 
-    def _restart_with(self, new_source: Callable[[int], ParallelSource]) -> None:
+    def _restart_with(self, new_source: Callable[[WorkerStart], ParallelSource]) -> None:
         """Makes each loop after the first run on new workers (``persistent_workers=False``):
-        the last loop's source is closed and ``new_source(base_seed)`` made in its place, so that
-        ``worker_init_fn`` runs again and the workers' copy of the dataset is fresh, as a
-        DataLoader's workers are at each ``iter()``."""
+        the last loop's source is closed and ``new_source(WorkerStart(...))`` made in its place,
+        so that ``worker_init_fn`` runs again and the workers' copy of the dataset is fresh, as
+        a DataLoader's workers are at each ``iter()``."""
         object.__setattr__(self, "_new_source", new_source)
+
+    def _replace_source(self, base_seed: int, state: dict) -> WorkerStart:
+        """Closes the current source and puts a new one in its place, at ``state``; the old one
+        stays if anything (an interrupt included) stops this half-way."""
+        assert self._new_source is not None, "only a loader without persistent workers renews them"
+        old = self._source
+        start = WorkerStart(self.dataset, base_seed, self.worker_init_fn)
+        new = self._new_source(start)
+        try:
+            new.set_state(state)
+            self._end_loop("a newer iter(loader)")
+            object.__setattr__(self, "_source", new)
+        except BaseException:
+            object.__setattr__(self, "_source", old)
+            new.close()
+            raise
+        object.__setattr__(self, "_stopped", False)
+        old.close()  # batches of the last loop still held stay valid until dropped
+        return start
 
     def _renew_workers(self, base_seed: Optional[int]) -> None:
         """With ``persistent_workers=False``, at the start of a loop after the first: the workers
         of the last loop stop, new ones load this loop, from where the old source stood."""
         if base_seed is None or self._new_source is None:
             return
-        old = self._source
+        fresh = self._fresh_start
+        if fresh is not None:  # made by load_state_dict, its workers not started yet
+            fresh.base_seed = base_seed
+            object.__setattr__(self, "_fresh_start", None)
+            return
         position = self._position
         if position is not None and not position.finished:  # the last loop was left unfinished
-            state = {"epoch_idx": old.next_epoch_idx, "iteration": 0}
+            state = {"epoch_idx": self._source.next_epoch_idx, "iteration": 0}
         else:
-            state = old.get_state()  # the next epoch, or where load_state_dict() put it
-        new = self._new_source(base_seed)
-        try:
-            new.set_state(state)
-            self._end_loop("a newer iter(loader)")
-            object.__setattr__(self, "_source", new)
-        except BaseException:  # an interrupt included: the loader keeps its old source
-            object.__setattr__(self, "_source", old)
-            new.close()
-            raise
-        old.close()  # batches of the last loop still held stay valid until dropped
+            state = self._source.get_state()  # the next epoch, or where load_state_dict() put it
+        self._replace_source(base_seed, state)
+
+    _stopped = False  # the last loop's workers stopped at its end
+
+    def _loop_finished(self, position: Any) -> None:
+        """The loop at ``position`` ran to its end: if it is the loader's last loop, without
+        persistent workers, they stop now, as a DataLoader's do at the end of its epoch (the
+        next loop makes new ones; ``len()``, ``state_dict()`` still answer from the stopped
+        source)."""
+        if self._new_source is not None and position is self._position and self._fresh_start is None:
+            self._source.close()
+            object.__setattr__(self, "_stopped", True)
 
     def _drive_with(self, table: IndexTable) -> None:
         """Makes each loop draw its batches of indices from the loader's index sampler, here,
@@ -485,6 +513,11 @@ class DatasetLoader(_DataLoaderAttributes, TorchLoader):
     def load_state_dict(self, state_dict: dict) -> None:
         """See :meth:`TorchLoader.load_state_dict`; ``TypeError`` as :meth:`state_dict`."""
         self._check_resumable("load_state_dict()")
+        if self._stopped and self._fresh_start is None:
+            # The last loop's workers stopped: the next loop's source is made now, its workers
+            # start (with the loop's base seed) at the next iter().
+            start = self._replace_source(0, self._source.get_state())
+            object.__setattr__(self, "_fresh_start", start)
         super().load_state_dict(state_dict)
 
     def _check_resumable(self, what: str) -> None:
@@ -532,6 +565,7 @@ class _GoesOnAfterErrors:
             return epoch.__next__()
         except StopIteration:
             self._done = True
+            self._loader._loop_finished(epoch.position)
             raise
         except _ENDS_THE_LOOP:
             self._done = True
@@ -738,8 +772,7 @@ def _sampled_loader(dataset: Any, collate_fn: Callable[[Any], Any], batched: boo
     loader._drive_with(table)
     loader._describe(attributes, None, index_sampler)
     if not attributes["persistent_workers"] and _renewable(device, pin_memory):
-        loader._restart_with(lambda seed: new_source(
-            WorkerStart(dataset, seed, worker_init.worker_init_fn)))
+        loader._restart_with(new_source)
     return loader
 
 
@@ -1014,7 +1047,7 @@ def from_dataset(
                                    rebuild=Collation() if default else unpack_whole)
     loader._describe(attributes, order)
     if not persistent_workers and _renewable(device, pin_memory):
-        loader._restart_with(lambda seed: new_source(WorkerStart(dataset, seed, worker_init_fn)))
+        loader._restart_with(new_source)
     return loader
 
 

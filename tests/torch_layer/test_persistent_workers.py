@@ -82,3 +82,17 @@ def test_new_workers_draw_new_seeds_each_loop():
     with from_dataset(Noisy(), batch_size=4, num_workers=1) as loader:
         first, second = (next(iter(loader)) for _ in range(2))
     assert not torch.equal(first, second)
+
+
+def test_without_persistent_workers_the_workers_stop_when_a_loop_ends():
+    with from_dataset(Counting(), batch_size=4, num_workers=2) as loader:
+        batches = list(loader)
+        assert loader.source.worker_pids() == []  # stopped, as a DataLoader's after its epoch
+        assert batches[1][:, 1].tolist() == [1, 2, 3, 4] or len(batches) == 2  # still readable
+        assert len(loader) == 2
+        state = loader.state_dict()
+        assert state["epoch_idx"] == 1 and state["iteration"] == 0
+        assert len(list(loader)) == 2
+    with from_dataset(Counting(), batch_size=4, num_workers=2, persistent_workers=True) as loader:
+        list(loader)
+        assert len(loader.source.worker_pids()) == 2
