@@ -162,6 +162,7 @@ class SourceOptions:
     stats: bool = True  # collect the figures of ParallelSource.stats()
     stats_every: Optional[float] = None  # log them every this many seconds
     concurrency: int = 1  # samples in flight at once per worker (extsrc.engine.concurrent)
+    round_robin: bool = False  # batch i made whole by worker i % num_workers (DataLoader's)
 
     @property
     def batches_per_epoch(self) -> Optional[int]:
@@ -202,6 +203,7 @@ class SourceOptions:
         stats: Any = True,
         stats_every: Any = None,
         concurrency: Any = 1,
+        round_robin: Any = False,
     ) -> "SourceOptions":
         batch_size = positive_int("batch_size", batch_size)
         if num_outputs == AUTO_OUTPUTS:
@@ -212,7 +214,7 @@ class SourceOptions:
         else:
             num_outputs = optional_positive_int("num_outputs", num_outputs)
         for name, value in (("batch", batch), ("batch_info", batch_info), ("in_place", in_place),
-                            ("stats", stats)):
+                            ("stats", stats), ("round_robin", round_robin)):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         if batch_info and not batch:
@@ -272,4 +274,5 @@ class SourceOptions:
             stats=bool(stats),
             stats_every=stats_every,
             concurrency=concurrency,
+            round_robin=bool(round_robin),
         )

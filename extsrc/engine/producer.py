@@ -271,8 +271,10 @@ class Producer:
                                   iteration, start, stop, region_bytes, regions))
             self.pending[iteration] = pending
             self.next_dispatch += 1
+            worker = (iteration % self.pool.num_workers if o.round_robin and self.pinned_worker is None
+                      else self.pinned_worker)
             for task in tasks:
-                self.pool.submit(task, self.pinned_worker)
+                self.pool.submit(task, worker)
 
     def _room_ahead(self) -> bool:
         """Whether another batch may be dispatched: fewer than ``prefetch`` are being made, and
@@ -293,8 +295,8 @@ class Producer:
 
     def _compute_ranges(self) -> List[Tuple[int, int]]:
         batch_size = self.options.batch_size
-        if self.kind != SAMPLE:
-            return [(0, batch_size)]
+        if self.kind != SAMPLE or self.options.round_robin:
+            return [(0, batch_size)]  # a batch callback, or a whole batch to one worker
         workers = self.pool.num_workers
         # Enough tasks per batch that every worker has work queued while `prefetch` batches
         # are in flight, and no more (each task costs two messages).

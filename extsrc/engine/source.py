@@ -130,6 +130,13 @@ class ParallelSource:
     handle; an exception from it is the pool's setup failure, raised from
     ``next()``. With ``spawn``/``forkserver`` it is pickled as the callback is.
 
+    ``round_robin=True``: each batch is made whole by one worker, batch
+    ``i`` of a run (an epoch, or its resumed part, counted from the epoch's
+    start) by worker ``i % num_workers``, as PyTorch's DataLoader assigns
+    them (for a callback that keeps per-worker state across a batch). By
+    default a batch's samples are spread over the workers, so that a batch
+    is ready sooner.
+
     ``dtype``/``ndim`` (one value, or one per output) declare what samples
     must be. Workers start on first use or at ``start()``; ``close()`` (or
     ``with``) stops them and frees the shared memory no batch holds. ``pool``
@@ -172,6 +179,7 @@ class ParallelSource:
         ray_options: Optional[Dict[str, Any]] = UNSET,
         concurrency: int = 1,
         worker_init: Optional[Callable[[int, int], None]] = None,
+        round_robin: bool = False,
     ):
         given: Dict[str, Any] = {k: v for k, v in (("num_workers", num_workers), ("start_method", start_method),
                                    ("pickler", pickler), ("backend", backend),
@@ -194,7 +202,7 @@ class ParallelSource:
             prefetch=prefetch, num_workers=pool.num_workers, tasks_per_worker=pool.max_outstanding,
             last_batch=last_batch, dtype=dtype, ndim=ndim, timeout=timeout, batches_held=batches_held,
             order=order, in_place=in_place, stats=stats, stats_every=stats_every,
-            concurrency=concurrency,
+            concurrency=concurrency, round_robin=round_robin,
         )
         if self.options.batches_per_epoch == 0 and order is not None:  # 0 only with an order
             raise EmptyEpochError(

@@ -207,14 +207,20 @@ class _DataLoaderAttributes:
 
     _loops_begun = 0
 
-    def _begin_sampled_loop(self) -> Any:
-        """One loop's index sampler, after drawing from ``generator`` what a DataLoader draws
-        before it: a new base seed for the loop's workers (the first loop's was drawn when the
-        loader was made; persistent workers keep theirs), so that a sampler sharing the
-        generator gives the DataLoader's indices."""
+    def _begin_loop(self) -> Optional[int]:
+        """Draws from ``generator`` what a DataLoader draws when a loop begins: a new base seed
+        for the loop's workers (the first loop's was drawn when the loader was made; persistent
+        workers keep theirs), so that a sampler sharing the generator gives the DataLoader's
+        indices. The seed, or None when the workers of the last loop go on."""
+        seed = None
         if self._loops_begun and not (self.persistent_workers and self.num_workers > 0):
-            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
         object.__setattr__(self, "_loops_begun", self._loops_begun + 1)
+        return seed
+
+    def _begin_sampled_loop(self) -> Any:
+        """One loop's index sampler, after :meth:`_begin_loop`."""
+        self._begin_loop()
         return self._index_sampler
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -417,6 +423,65 @@ class DatasetLoader(_DataLoaderAttributes, TorchLoader):
         self.__dict__["pin_memory"] = value  # reached only before _describe() ends
 
     _index_table: Optional[IndexTable] = None  # with a sampler: where the workers read indices
+    # persistent_workers=False: makes the source of a loop's new workers, set up by the given
+    # WorkerStart (whose base seed may be set until the source's workers start).
+    _new_source: Optional[Callable[[WorkerStart], ParallelSource]] = None
+    # A source made after the last loop's workers stopped (load_state_dict), not iterated yet.
+    _fresh_start: Optional[WorkerStart] = None
+
+    def _restart_with(self, new_source: Callable[[WorkerStart], ParallelSource]) -> None:
+        """Makes each loop after the first run on new workers (``persistent_workers=False``):
+        the last loop's source is closed and ``new_source(WorkerStart(...))`` made in its place,
+        so that ``worker_init_fn`` runs again and the workers' copy of the dataset is fresh, as
+        a DataLoader's workers are at each ``iter()``."""
+        object.__setattr__(self, "_new_source", new_source)
+
+    def _replace_source(self, base_seed: int, state: dict) -> WorkerStart:
+        """Closes the current source and puts a new one in its place, at ``state``; the old one
+        stays if anything (an interrupt included) stops this half-way."""
+        assert self._new_source is not None, "only a loader without persistent workers renews them"
+        old = self._source
+        start = WorkerStart(self.dataset, base_seed, self.worker_init_fn)
+        new = self._new_source(start)
+        try:
+            new.set_state(state)
+            self._end_loop("a newer iter(loader)")
+            object.__setattr__(self, "_source", new)
+        except BaseException:
+            object.__setattr__(self, "_source", old)
+            new.close()
+            raise
+        object.__setattr__(self, "_stopped", False)
+        old.close()  # batches of the last loop still held stay valid until dropped
+        return start
+
+    def _renew_workers(self, base_seed: Optional[int]) -> None:
+        """With ``persistent_workers=False``, at the start of a loop after the first: the workers
+        of the last loop stop, new ones load this loop, from where the old source stood."""
+        if base_seed is None or self._new_source is None:
+            return
+        fresh = self._fresh_start
+        if fresh is not None:  # made by load_state_dict, its workers not started yet
+            fresh.base_seed = base_seed
+            object.__setattr__(self, "_fresh_start", None)
+            return
+        position = self._position
+        if position is not None and not position.finished:  # the last loop was left unfinished
+            state = {"epoch_idx": self._source.next_epoch_idx, "iteration": 0}
+        else:
+            state = self._source.get_state()  # the next epoch, or where load_state_dict() put it
+        self._replace_source(base_seed, state)
+
+    _stopped = False  # the last loop's workers stopped at its end
+
+    def _loop_finished(self, position: Any) -> None:
+        """The loop at ``position`` ran to its end: if it is the loader's last loop, without
+        persistent workers, they stop now, as a DataLoader's do at the end of its epoch (the
+        next loop makes new ones; ``len()``, ``state_dict()`` still answer from the stopped
+        source)."""
+        if self._new_source is not None and position is self._position and self._fresh_start is None:
+            self._source.close()
+            object.__setattr__(self, "_stopped", True)
 
     def _drive_with(self, table: IndexTable) -> None:
         """Makes each loop draw its batches of indices from the loader's index sampler, here,
@@ -426,12 +491,13 @@ class DatasetLoader(_DataLoaderAttributes, TorchLoader):
     def __iter__(self) -> Any:
         """Starts the next epoch; with a sampler, its indices are drawn now, in this process
         (as a DataLoader's iterator draws them), then the workers load them."""
+        if self._closed:
+            raise ValueError("this TorchLoader is closed")
+        self._renew_workers(self._begin_loop())
         table = self._index_table
         if table is None:
             return _GoesOnAfterErrors(self, super().__iter__(), len(self._source))
-        if self._closed:
-            raise ValueError("this TorchLoader is closed")
-        batches = draw_batches(self._begin_sampled_loop(), self.batch_sampler is not None)
+        batches = draw_batches(self._index_sampler, self.batch_sampler is not None)
         if not batches:  # no batch this epoch: a DataLoader's loop ends at once
             self._end_loop("a newer iter(loader)")
             return iter(())
@@ -447,6 +513,11 @@ class DatasetLoader(_DataLoaderAttributes, TorchLoader):
     def load_state_dict(self, state_dict: dict) -> None:
         """See :meth:`TorchLoader.load_state_dict`; ``TypeError`` as :meth:`state_dict`."""
         self._check_resumable("load_state_dict()")
+        if self._stopped and self._fresh_start is None:
+            # The last loop's workers stopped: the next loop's source is made now, its workers
+            # start (with the loop's base seed) at the next iter().
+            start = self._replace_source(0, self._source.get_state())
+            object.__setattr__(self, "_fresh_start", start)
         super().load_state_dict(state_dict)
 
     def _check_resumable(self, what: str) -> None:
@@ -494,6 +565,7 @@ class _GoesOnAfterErrors:
             return epoch.__next__()
         except StopIteration:
             self._done = True
+            self._loader._loop_finished(epoch.position)
             raise
         except _ENDS_THE_LOOP:
             self._done = True
@@ -666,8 +738,9 @@ def _sampled_loader(dataset: Any, collate_fn: Callable[[Any], Any], batched: boo
         raise ValueError(f"concurrency={concurrency} needs the loader's own order (no sampler, "
                          "batch_sampler or generator=): a sampler's batches are made one at a time")
     table = IndexTable()
-    try:
-        source = ParallelSource(
+
+    def new_source(worker_start: WorkerStart) -> ParallelSource:
+        return ParallelSource(
             SampledBatches(dataset, collate_fn, table, batched),
             1,
             num_outputs=2,
@@ -680,8 +753,12 @@ def _sampled_loader(dataset: Any, collate_fn: Callable[[Any], Any], batched: boo
             last_batch="partial",
             timeout=timeout or None,
             name=f"from_dataset({type(dataset).__name__}, sampler)",
-            worker_init=worker_init,
+            worker_init=worker_start,
+            round_robin=True,  # batch i by worker i % num_workers, as DataLoader's
         )
+
+    try:
+        source = new_source(worker_init)
     except BaseException:
         table.close()
         raise
@@ -694,6 +771,8 @@ def _sampled_loader(dataset: Any, collate_fn: Callable[[Any], Any], batched: boo
         raise
     loader._drive_with(table)
     loader._describe(attributes, None, index_sampler)
+    if not attributes["persistent_workers"] and _renewable(device, pin_memory):
+        loader._restart_with(new_source)
     return loader
 
 
@@ -746,10 +825,13 @@ def from_dataset(
     none; a late batch raises :class:`~extsrc.errors.SourceTimeoutError`, a
     ``RuntimeError`` as DataLoader's), ``pin_memory`` (the shared memory is
     page-locked once: no pinning copy; without CUDA a warning, as DataLoader
-    gives). ``persistent_workers`` is accepted, but the workers always
-    persist until ``close()`` (with their copy of the dataset as it was at
-    the first loop); ``in_order=False`` is refused (batches always come in
-    order). Each worker uses one PyTorch thread and has its global generators
+    gives), ``persistent_workers`` (``False``, the default: each loop after
+    the first runs on new workers, with ``worker_init_fn`` run again, a fresh
+    copy of the dataset and a new base seed; the workers persist anyway for
+    an ``IterableDataset`` and with
+    ``device=`` or ``pin_memory=True`` with CUDA); ``in_order=False`` is
+    refused (batches always come in order). Batch ``i`` of each loop is made
+    whole by worker ``i % num_workers``, as a DataLoader assigns them. Each worker uses one PyTorch thread and has its global generators
     seeded from a base seed drawn here and its index, as DataLoader's
     workers. An error loading a batch (in ``dataset[i]`` or ``collate_fn``)
     is raised at that batch, and the loop goes on with the next one, as
@@ -932,8 +1014,8 @@ def from_dataset(
                 f"of batch_size={batch_size} with drop_last=True; give drop_last=False or a "
                 f"batch_size of at most {len(order)} (a DataLoader would yield no batch at all)")
         source_order, source_batch = Order(batches), 1
-    try:
-        source = ParallelSource(
+    def new_source(worker_start: WorkerStart) -> ParallelSource:
+        return ParallelSource(
             callback,
             source_batch,
             num_outputs=AUTO_OUTPUTS if default else 2,
@@ -948,8 +1030,12 @@ def from_dataset(
             order=source_order,
             name=f"from_dataset({type(dataset).__name__})",
             concurrency=concurrency,
-            worker_init=WorkerStart(dataset, base_seed, worker_init_fn),
+            worker_init=worker_start,
+            round_robin=True,  # batch i by worker i % num_workers, as DataLoader's
         )
+
+    try:
+        source = new_source(WorkerStart(dataset, base_seed, worker_init_fn))
     except EmptyEpochError:
         raise EmptyEpochError(
             f"{len(order)} records (this shard's, of len(dataset) == {records}) make no batch of "
@@ -960,4 +1046,12 @@ def from_dataset(
                                    pin_memory=pin_memory and torch.cuda.is_available(),
                                    rebuild=Collation() if default else unpack_whole)
     loader._describe(attributes, order)
+    if not persistent_workers and _renewable(device, pin_memory):
+        loader._restart_with(new_source)
     return loader
+
+
+def _renewable(device: Device, pin_memory: bool) -> bool:
+    """Whether a loop's workers can be new ones (persistent_workers=False): not when the shared
+    memory is made CUDA's (device=, pin_memory=True with CUDA), which is done once."""
+    return device is None and not (pin_memory and torch.cuda.is_available())
