@@ -196,6 +196,7 @@ class _DataLoaderAttributes:
     num_workers: int
     persistent_workers: bool
     generator: Optional["torch.Generator"]
+    worker_init_fn: Optional[Callable[[int], None]]
     _index_sampler: Any
 
     def _describe(self, attributes: dict, order: Optional[Order], index_sampler: Any = None) -> None:
