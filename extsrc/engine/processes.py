@@ -154,7 +154,9 @@ class ProcessBackend:
                 try:
                     worker.channel.send(message, fds.fds if fds is not None else ())
                 except OSError:
-                    return self._died(worker)
+                    # A worker that could not load the sources says why, then exits: its
+                    # reason must win over the broken pipe it leaves.
+                    return self._receive(worker, []) or self._died(worker)
                 worker.outbox.popleft()
                 if fds is not None:
                     fds.close()
