@@ -108,6 +108,8 @@ class WorkerBackend(Protocol):
     name: str  # the name the backend is registered under
     max_outstanding: int  # tasks a worker holds at most (running, queued, answered in transit)
     local_processes: bool  # the workers are processes of this host (their /proc can be read)
+    concurrent_samples: bool  # a worker runs a task's samples concurrently (concurrency > 1,
+    # async def callbacks); without it, sources that ask for that are refused when made
 
     def start(self, sources: Tuple[SourceSetup, ...], waker: Wakeable) -> None:
         """Starts the workers with ``sources``; raises with nothing left running. ``waker``

@@ -52,6 +52,7 @@ from __future__ import annotations
 import _thread
 import atexit
 import enum
+import itertools
 import os
 import threading
 import time
@@ -171,6 +172,7 @@ class WorkerPool:
         self._queue: Deque[Task] = deque()
         self._pinned: Dict[int, Deque[Task]] = {}
         self._pins = 0
+        self._tickets = itertools.count()
         self._waker: Optional[Waker] = None
         self._thread: Optional[threading.Thread] = None
         self._io_ident: Optional[int] = None
@@ -360,6 +362,11 @@ class WorkerPool:
                 raise RuntimeError("sources must be added to a WorkerPool before it starts")
             self._clients.append(weakref.ref(client))
             return len(self._clients) - 1
+
+    def new_ticket(self) -> int:
+        """*engine*, I/O thread: a ticket for a new task, unique in this pool (backends and the
+        scheduler tell tasks apart by ticket alone, whichever source they are of)."""
+        return next(self._tickets)
 
     def pin_worker(self) -> int:
         """*engine*: a worker for a source whose state must stay in one process (round robin)."""

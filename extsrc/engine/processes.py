@@ -45,6 +45,7 @@ class ProcessBackend:
     name = "processes"
     max_outstanding = MAX_OUTSTANDING
     local_processes = True
+    concurrent_samples = True
 
     @staticmethod
     def check_options(start_method: Any, options: Any, names: Tuple[str, str, str],

@@ -71,12 +71,11 @@ class Producer:
         self.next_dispatch = 0
         self.end_at: Optional[int] = None  # the run's epoch ends at this iteration
         self.error: Optional[Tuple[int, BaseException]] = None  # (iteration, dispatch failure)
-        self._tickets = itertools.count()
         self._batch_seq = itertools.count()
         self._runs = itertools.count(1)
         self._closed = False
         self._range_cache: Optional[List[Tuple[int, int]]] = None
-        local = pool.backend == "processes"  # Ray actors may run on other hosts: no /proc of theirs
+        local = pool.workers_backend.local_processes  # else no /proc of the workers to read
         self.notes: List[str] = []  # warnings from the workers, raised by the consumer (commit)
         self._noted: set = set()  # each once
         self.stats = (StatsCollector(pool.num_workers, pool.worker_pids if local else None,
@@ -264,7 +263,7 @@ class Producer:
             pending = PendingBatch(seq, run.epoch_idx, iteration, slot, regions)
             tasks = []
             for start, stop in self._ranges():
-                ticket = next(self._tickets)
+                ticket = self.pool.new_ticket()
                 pending.expect(ticket, start, stop)
                 self.in_flight[ticket] = pending
                 tasks.append(Task(self.source_id, ticket, slot.slot_id, pending.seq, run.epoch_idx,

@@ -211,10 +211,12 @@ class ParallelSource:
                 "last_batch='partial' or 'pad', or a smaller batch_size"
             )
         kind = classify(source, self.options.batch)
-        if (self.options.concurrency > 1 or is_async(source)) and pool.backend != "processes":
+        if (self.options.concurrency > 1 or is_async(source)) and \
+                not pool.workers_backend.concurrent_samples:
             raise ValueError(
-                f"concurrency={self.options.concurrency} and async def callbacks need "
-                f"backend='processes' (worker processes on this host), got {pool.backend!r}"
+                f"concurrency={self.options.concurrency} and async def callbacks need a backend "
+                "whose workers run samples concurrently, such as backend='processes' (worker "
+                f"processes on this host), got backend={pool.backend!r}"
             )
         if is_async(source) and self.options.in_place:
             raise ValueError("in_place=True needs a plain callback (it writes into the sample's "
