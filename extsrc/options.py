@@ -163,6 +163,7 @@ class SourceOptions:
     stats_every: Optional[float] = None  # log them every this many seconds
     concurrency: int = 1  # samples in flight at once per worker (extsrc.engine.concurrent)
     round_robin: bool = False  # batch i made whole by worker i % num_workers (DataLoader's)
+    dense_arrays: bool = False  # a dense output comes as one array rather than a Batch
 
     @property
     def batches_per_epoch(self) -> Optional[int]:
@@ -204,6 +205,7 @@ class SourceOptions:
         stats_every: Any = None,
         concurrency: Any = 1,
         round_robin: Any = False,
+        dense_arrays: Any = False,
     ) -> "SourceOptions":
         batch_size = positive_int("batch_size", batch_size)
         if num_outputs == AUTO_OUTPUTS:
@@ -214,7 +216,8 @@ class SourceOptions:
         else:
             num_outputs = optional_positive_int("num_outputs", num_outputs)
         for name, value in (("batch", batch), ("batch_info", batch_info), ("in_place", in_place),
-                            ("stats", stats), ("round_robin", round_robin)):
+                            ("stats", stats), ("round_robin", round_robin),
+                            ("dense_arrays", dense_arrays)):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         if batch_info and not batch:
@@ -275,4 +278,5 @@ class SourceOptions:
             stats_every=stats_every,
             concurrency=concurrency,
             round_robin=bool(round_robin),
+            dense_arrays=bool(dense_arrays),
         )

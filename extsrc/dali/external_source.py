@@ -288,7 +288,8 @@ def _parallel_source(pipe: Any, engine_source: Any, *, prefetch: Optional[int], 
     if prefetch is None:
         prefetch = max(default_prefetch(pool.num_workers, pool.max_outstanding), pipe._extsrc_depth())
     return ParallelSource(engine_source, batch_size, prefetch=prefetch,
-                          batches_held=pipe._extsrc_batches_held(), pool=pool, **options)
+                          batches_held=pipe._extsrc_batches_held(), pool=pool, dense_arrays=True,
+                          **options)
 
 
 def _dali_node(feeder: Feeder, num_outputs: Optional[int], *, name: Optional[str], device: str,

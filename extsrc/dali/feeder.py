@@ -14,7 +14,9 @@ the engine there with ``set_state()``.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Deque, Optional
+from typing import Any, Deque, Optional, Union
+
+import numpy as np
 
 from extsrc.batch import Batch
 from extsrc.engine.runner import ExhaustedIteratorError
@@ -37,8 +39,10 @@ def cycle_mode(cycle: Any) -> str:
     )
 
 
-def _to_dali(samples: Batch) -> Any:
+def _to_dali(samples: Union[Batch, np.ndarray]) -> Any:
     """What DALI is fed for one output: the dense array (a view), else the list of views."""
+    if isinstance(samples, np.ndarray):  # the source's dense_arrays=True
+        return samples
     if samples.is_dense:
         return samples.as_array()
     return list(samples)

@@ -23,7 +23,8 @@ from extsrc.shm.layout import Region
 from extsrc.shm.mapping import view
 from extsrc.shm.slots import Lease, Slot
 
-BatchOutput = Union[Batch, Tuple[Batch, ...]]
+Output = Union[Batch, np.ndarray]  # an ndarray: a dense output of a source with dense_arrays=True
+BatchOutput = Union[Output, Tuple[Output, ...]]
 
 
 class Decision(NamedTuple):
@@ -114,8 +115,10 @@ class PendingBatch:
                 sizes[msg.worker] = max(sizes.get(msg.worker, 0), msg.overflow_bytes, 1)
         return sizes
 
-    def build(self, lease: Lease, size: int, num_outputs: Optional[int]) -> BatchOutput:
-        """The first ``size`` samples as zero-copy arrays that keep ``lease`` alive."""
+    def build(self, lease: Lease, size: int, num_outputs: Optional[int],
+              dense_arrays: bool = False) -> BatchOutput:
+        """The first ``size`` samples as zero-copy arrays that keep ``lease`` alive; with
+        ``dense_arrays``, an output written side by side is that one array, not a Batch."""
         region_map = lease.region
         bases: Dict[int, np.ndarray] = {}  # mapping id -> base array; local, so no cycle with the lease
 
@@ -127,13 +130,14 @@ class PendingBatch:
 
         done = [(start, msg) for start, msg in self._ordered()
                 if isinstance(msg, TaskDone) and start < size]
-        outputs = []
+        outputs: List[Output] = []
         for j in range(1 if num_outputs is None else num_outputs):
             # None too for an output the batch was dispatched without (num_outputs="auto").
             region = self.regions[j] if j < len(self.regions) else None
             if region is not None and not any(msg.spilled and msg.spilled[j] for _, msg in done):
-                outputs.append(Batch(dense=view(base_of(region_map), region.offset,
-                                                np.dtype(region.dtype), (size,) + region.shape)))
+                dense = view(base_of(region_map), region.offset, np.dtype(region.dtype),
+                             (size,) + region.shape)
+                outputs.append(dense if dense_arrays else Batch(dense=dense))
                 continue
             samples: List[np.ndarray] = []
             for start, msg in done:

@@ -137,6 +137,15 @@ class ParallelSource:
     default a batch's samples are spread over the workers, so that a batch
     is ready sooner.
 
+    ``dense_arrays=True``: an output whose samples lie side by side in
+    shared memory (all of one shape and dtype: :attr:`Batch.is_dense`) comes
+    as one ``numpy.ndarray`` of shape ``(batch size, *sample shape)``, the
+    same zero-copy view as :meth:`Batch.as_array` with the same lifetime,
+    without the per-sample views a :class:`~extsrc.Batch` (a list) is made
+    of, which cost the consumer about as much as the rest of taking a batch
+    of small samples. Other outputs still come as a ``Batch``. The PyTorch
+    and DALI layers use it.
+
     ``dtype``/``ndim`` (one value, or one per output) declare what samples
     must be. Workers start on first use or at ``start()``; ``close()`` (or
     ``with``) stops them and frees the shared memory no batch holds. ``pool``
@@ -180,6 +189,7 @@ class ParallelSource:
         concurrency: int = 1,
         worker_init: Optional[Callable[[int, int], None]] = None,
         round_robin: bool = False,
+        dense_arrays: bool = False,
     ):
         given: Dict[str, Any] = {k: v for k, v in (("num_workers", num_workers), ("start_method", start_method),
                                    ("pickler", pickler), ("backend", backend),
@@ -202,7 +212,7 @@ class ParallelSource:
             prefetch=prefetch, num_workers=pool.num_workers, tasks_per_worker=pool.max_outstanding,
             last_batch=last_batch, dtype=dtype, ndim=ndim, timeout=timeout, batches_held=batches_held,
             order=order, in_place=in_place, stats=stats, stats_every=stats_every,
-            concurrency=concurrency, round_robin=round_robin,
+            concurrency=concurrency, round_robin=round_robin, dense_arrays=dense_arrays,
         )
         if self.options.batches_per_epoch == 0 and order is not None:  # 0 only with an order
             raise EmptyEpochError(

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 import numpy as np
 
 from extsrc.batch import Batch
-from extsrc.engine.assembly import BatchOutput, Decision, PendingBatch
+from extsrc.engine.assembly import BatchOutput, Decision, Output, PendingBatch
 from extsrc.errors import (EmptyEpochError, EpochSupersededError, SampleError, SharedMemoryError,
                            SourceTimeoutError)
 from extsrc.shm import limits
@@ -216,7 +216,8 @@ class Taker:
                 return taken.outcome
             assert lease is not None and pending is not None
             try:
-                outcome = self._finish(pending.build(lease, decision.size, producer.num_outputs))
+                outcome = self._finish(pending.build(lease, decision.size, producer.num_outputs,
+                                                     self.options.dense_arrays))
             except (SampleError, SharedMemoryError):
                 with pool.lock:
                     if epoch.state is EpochState.RUNNING and epoch.next_yield == pending.iteration:
@@ -319,12 +320,16 @@ class Taker:
         layout, so each wrote its samples to its own overflow area), so that every batch of
         a uniform output is dense. Raises :class:`SharedMemoryError` naming the copy when the
         process's memory limits leave no room for it."""
-        single = self.producer.num_outputs is None
-        outputs: Tuple[Batch, ...] = (outcome,) if isinstance(outcome, Batch) else outcome
-        if all(samples.is_dense or not samples for samples in outputs):
+        single = not isinstance(outcome, tuple)
+        outputs: Tuple[Output, ...] = (outcome,) if single else outcome  # type: ignore[assignment]
+        if all(isinstance(samples, np.ndarray) or samples.is_dense or not samples
+               for samples in outputs):
             return outcome
-        finished: List[Batch] = []
+        finished: List[Output] = []
         for j, samples in enumerate(outputs):
+            if isinstance(samples, np.ndarray):
+                finished.append(samples)
+                continue
             if not samples.is_dense and len(samples) == 1:
                 samples = Batch(dense=samples[0][np.newaxis])  # one sample: a view, no copy
             elif not samples.is_dense and samples and _uniform(samples):
@@ -339,7 +344,8 @@ class Taker:
                     samples = Batch(dense=np.stack(samples))
                 except MemoryError as exc:
                     raise limits.copy_error(nbytes, what, exc) from None
-            finished.append(samples)
+            finished.append(samples.as_array() if samples.is_dense and self.options.dense_arrays
+                            else samples)
         return finished[0] if single else tuple(finished)
 
     def _timed_out(self, epoch: Epoch) -> SourceTimeoutError:
@@ -368,7 +374,10 @@ def _nbytes(outcome: BatchOutput) -> int:
     outputs = outcome if isinstance(outcome, tuple) else (outcome,)
     total = 0
     for samples in outputs:
-        total += samples.as_array().nbytes if samples.is_dense else sum(s.nbytes for s in samples)
+        if isinstance(samples, np.ndarray):
+            total += samples.nbytes
+        else:
+            total += samples.as_array().nbytes if samples.is_dense else sum(s.nbytes for s in samples)
     return total
 
 

@@ -718,6 +718,7 @@ def _iterable_loader(dataset: Any, batch_size: Optional[int], drop_last: bool, c
                 name=f"from_dataset({type(dataset).__name__}), worker {worker}",
                 # Once per worker (it sets the worker up for every source of the pool).
                 worker_init=worker_init if worker == 0 else None,
+                dense_arrays=True,
             )
             loaders.append(TorchLoader._owning(source, device=device, pin_memory=pin_memory,
                                                rebuild=Collation() if default else unpack_whole))
@@ -756,6 +757,7 @@ def _sampled_loader(dataset: Any, collate_fn: Callable[[Any], Any], batched: boo
             name=f"from_dataset({type(dataset).__name__}, sampler)",
             worker_init=worker_start,
             round_robin=True,  # batch i by worker i % num_workers, as DataLoader's
+            dense_arrays=True,
         )
 
     try:
@@ -1033,6 +1035,7 @@ def from_dataset(
             concurrency=concurrency,
             worker_init=worker_start,
             round_robin=True,  # batch i by worker i % num_workers, as DataLoader's
+            dense_arrays=True,
         )
 
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Union
 
+import numpy as np
 import torch
 
 from extsrc.batch import Batch
@@ -11,7 +12,7 @@ from extsrc.batch import Batch
 Tensors = Union[torch.Tensor, List[torch.Tensor]]
 
 
-def output_tensors(samples: Batch, output: int = 0) -> Tensors:
+def output_tensors(samples: Union[Batch, np.ndarray], output: int = 0) -> Tensors:
     """One output of a batch: one tensor (dense), else a list of per-sample tensors (ragged).
 
     The tensors are views of the batch's shared memory (``torch.from_numpy``)
@@ -19,11 +20,14 @@ def output_tensors(samples: Batch, output: int = 0) -> Tensors:
     live. Raises ``TypeError`` for a dtype PyTorch has no tensor type for.
     """
     try:
+        if isinstance(samples, np.ndarray):  # a dense output of a source with dense_arrays=True
+            return torch.from_numpy(samples)
         if samples.is_dense:
             return torch.from_numpy(samples.as_array())
         return [torch.from_numpy(sample) for sample in samples]
     except TypeError as exc:
-        dtype = samples[0].dtype if len(samples) else None
+        dtype = samples.dtype if isinstance(samples, np.ndarray) else \
+            samples[0].dtype if len(samples) else None
         raise TypeError(
             f"output {output} of the batch has dtype {dtype}, which PyTorch cannot view as a "
             f"tensor ({exc}); return another dtype from the callback"
