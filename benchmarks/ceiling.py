@@ -7,6 +7,8 @@ them alike:
 * ``small``: a fresh 1 KiB uint8 array per sample, batch 256, 2 workers, fork, through
   ``ParallelSource``. Reference: one process calling the callback and copying each sample
   into a batch buffer in a plain loop (rate ``R`` per core).
+* ``small-arrays``: the same with ``dense_arrays=True`` (each batch one array, as the
+  reference's, rather than a ``Batch`` list of per-sample views).
 * ``large``: a fresh 4 MiB uint8 array per sample, batch 16, 2 workers, fork, through the
   DALI drop-in (``extsrc.fn.external_source``), output sliced to 8 bytes (an operator
   consumes it). Reference: the callback plus one copy of its sample into a reused batch
@@ -36,7 +38,7 @@ import numpy as np
 
 KIB, MIB = 1 << 10, 1 << 20
 WORKERS = 2
-ROWS = {"small": (KIB, 256), "large": (4 * MIB, 16)}
+ROWS = {"small": (KIB, 256), "small-arrays": (KIB, 256), "large": (4 * MIB, 16)}
 WARMUP_S = 1.0  # workers started, memory faulted in, caches warm before the clock starts
 
 
@@ -56,7 +58,7 @@ def large(sample_info) -> np.ndarray:
     return make(sample_info, 4 * MIB)
 
 
-CALLBACKS = {"small": small, "large": large}
+CALLBACKS = {"small": small, "small-arrays": small, "large": large}
 
 
 def _cpu_s() -> float:
@@ -113,11 +115,12 @@ def reference(row: str, seconds: float) -> Tuple[float, float]:
     return _timed(step, seconds)
 
 
-def engine_small(seconds: float) -> Tuple[float, float]:
+def engine_small(seconds: float, dense_arrays: bool = False) -> Tuple[float, float]:
     import extsrc
 
     nbytes, batch_size = ROWS["small"]
-    source = extsrc.ParallelSource(small, batch_size, num_workers=WORKERS, start_method="fork")
+    source = extsrc.ParallelSource(small, batch_size, num_workers=WORKERS, start_method="fork",
+                                   dense_arrays=dense_arrays)
     try:
         batches = iter(source)
 
@@ -157,7 +160,8 @@ def child(kind: str, row: str, seconds: float) -> None:
     if kind == "reference":
         rate, cpu_us = reference(row, seconds)
     else:
-        rate, cpu_us = engine_small(seconds) if row == "small" else engine_large(seconds)
+        rate, cpu_us = (engine_large(seconds) if row == "large"
+                        else engine_small(seconds, dense_arrays=row == "small-arrays"))
     print(json.dumps({"rate": rate, "cpu_us": cpu_us}))
 
 
@@ -177,7 +181,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tree", action="append", help="a source tree to measure (repeatable; "
                         "default: the one this script is in)")
-    parser.add_argument("--rows", default="small,large", help="small, large or both (default)")
+    parser.add_argument("--rows", default="small,small-arrays,large",
+                        help="comma-separated: small, small-arrays, large (default: all three)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--seconds", type=float, default=3.0, help="measured time per run")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "ROW"), help=argparse.SUPPRESS)
