@@ -35,6 +35,8 @@ import os
 import threading
 from typing import Any, Callable, Optional
 
+from ..engine.threads import OwnedThread
+
 # How long each side waits on its wake-up lock before it looks at the state again. The lock
 # normally ends the wait at once; the poll only bounds it when an interrupt made the caller
 # take a wake-up it then did not act on.
@@ -73,14 +75,13 @@ class RunThread:
         self._finished = _thread.allocate_lock()  # released by the thread: a call is done
         self._finished.acquire()
         self._stopping = False
-        self._ident: Optional[int] = None  # the run thread's, once it runs
         # Started here, not on first use: a thread started in the middle of an interruptible
         # call could be started twice, or be stored and never run.
         self._pid = os.getpid()
         self._thread = self._new_thread()
 
-    def _new_thread(self) -> threading.Thread:
-        thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+    def _new_thread(self) -> OwnedThread:
+        thread = OwnedThread(self._loop, self.name)
         thread.start()
         return thread
 
@@ -100,12 +101,12 @@ class RunThread:
     def wait(self) -> None:
         """Waits until the pending call (if any) is done (step 2); hands nothing over. Returns at
         once on the run thread itself (the call waited for would be the one running there)."""
-        if threading.get_ident() == self._ident:
+        if self._thread.is_current():
             return
         call = self.pending
         while call is not None and not call.done:
             self._finished.acquire(timeout=POLL_S)
-            if not call.done and (self._pid != os.getpid() or not self._thread.is_alive()):
+            if not call.done and (self._pid != os.getpid() or self._thread.ended):
                 # A child forked while the call ran has no run thread: nothing will finish it.
                 self.pending = None
                 raise RuntimeError(f"{self.name}: the {call.kind}() call cannot finish here: the "
@@ -146,13 +147,12 @@ class RunThread:
         self._stopping = True
         if self._wake.locked():
             self._wake.release()
-        if self._pid == os.getpid() and threading.get_ident() != self._ident:
+        if self._pid == os.getpid():
             self._thread.join()
 
     # -- the run thread ------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        self._ident = threading.get_ident()
         while not self._stopping:
             self._wake.acquire(timeout=POLL_S)
             call = self.pending

@@ -33,6 +33,8 @@ import time
 import traceback
 from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
+from extsrc.engine.threads import OwnedThread
+
 _ENDED = object()  # an async callback raised StopIteration
 Job = Tuple[int, Any]  # (position, the callback's argument)
 Deliver = Callable[[int, Any], None]  # (position, value); raises to fail that position
@@ -275,7 +277,7 @@ class ThreadEngine:
         self.concurrency = concurrency
         self._jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._results: "queue.SimpleQueue[Tuple[int, int, bool, Any, int]]" = queue.SimpleQueue()
-        self._threads: List[threading.Thread] = []
+        self._threads: List[OwnedThread] = []
         self._running: Dict[int, int] = {}  # run token -> thread ident, for a hung job's stack
         self._tokens = 0
         self._run_id = 0
@@ -284,11 +286,10 @@ class ThreadEngine:
 
     def _ensure_threads(self) -> None:
         """Started in the worker on first use; a thread lost to a hung call is replaced."""
-        alive = [t for t in self._threads if t.is_alive()]
+        alive = [t for t in self._threads if not t.ended]
         self._threads = alive
         while len(self._threads) < self.concurrency:
-            thread = threading.Thread(target=self._serve, name=f"extsrc-sample-{len(self._threads)}",
-                                      daemon=True)
+            thread = OwnedThread(self._serve, f"extsrc-sample-{len(self._threads)}")
             thread.start()
             self._threads.append(thread)
 

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Protocol, Se
 from extsrc.engine import workers as worker_processes
 from extsrc.engine.backend import Arrival, Fault, WorkerBackend, backend_class
 from extsrc.engine.protocol import Result, SourceSetup, Task
+from extsrc.engine.threads import OwnedThread
 from extsrc.engine.workers import Waker
 from extsrc.errors import ForkedChildError, InternalError, PoolClosedError
 from extsrc import forking
@@ -174,7 +175,7 @@ class WorkerPool:
         self._pins = 0
         self._tickets = itertools.count()
         self._waker: Optional[Waker] = None
-        self._thread: Optional[threading.Thread] = None
+        self._thread: Optional[OwnedThread] = None
         self._io_ident: Optional[int] = None
         _live_pools.add(self)
         forking.register(self)
@@ -266,7 +267,7 @@ class WorkerPool:
                 raise
             self._loads = [_Load(index) for index in range(self.options.num_workers)]
             self._state = PoolState.RUNNING  # the thread waits for the lock held here
-            self._thread = threading.Thread(target=self._run, name="extsrc-pool-io", daemon=True)
+            self._thread = OwnedThread(self._run, "extsrc-pool-io")
             try:
                 self._thread.start()
             except RuntimeError as exc:  # no thread could be made (e.g. RLIMIT_AS): back to NEW
@@ -297,9 +298,9 @@ class WorkerPool:
         thread = self._thread
         if self._waker is not None:
             self._waker.wake()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(IO_THREAD_JOIN_S)
-        if self._waker is not None and (thread is None or not thread.is_alive()):
+        if thread is not None:
+            thread.join(IO_THREAD_JOIN_S)  # at once on the I/O thread itself
+        if self._waker is not None and (thread is None or thread.ended):
             self._waker.close()  # nothing polls it any more (else the I/O thread closes it)
         with self.lock:
             # The I/O thread stopped the workers, unless it never ran or did not end in time.
