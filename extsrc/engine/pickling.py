@@ -50,9 +50,22 @@ def _by_value_pickler_class():
         def reducer_override(self, obj):
             if isinstance(obj, types.FunctionType) and getattr(obj, _BY_VALUE_FLAG, False):
                 return self._dynamic_function_reduce(obj)
+            if isinstance(obj, types.CodeType) and obj.co_filename != _FILENAME_CARRIED:
+                # cloudpickle (3.1.3 on) names every code object it carries "<dynamic-code>":
+                # the worker's tracebacks would lose the file and its source lines.
+                return _with_filename, (obj.replace(co_filename=_FILENAME_CARRIED), obj.co_filename)
             return super().reducer_override(obj)
 
     return _Pickler
+
+
+# The file name a code object carries while cloudpickle pickles it; its own travels beside it.
+_FILENAME_CARRIED = "<extsrc: file name restored on load>"
+
+
+def _with_filename(code: types.CodeType, filename: str) -> types.CodeType:
+    """``code`` (unpickled in a worker) with the file name it had where it was defined."""
+    return code.replace(co_filename=filename)
 
 
 class DefaultPickler:
