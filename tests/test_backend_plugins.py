@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from extsrc import ParallelSource, WorkerPool
-from extsrc.engine.backend import backend_names, register_backend
+from extsrc.engine.backend import backend_names, register_backend, unregister_backend
 from extsrc.engine.processes import ProcessBackend
 
 from sources import sample_of
@@ -28,8 +28,24 @@ class SequentialBackend(ProcessBackend):
     concurrent_samples = False
 
 
-register_backend(RecordingBackend.name, RecordingBackend)
-register_backend(SequentialBackend.name, SequentialBackend)
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    # Registered for this module's tests only: other tests see the built-in names alone.
+    for backend in (RecordingBackend, SequentialBackend):
+        register_backend(backend.name, backend)
+    yield
+    for backend in (RecordingBackend, SequentialBackend):
+        unregister_backend(backend.name)
+
+
+def test_an_unregistered_backend_is_no_longer_offered():
+    register_backend("gone-processes", ProcessBackend)
+    unregister_backend("gone-processes")
+    assert "gone-processes" not in backend_names()
+    with pytest.raises(ValueError, match="backend must be one of .*got 'gone-processes'"):
+        WorkerPool(1, backend="gone-processes")
+    with pytest.raises(ValueError, match="built in"):
+        unregister_backend("processes")
 
 
 def test_a_registered_backend_is_offered_by_name_and_runs_sources():

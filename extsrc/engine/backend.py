@@ -192,6 +192,15 @@ def register_backend(name: str, backend: Union[str, Type[Any]]) -> None:
         _registered[name] = backend
 
 
+def unregister_backend(name: str) -> None:
+    """Undoes :func:`register_backend` (pools made before keep their backend); ``KeyError`` if
+    ``name`` was not registered, ``ValueError`` for a built-in backend."""
+    if name in BUILT_IN:
+        raise ValueError(f"backend {name!r} is built in and cannot be unregistered")
+    with _lock:
+        del _registered[name]
+
+
 def backend_names() -> Tuple[str, ...]:
     """The names a pool's ``backend`` may take."""
     with _lock:
