@@ -21,6 +21,7 @@ Owner: the object that started the thread; any thread may call ``join`` and read
 from __future__ import annotations
 
 import _thread
+import sys
 import threading
 from typing import Any, Callable, Optional
 
@@ -61,8 +62,11 @@ class OwnedThread:
 
     def join(self, timeout: Optional[float] = None) -> bool:
         """Waits until ``target`` ended, at most ``timeout`` seconds (``None``: no limit); returns
-        ``ended``. At once when the thread was never started, or when called from itself."""
-        if self.ended or self._thread is None or self.is_current():
+        ``ended``. At once when the thread was never started, when called from itself, or while
+        the interpreter shuts down."""
+        if self.ended or self._thread is None or self.is_current() or sys.is_finalizing():
+            # While the interpreter shuts down (an owner's __del__ at exit) daemon threads no
+            # longer run: waiting for one would never end.
             return self.ended
         if self._done.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             self._done.release()

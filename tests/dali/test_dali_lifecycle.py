@@ -14,6 +14,7 @@ from nvidia.dali import types
 import extsrc
 from extsrc import fn, pipeline_def
 from dali_support import Counting, as_lists, extsrc_workers, run_epoch, samples_of
+from faultkit import run_isolated
 
 CPU = dict(num_threads=1, device_id=None)
 
@@ -247,3 +248,32 @@ def test_dalis_by_value_mark_sends_such_a_function_by_value(monkeypatch):
     with _spawn_pipe(source) as p:
         (out,) = p.run()
     assert [s.tolist() for s in samples_of(out)] == [[0], [1]]
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_script_that_leaves_its_pipeline_open_exits(method):
+    # The usual short job: a pipeline at module level, built, run, never closed. Its clean-up
+    # then runs while the interpreter shuts down, when no daemon thread runs any more.
+    out = run_isolated(
+        f"""
+        import numpy as np
+        from extsrc import fn, pipeline_def
+
+        def sample(info):
+            return np.full(4, info.idx_in_epoch, np.int32)
+
+        @pipeline_def(batch_size=4, num_threads=1, device_id=None, py_num_workers=2,
+                      py_start_method="{method}")
+        def pipeline():
+            return fn.external_source(source=sample, batch=False, parallel=True)
+
+        if __name__ == "__main__":
+            pipe = pipeline()
+            pipe.build()
+            (out,) = pipe.run()
+            print("FIRST", [int(np.asarray(out[i])[0]) for i in range(len(out))], flush=True)
+        """,
+        timeout=90,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert "FIRST [0, 1, 2, 3]" in out.stdout
