@@ -17,7 +17,10 @@ a namedtuple for a namedtuple, a list for any other sequence.
 from __future__ import annotations
 
 import collections.abc
+import importlib
+import io
 import pickle
+import sys
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -143,15 +146,58 @@ def _describe(structure: Structure) -> str:
 
 
 def _dump_structure(structure: Any) -> bytes:
-    """A structure pickled: its namedtuple and mapping classes by reference, or, for a class
-    pickle cannot find by name (one defined inside another class or a function), by value (a
-    class of the same name and fields, not the same class)."""
+    """A structure pickled: its namedtuple and mapping classes by reference (by their name, or
+    by where their module holds them: a namedtuple made in a class body, or kept under another
+    name), or, for a class no module holds (one made inside a function), by value (a class of
+    the same name and fields, not the same class)."""
     try:
-        return pickle.dumps(structure, protocol=pickle.HIGHEST_PROTOCOL)
+        buffer = io.BytesIO()
+        _ClassByPathPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(structure)
+        return buffer.getvalue()
     except (pickle.PicklingError, AttributeError, TypeError):
         from extsrc.engine.pickling import DefaultPickler
 
         return DefaultPickler.dumps(structure)
+
+
+class _ClassByPathPickler(pickle.Pickler):
+    """Pickles a class that its module holds other than under its ``__qualname__`` (e.g.
+    ``Pair = namedtuple("Pair", ...)`` in a class body) by that path; pickle alone would fail."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, type) or _held_at(obj.__module__, obj.__qualname__) is obj:
+            return NotImplemented
+        path = _path_in_module(obj)
+        return NotImplemented if path is None else (_class_at, (obj.__module__, path))
+
+
+def _held_at(module_name: str, path: str) -> Any:
+    """``module_name.path`` (dotted) of an imported module, or ``None`` where there is none."""
+    value: Any = sys.modules.get(module_name)
+    for part in path.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def _class_at(module_name: str, path: str) -> type:
+    """Loads what :class:`_ClassByPathPickler` pickled: ``module_name.path``."""
+    value: Any = importlib.import_module(module_name)
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _path_in_module(cls: type) -> Optional[str]:
+    """Where ``cls``'s module holds it: a module attribute, or one of a module class's."""
+    module = sys.modules.get(cls.__module__)
+    for name, value in list(vars(module).items()) if module is not None else ():
+        if value is cls:
+            return name
+        if isinstance(value, type):
+            for inner, member in list(vars(value).items()):
+                if member is cls:
+                    return f"{name}.{inner}"
+    return None
 
 
 class Flattener:

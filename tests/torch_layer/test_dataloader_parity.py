@@ -398,12 +398,31 @@ class _HoldsItsRecordType(torch.utils.data.Dataset):
         return self.Pair(i, str(i))
 
 
-def test_a_namedtuple_class_pickle_cannot_find_by_name_still_gives_its_fields():
-    with from_dataset(_HoldsItsRecordType(), batch_size=2, num_workers=1) as loader:
+_Renamed = collections.namedtuple("Record", ["value", "name"])  # held under another name
+
+
+class _RenamedRecords(_HoldsItsRecordType):
+    def __getitem__(self, i):
+        return _Renamed(i, str(i))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("dataset, record_type", [(_HoldsItsRecordType(), _HoldsItsRecordType.Pair),
+                                                   (_RenamedRecords(), _Renamed)])
+@pytest.mark.parametrize("batch_size", [2, None])
+def test_a_namedtuple_class_pickle_cannot_find_by_name_comes_back_as_that_class(
+        method, dataset, record_type, batch_size):
+    # As a DataLoader in the main process gives them: isinstance() and match statements on the
+    # user's own class keep working.
+    with from_dataset(dataset, batch_size=batch_size, num_workers=1,
+                      multiprocessing_context=method) as loader:
         batches = list(loader)
-    assert [type(b).__name__ for b in batches] == ["Pair", "Pair"]
-    assert [b.value.tolist() for b in batches] == [[0, 1], [2, 3]]
-    assert [b.name for b in batches] == [("0", "1"), ("2", "3")]
+    assert all(type(b) is record_type for b in batches)
+    if batch_size == 2:
+        assert [b.value.tolist() for b in batches] == [[0, 1], [2, 3]]
+        assert [b.name for b in batches] == [("0", "1"), ("2", "3")]  # as default_collate gives
+    else:
+        assert [(int(b.value), b.name) for b in batches] == [(i, str(i)) for i in range(4)]
 
 
 def _both(dataset, epochs=1, **kwargs):
