@@ -46,8 +46,10 @@ class SourceTimeoutError(ExtsrcError, TimeoutError, RuntimeError):
     """
 
 
-class SharedMemoryError(ExtsrcError, OSError):
-    """Shared memory for samples could not be reserved; the message gives the sizes."""
+class SharedMemoryError(ExtsrcError, OSError, RuntimeError):
+    """Shared memory for samples could not be reserved; the message gives the sizes, or the
+    descriptor limit that was reached. Also a ``RuntimeError``, what a DataLoader and DALI
+    raise when they run out of shared memory or descriptors."""
 
 
 class SourcePicklingError(ExtsrcError, pickle.PicklingError):
