@@ -14,6 +14,7 @@ DataLoader's default collation shapes them. The DataLoader arguments that do not
 from __future__ import annotations
 
 import math
+import multiprocessing.context
 import os
 import random
 import warnings
@@ -170,10 +171,22 @@ class AsyncDatasetSamples(DatasetSamples):
         return self.flatten(sample, f"dataset.getitem_async({record})")
 
 
-def _start_method(context: Any) -> str:
+def _start_method(context: Any, num_workers: int) -> str:
+    """The start method a ``multiprocessing_context`` names, checked as a DataLoader checks it:
+    ``ValueError`` for an unknown name or with ``num_workers=0``, ``TypeError`` for an object
+    that is neither a name nor a multiprocessing context."""
     if context is None:
         return "fork"
-    method = context if isinstance(context, str) else getattr(context, "get_start_method", lambda: None)()
+    if num_workers == 0:
+        raise ValueError(f"multiprocessing_context={context!r} chooses how worker processes start, "
+                         "and num_workers=0 starts none: give num_workers > 0, or leave it out")
+    if isinstance(context, str):
+        method = context
+    elif isinstance(context, multiprocessing.context.BaseContext):
+        method = context.get_start_method()
+    else:
+        raise TypeError(f"multiprocessing_context must be a start method's name {START_METHODS} or "
+                        f"a multiprocessing context, got {type(context).__name__} {context!r}")
     if method not in START_METHODS:
         raise ValueError(
             f"multiprocessing_context must be one of {START_METHODS} or a multiprocessing context "
@@ -920,7 +933,7 @@ def from_dataset(
         raise ValueError(f"prefetch_factor must be a positive int or None, got {prefetch_factor!r}")
     if worker_init_fn is not None and not callable(worker_init_fn):
         raise TypeError(f"worker_init_fn must be a callable or None, got {type(worker_init_fn).__name__}")
-    start_method = _start_method(multiprocessing_context)
+    start_method = _start_method(multiprocessing_context, num_workers)
     if isinstance(num_workers, int) and not isinstance(num_workers, bool) and num_workers > _usable_cpus():
         warnings.warn(
             f"from_dataset starts {num_workers} worker processes, and this process may use "
@@ -976,15 +989,15 @@ def from_dataset(
         persistent_workers=persistent_workers, generator=generator, in_order=in_order,
         multiprocessing_context=multiprocessing_context,
     )
+    if concurrency != 1 and (iterable or num_workers == 0):
+        raise ValueError(
+            f"concurrency={concurrency} needs a map-style dataset loaded by workers "
+            f"(num_workers > 0); got {'an IterableDataset' if iterable else 'num_workers=0'}")
     if num_workers == 0:
         in_process = InProcessLoader(dataset, order, batch_size, drop_last,
                                      None if default else collate_fn)
         in_process._describe(attributes, order, index_sampler)
         return in_process
-    if concurrency != 1 and (iterable or num_workers == 0):
-        raise ValueError(
-            f"concurrency={concurrency} needs a map-style dataset loaded by workers "
-            f"(num_workers > 0); got {'an IterableDataset' if iterable else 'num_workers=0'}")
     if iterable:
         iterable_loader = _iterable_loader(
             dataset, batch_size, drop_last, collate_fn, default, num_workers, start_method, pickler,

@@ -615,3 +615,28 @@ def test_running_out_of_descriptors_while_every_batch_is_kept_is_a_runtime_error
     caught = [line.split() for line in out.stdout.splitlines() if line.startswith("CAUGHT")]
     assert caught and caught[0][1] == "SharedMemoryError" and caught[0][3] == "True", out.stdout
     assert int(caught[0][2]) > 10, out.stdout  # the batches before the limit all came
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"num_workers": 0, "multiprocessing_context": "fork"}, ValueError),
+    ({"num_workers": 2, "multiprocessing_context": object()}, TypeError),
+    ({"num_workers": 2, "multiprocessing_context": "teleport"}, ValueError),
+])
+def test_a_multiprocessing_context_is_checked_as_a_dataloader_checks_it(kwargs, error):
+    with pytest.raises(error):
+        DataLoader(_Growing(), **kwargs)
+    with pytest.raises(error, match="multiprocessing_context"):
+        from_dataset(_Growing(), **kwargs)
+
+
+def test_a_multiprocessing_context_object_chooses_the_start_method():
+    import multiprocessing
+
+    with from_dataset(_Growing(), batch_size=4, num_workers=1,
+                      multiprocessing_context=multiprocessing.get_context("spawn")) as loader:
+        assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_concurrency_without_workers_is_refused_rather_than_ignored():
+    with pytest.raises(ValueError, match="concurrency=4 needs .* num_workers=0"):
+        from_dataset(_Growing(), batch_size=2, num_workers=0, concurrency=4)
