@@ -13,6 +13,7 @@ DataLoader's default collation shapes them. The DataLoader arguments that do not
 
 from __future__ import annotations
 
+import functools
 import math
 import multiprocessing.context
 import os
@@ -792,7 +793,7 @@ def _sampled_loader(dataset: Any, collate_fn: Callable[[Any], Any], batched: boo
     return loader
 
 
-def from_dataset(
+def _from_dataset(
     dataset: Any,
     batch_size: Optional[int] = 1,
     *,
@@ -1067,6 +1068,23 @@ def from_dataset(
         loader._restart_with(new_source)
     return loader
 
+
+class _DataLoaderLike:
+    """:func:`from_dataset` itself: called as a DataLoader is, and subscripted as its class is
+    in annotations (``DataLoader[Batch]`` is ``from_dataset[Batch]`` once only the import
+    changes; the subscript gives ``from_dataset`` back)."""
+
+    __call__ = staticmethod(_from_dataset)  # no frame of its own: warnings point at the caller
+
+    def __getitem__(self, item: Any) -> "_DataLoaderLike":
+        return self
+
+    def __repr__(self) -> str:
+        return "<function extsrc.torch.from_dataset>"
+
+
+from_dataset = functools.update_wrapper(_DataLoaderLike(), _from_dataset)
+from_dataset.__name__ = from_dataset.__qualname__ = "from_dataset"
 
 def _renewable(device: Device, pin_memory: bool) -> bool:
     """Whether a loop's workers can be new ones (persistent_workers=False): not when the shared

@@ -640,3 +640,17 @@ def test_a_multiprocessing_context_object_chooses_the_start_method():
 def test_concurrency_without_workers_is_refused_rather_than_ignored():
     with pytest.raises(ValueError, match="concurrency=4 needs .* num_workers=0"):
         from_dataset(_Growing(), batch_size=2, num_workers=0, concurrency=4)
+
+
+def test_from_dataset_in_place_of_dataloader_in_type_annotations():
+    # Code typed with DataLoader[...] keeps working when only the import changes.
+    from typing import List
+
+    from extsrc.torch import from_dataset as Loader
+
+    def loader_of(dataset) -> Loader[List[torch.Tensor]]:
+        return Loader(dataset, batch_size=5, num_workers=1)
+
+    with loader_of(_Growing()) as loader:
+        assert [b.tolist() for b in loader] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    assert Loader[int] is Loader and Loader.__name__ == "from_dataset"
