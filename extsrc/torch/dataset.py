@@ -803,7 +803,7 @@ def _from_dataset(
     seed: int = 0,
     shard: Any = None,
     drop_last: bool = False,
-    num_workers: int = 1,
+    num_workers: int = 0,
     collate_fn: Optional[Callable[[Any], Any]] = None,
     generator: Optional[torch.Generator] = None,
     worker_init_fn: Optional[Callable[[int], None]] = None,
@@ -832,7 +832,7 @@ def _from_dataset(
 
     Arguments as DataLoader's: ``batch_size``, ``shuffle``, ``sampler``,
     ``batch_sampler``, ``generator``, ``drop_last``, ``collate_fn``,
-    ``num_workers`` (0: in this process, in the loop, to debug a dataset),
+    ``num_workers`` (0, the default as in DataLoader: in this process, in the loop),
     ``worker_init_fn(worker_id)`` (run in each worker before its first
     sample, where ``torch.utils.data.get_worker_info()`` gives the worker's
     ``id``, ``num_workers``, ``seed`` and ``dataset``),

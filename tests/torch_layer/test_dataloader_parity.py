@@ -654,3 +654,18 @@ def test_from_dataset_in_place_of_dataloader_in_type_annotations():
     with loader_of(_Growing()) as loader:
         assert [b.tolist() for b in loader] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
     assert Loader[int] is Loader and Loader.__name__ == "from_dataset"
+
+
+class _Pids(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return os.getpid()
+
+
+def test_without_num_workers_the_dataset_is_loaded_in_this_process_as_a_dataloaders():
+    theirs = DataLoader(_Pids(), batch_size=2)
+    with from_dataset(_Pids(), batch_size=2) as loader:
+        assert loader.num_workers == theirs.num_workers == 0
+        assert [b.tolist() for b in loader] == [b.tolist() for b in theirs] == [[os.getpid()] * 2] * 2

@@ -185,8 +185,8 @@ def test_a_dataset_smaller_than_a_batch_with_drop_last_is_refused_in_from_datase
     assert len(DataLoader(Records(3), batch_size=5, drop_last=True)) == 0  # a DataLoader yields nothing
     with pytest.raises(ValueError, match=r"3 records .* no batch of batch_size=5 with drop_last=True; "
                                          r"give drop_last=False or a batch_size of at most 3"):
-        from_dataset(Records(3), batch_size=5, drop_last=True)
-    with from_dataset(Records(3), batch_size=5) as loader:  # without drop_last: one short batch
+        from_dataset(Records(3), batch_size=5, drop_last=True, num_workers=1)
+    with from_dataset(Records(3), batch_size=5, num_workers=1) as loader:  # without drop_last: one short batch
         assert [labels.tolist() for _image, labels, _half in loader] == [[0, 1, 2]]
 
 
