@@ -674,6 +674,11 @@ class IterableLoader(_DataLoaderAttributes):
         self._pool = pool
         self._loaders = loaders  # one TorchLoader per worker, its source pinned to that worker
         self._closed = False
+        self._len_reported: Optional[int] = None  # what len() last said: more batches warn
+
+    def __len__(self) -> int:
+        self._len_reported = super().__len__()
+        return self._len_reported
 
     def __iter__(self) -> Any:
         if self._closed:
@@ -681,9 +686,9 @@ class IterableLoader(_DataLoaderAttributes):
         epochs = [iter(loader) for loader in self._loaders]  # ends the loops running before
         return self._round_robin(epochs)
 
-    @staticmethod
-    def _round_robin(epochs: list) -> Any:
+    def _round_robin(self, epochs: list) -> Any:
         active = list(epochs)
+        yielded = 0
         while active:
             for epoch in list(active):
                 try:
@@ -691,6 +696,17 @@ class IterableLoader(_DataLoaderAttributes):
                 except StopIteration:
                     active.remove(epoch)
                     continue
+                yielded += 1
+                if self._len_reported is not None and yielded > self._len_reported:
+                    # As a DataLoader warns: the usual cause is workers that each yield the
+                    # whole dataset.
+                    warnings.warn(
+                        f"Length of IterableDataset {self.dataset!r} was reported to be "
+                        f"{self._len_reported} batches (len(loader), from len(dataset)), but batch "
+                        f"{yielded} has been fetched: each of the {len(epochs)} workers iterates its "
+                        "own copy of the dataset; shard it by torch.utils.data.get_worker_info() "
+                        "(or in worker_init_fn) so that together they yield len(dataset) samples",
+                        UserWarning, stacklevel=2)
                 yield batch
 
     def close(self) -> None:

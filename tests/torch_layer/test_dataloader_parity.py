@@ -6,6 +6,7 @@ import collections
 import os
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -116,7 +117,7 @@ def test_the_dataloader_attributes_are_there_and_read_only():
             with pytest.raises(ValueError, match=f"{name} attribute should not be set"):
                 setattr(loader, name, getattr(loader, name))
             with pytest.raises(ValueError):
-                setattr(theirs, "batch_size", 4)  # what a DataLoader does
+                theirs.batch_size = 4  # what a DataLoader does
 
 
 def test_len_follows_the_dataset_as_a_dataloaders_does():
@@ -669,3 +670,39 @@ def test_without_num_workers_the_dataset_is_loaded_in_this_process_as_a_dataload
     with from_dataset(_Pids(), batch_size=2) as loader:
         assert loader.num_workers == theirs.num_workers == 0
         assert [b.tolist() for b in loader] == [b.tolist() for b in theirs] == [[os.getpid()] * 2] * 2
+
+
+class _Unsharded(torch.utils.data.IterableDataset):
+    """Every worker yields the whole dataset: the mistake a DataLoader warns about."""
+
+    def __len__(self):
+        return 6
+
+    def __iter__(self):
+        return iter(range(6))
+
+
+def test_an_iterable_dataset_yielding_more_than_its_len_warns_once_len_was_asked_as_a_dataloaders():
+    with from_dataset(_Unsharded(), batch_size=2, num_workers=2) as loader:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert sum(1 for _ in loader) == 6  # len() not asked (list() would): no warning
+        assert len(loader) == len(DataLoader(_Unsharded(), batch_size=2)) == 3
+        with pytest.warns(UserWarning, match="was reported to be 3 batches .* batch 4 has been fetched"):
+            assert len(list(loader)) == 6
+    # Without batching both count samples (a DataLoader compares its batches with len(dataset)
+    # also when batching, so warns later there).
+    for loader in (from_dataset(_Unsharded(), batch_size=None, num_workers=2),
+                   DataLoader(_Unsharded(), batch_size=None, num_workers=2)):
+        assert len(loader) == 6
+        with pytest.warns(UserWarning, match="was reported to be 6"):
+            assert sum(1 for _ in loader) == 12
+        getattr(loader, "close", lambda: None)()
+
+
+def test_a_sharded_iterable_dataset_gives_no_length_warning():
+    with from_dataset(ShardedStream(8), batch_size=2, num_workers=2) as loader:
+        assert len(loader) == 4
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert len(list(loader)) == 4
