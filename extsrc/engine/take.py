@@ -292,7 +292,10 @@ class Taker:
         failure = producer.failure(epoch.run, epoch.next_yield)
         if failure is not None:
             self.end(epoch)
-            raise failure
+            try:
+                raise failure
+            finally:
+                failure = None  # see _decide
         if deadline is not None and deadline - time.monotonic() <= 0:
             raise self._timed_out(epoch)
         return pool.waiter()
@@ -304,7 +307,15 @@ class Taker:
             return decision
         self.end(epoch)
         if decision.error is not None:
-            raise decision.error
+            error = decision.error
+            # The error's traceback holds this frame (and its callers'): no local of it may
+            # hold the error, else the cycle keeps those frames, and the DALI pipeline or loop
+            # in them, alive (its workers running) until the garbage collector runs.
+            del decision, pending
+            try:
+                raise error
+            finally:
+                del error
         if decision.produced and epoch.next_yield == 0 and epoch.run.first_iteration == 0:
             raise EmptyEpochError(
                 f"source {self.name}: epoch {epoch.epoch_idx} ended after {decision.produced} "

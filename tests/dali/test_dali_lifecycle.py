@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import weakref
 
 import dill
 import numpy as np
@@ -277,3 +278,46 @@ def test_a_script_that_leaves_its_pipeline_open_exits(method):
     )
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     assert "FIRST [0, 1, 2, 3]" in out.stdout
+
+
+class _OnePass:
+    """An iterable whose __iter__ does not start a new pass (it ends for good after 2 batches)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.count == 2:
+            raise StopIteration
+        self.count += 1
+        return [np.full(3, self.count, np.int32)] * 2
+
+
+@pytest.mark.parametrize("cycle", ["quiet", None])
+def test_a_pipeline_whose_source_ended_is_freed_with_its_last_reference(cycle):
+    # As DALI's: the workers stop when the user's last reference goes, not when the garbage
+    # collector happens to run (an exception of the ended epoch held the pipeline in a cycle).
+    def epoch_past_its_end():
+        pipe = extsrc.Pipeline(batch_size=2, py_num_workers=1, **CPU)
+        with pipe:
+            pipe.set_outputs(fn.external_source(_OnePass(), parallel=True, batch=True, cycle=cycle))
+        pipe.build()
+        for _ in range(2):
+            pipe.run()
+        for _ in range(2):
+            with pytest.raises(StopIteration):
+                pipe.run()
+            pipe.reset()
+        return weakref.ref(pipe)
+
+    gc.collect()
+    gc.disable()
+    try:
+        pipe = epoch_past_its_end()
+        assert pipe() is None
+        assert extsrc_workers() == []
+    finally:
+        gc.enable()
