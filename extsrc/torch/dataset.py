@@ -674,11 +674,11 @@ class IterableLoader(_DataLoaderAttributes):
         self._pool = pool
         self._loaders = loaders  # one TorchLoader per worker, its source pinned to that worker
         self._closed = False
-        self._len_reported: Optional[int] = None  # what len() last said: more batches warn
+        self._len_asked: Optional[int] = None  # len(dataset) when len() was last asked
 
     def __len__(self) -> int:
-        self._len_reported = super().__len__()
-        return self._len_reported
+        self._len_asked = len(self.dataset)
+        return super().__len__()
 
     def __iter__(self) -> Any:
         if self._closed:
@@ -697,16 +697,18 @@ class IterableLoader(_DataLoaderAttributes):
                     active.remove(epoch)
                     continue
                 yielded += 1
-                if self._len_reported is not None and yielded > self._len_reported:
-                    # As a DataLoader warns: the usual cause is workers that each yield the
-                    # whole dataset.
+                if self._len_asked is not None and yielded > self._len_asked:
+                    # As a DataLoader warns, and when: more batches than len(dataset) (each
+                    # worker's last batch may be short, so a count of len(loader) batches
+                    # would warn for a well-sharded dataset). The usual cause is workers that
+                    # each yield the whole dataset.
                     warnings.warn(
                         f"Length of IterableDataset {self.dataset!r} was reported to be "
-                        f"{self._len_reported} batches (len(loader), from len(dataset)), but batch "
-                        f"{yielded} has been fetched: each of the {len(epochs)} workers iterates its "
-                        "own copy of the dataset; shard it by torch.utils.data.get_worker_info() "
-                        "(or in worker_init_fn) so that together they yield len(dataset) samples",
-                        UserWarning, stacklevel=2)
+                        f"{self._len_asked} (len(dataset), when len(loader) was asked), but "
+                        f"{yielded} batches have been fetched: each of the {len(epochs)} workers "
+                        "iterates its own copy of the dataset; shard it by "
+                        "torch.utils.data.get_worker_info() (or in worker_init_fn) so that "
+                        "together they yield len(dataset) samples", UserWarning, stacklevel=2)
                 yield batch
 
     def close(self) -> None:
