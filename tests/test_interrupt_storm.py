@@ -55,10 +55,13 @@ def on_sigint(signum, frame):
         sys.settrace(second_interrupt(rng.randint(1, 12)))
     raise KeyboardInterrupt("storm")
 
+# The sender stops once the script has exited (it is then no longer the sender's parent: a
+# script that exited but is not reaped yet still takes signals), and holds none of the pipes
+# the test reads the script's output from.
 SENDER = """
 import os, random, signal, sys, time
 pid, rng = int(sys.argv[1]), random.Random(int(sys.argv[2]))
-while True:
+while os.getppid() == pid:
     time.sleep(rng.uniform(0, 0.0008))
     try:
         os.kill(pid, signal.SIGINT)
@@ -86,7 +89,8 @@ def one_epoch(make_iterator, expected):
             pass
 
 signal.signal(signal.SIGINT, on_sigint)
-sender = subprocess.Popen([sys.executable, "-c", SENDER, str(os.getpid()), "{seed}"])
+sender = subprocess.Popen([sys.executable, "-c", SENDER, str(os.getpid()), "{seed}"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 epochs = 0
 try:
     while landed[0] < WANTED:
@@ -167,3 +171,45 @@ close = loader.close
 def test_a_storm_of_interrupts_loses_and_repeats_no_batch_of_a_loader_with_a_sampler():
     pytest.importorskip("torch")
     _check(run_isolated(STORM.format(setup=FROM_DATASET_SAMPLER, seed=4, wanted=1000), timeout=300))
+
+
+EXIT_STORM = '''
+import os, signal, subprocess, sys
+import numpy as np
+import extsrc
+
+def on_sigint(signum, frame):
+    raise KeyboardInterrupt("at exit")
+
+SENDER = """
+import os, signal, sys, time
+pid = int(sys.argv[1])
+while os.getppid() == pid:  # see STORM's sender
+    time.sleep(0.0002)
+    try:
+        os.kill(pid, signal.SIGINT)
+    except ProcessLookupError:
+        break
+"""
+
+src = extsrc.ParallelSource(lambda info: np.full(4, info.idx_in_epoch), 4, num_workers=2)
+next(iter(src))
+print("WORKERS", *src.worker_pids(), flush=True)
+signal.signal(signal.SIGINT, on_sigint)
+subprocess.Popen([sys.executable, "-c", SENDER, str(os.getpid())],
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+# The script ends with its source open: extsrc closes it at exit, under a storm of Ctrl-C.
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("round", range(3))
+def test_a_storm_of_interrupts_while_the_script_exits_neither_hangs_nor_leaves_workers(round):
+    import os
+
+    result = run_isolated(EXIT_STORM, timeout=120)
+    pids = [int(p) for line in result.stdout.splitlines() if line.startswith("WORKERS")
+            for p in line.split()[1:]]
+    assert len(pids) == 2, result.stdout + result.stderr[-3000:]
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
