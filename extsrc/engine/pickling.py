@@ -16,7 +16,6 @@ import importlib
 import inspect
 import io
 import pickle
-import sys
 import types
 from typing import Any, Callable, Optional, TypeVar
 
@@ -254,7 +253,13 @@ class _MainByNamePickler(pickle.Pickler):
 
 def _main_attribute(qualname: str) -> Any:
     """``__main__.<qualname>`` of the process loading the pickle."""
-    value: Any = sys.modules["__main__"]
-    for part in qualname.split("."):
+    return attribute_at("__main__", qualname)
+
+
+def attribute_at(module_name: str, path: str) -> Any:
+    """``module_name.path`` (a dotted path), the module imported if it is not yet: what a pickle
+    that names an object by where its module holds it loads."""
+    value: Any = importlib.import_module(module_name)
+    for part in path.split("."):
         value = getattr(value, part)
     return value

@@ -17,7 +17,6 @@ a namedtuple for a namedtuple, a list for any other sequence.
 from __future__ import annotations
 
 import collections.abc
-import importlib
 import io
 import pickle
 import sys
@@ -25,6 +24,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
+
+from extsrc.engine.pickling import attribute_at
 
 # Leaf kinds, and container kinds, in a structure tree. SCALAR and PICKLED only in what a
 # user's collate_fn returns (a whole batch): a Python number, and any other object, given back
@@ -168,7 +169,7 @@ class _ClassByPathPickler(pickle.Pickler):
         if not isinstance(obj, type) or _held_at(obj.__module__, obj.__qualname__) is obj:
             return NotImplemented
         path = _path_in_module(obj)
-        return NotImplemented if path is None else (_class_at, (obj.__module__, path))
+        return NotImplemented if path is None else (attribute_at, (obj.__module__, path))
 
 
 def _held_at(module_name: str, path: str) -> Any:
@@ -176,14 +177,6 @@ def _held_at(module_name: str, path: str) -> Any:
     value: Any = sys.modules.get(module_name)
     for part in path.split("."):
         value = getattr(value, part, None)
-    return value
-
-
-def _class_at(module_name: str, path: str) -> type:
-    """Loads what :class:`_ClassByPathPickler` pickled: ``module_name.path``."""
-    value: Any = importlib.import_module(module_name)
-    for part in path.split("."):
-        value = getattr(value, part)
     return value
 
 
