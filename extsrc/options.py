@@ -164,6 +164,7 @@ class SourceOptions:
     concurrency: int = 1  # samples in flight at once per worker (extsrc.engine.concurrent)
     round_robin: bool = False  # batch i made whole by worker i % num_workers (DataLoader's)
     dense_arrays: bool = False  # a dense output comes as one array rather than a Batch
+    in_order: bool = True  # False: a finished batch may be handed out before earlier ones
 
     @property
     def batches_per_epoch(self) -> Optional[int]:
@@ -206,6 +207,7 @@ class SourceOptions:
         concurrency: Any = 1,
         round_robin: Any = False,
         dense_arrays: Any = False,
+        in_order: Any = True,
     ) -> "SourceOptions":
         batch_size = positive_int("batch_size", batch_size)
         if num_outputs == AUTO_OUTPUTS:
@@ -217,7 +219,7 @@ class SourceOptions:
             num_outputs = optional_positive_int("num_outputs", num_outputs)
         for name, value in (("batch", batch), ("batch_info", batch_info), ("in_place", in_place),
                             ("stats", stats), ("round_robin", round_robin),
-                            ("dense_arrays", dense_arrays)):
+                            ("dense_arrays", dense_arrays), ("in_order", in_order)):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         if batch_info and not batch:
@@ -279,4 +281,5 @@ class SourceOptions:
             concurrency=concurrency,
             round_robin=bool(round_robin),
             dense_arrays=bool(dense_arrays),
+            in_order=bool(in_order),
         )

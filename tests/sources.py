@@ -162,3 +162,24 @@ class ReturnsWorkerStart:
 def outputs_by_iteration(info):
     """Three outputs in batch 1, two elsewhere (with 2 workers: another count per worker)."""
     return (np.int64(info.idx_in_epoch),) * (3 if info.iteration == 1 else 2)
+
+
+class HeldBack:
+    """:func:`sample_of`, but the samples of the batches in ``held`` wait until the file
+    ``release`` exists, and those of the batches in ``ends`` raise StopIteration (after the wait,
+    if held too): a batch the test holds back for as long as it likes, without timing."""
+
+    def __init__(self, release: str, held, batch_size: int, ends=()):
+        self.release = release
+        self.held = frozenset(held)
+        self.batch_size = batch_size
+        self.ends = frozenset(ends)
+
+    def __call__(self, info):
+        iteration = info.idx_in_epoch // self.batch_size
+        if iteration in self.held:
+            while not os.path.exists(self.release):
+                time.sleep(0.005)
+        if iteration in self.ends:
+            raise StopIteration
+        return np.array(info[:4], dtype=np.int64)

@@ -22,7 +22,8 @@ import itertools
 import math
 import pickle
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import (TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Tuple,
+                    Union)
 
 from extsrc.engine.assembly import PendingBatch, rebuild_exception
 from extsrc.engine.protocol import Result, SourceSetup, Task, TaskDone, TaskFailed
@@ -41,11 +42,13 @@ if TYPE_CHECKING:
 
 
 class Run(NamedTuple):
-    """One stretch of production: epoch ``epoch_idx`` from iteration ``first_iteration``."""
+    """One stretch of production: epoch ``epoch_idx`` from iteration ``first_iteration``, but
+    for the iterations in ``skip`` (handed out before a resume, ``in_order=False``)."""
 
     run_id: int
     epoch_idx: int
     first_iteration: int
+    skip: FrozenSet[int] = frozenset()
 
 
 class Producer:
@@ -92,9 +95,10 @@ class Producer:
 
     # -- consumer thread, lock held ----------------------------------------------------------
 
-    def request(self, epoch_idx: Optional[int], first_iteration: int = 0) -> Optional[Run]:
+    def request(self, epoch_idx: Optional[int], first_iteration: int = 0,
+                skip: FrozenSet[int] = frozenset()) -> Optional[Run]:
         """Asks for a new run (``None``: stop producing); the I/O thread switches to it."""
-        run = None if epoch_idx is None else Run(next(self._runs), epoch_idx, first_iteration)
+        run = None if epoch_idx is None else Run(next(self._runs), epoch_idx, first_iteration, skip)
         self.requested = run
         self.pool.wake()
         return run
@@ -105,6 +109,16 @@ class Producer:
             return None
         pending = self.pending.get(iteration)
         return pending if pending is not None and pending.complete else None
+
+    def ready_after(self, run: Run, iteration: int) -> List[PendingBatch]:
+        """The finished batches of ``run`` after ``iteration`` that lie before the epoch's end
+        as known so far, earliest first (``in_order=False``)."""
+        if self.run is not run:
+            return []
+        end = self.end_at
+        return sorted((p for i, p in self.pending.items()
+                       if i > iteration and p.complete and (end is None or i < end)),
+                      key=lambda p: p.iteration)
 
     def failure(self, run: Run, iteration: int) -> Optional[BaseException]:
         """Why batch ``iteration`` of ``run`` could not be dispatched, if it could not."""
@@ -244,6 +258,8 @@ class Producer:
                 # The first results tell the layouts; until then a batch per worker at most (their
                 # samples go to overflow), so that workers that wait for each other all get work.
                 return
+            while self.next_dispatch in run.skip:
+                self.next_dispatch += 1
             iteration = self.next_dispatch
             if self.end_at is not None and iteration > self.end_at:
                 return

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Union
 
 import numpy as np
 
@@ -146,6 +146,20 @@ class ParallelSource:
     of small samples. Other outputs still come as a ``Batch``. The PyTorch
     and DALI layers use it.
 
+    ``in_order=False``: when the epoch's next batch is not finished and a
+    later one is, ``next()`` hands out the later one (the earliest finished),
+    so a batch that is slow to make holds back no other (DataLoader's
+    ``in_order=False``). Each batch still holds the samples of its iteration
+    (``SampleInfo`` and ``Order`` as in order), each comes once, and the
+    epoch has the same batches; only the order they arrive in depends on
+    timing. Only whole batches come early: a short last batch, the end of
+    the epoch and a batch's error come in their place. Without an order,
+    the callback must end the epoch at every sample past its end (as one
+    over a sequence does); a batch handed out early that the epoch's end
+    then falls before raises :class:`~extsrc.errors.EpochLengthError`.
+    :meth:`get_state` records the batches handed out early, and a resume
+    skips them.
+
     ``dtype``/``ndim`` (one value, or one per output) declare what samples
     must be. Workers start on first use or at ``start()``; ``close()`` (or
     ``with``) stops them and frees the shared memory no batch holds. ``pool``
@@ -190,6 +204,7 @@ class ParallelSource:
         worker_init: Optional[Callable[[int, int], None]] = None,
         round_robin: bool = False,
         dense_arrays: bool = False,
+        in_order: bool = True,
     ):
         given: Dict[str, Any] = {k: v for k, v in (("num_workers", num_workers), ("start_method", start_method),
                                    ("pickler", pickler), ("backend", backend),
@@ -213,6 +228,7 @@ class ParallelSource:
             last_batch=last_batch, dtype=dtype, ndim=ndim, timeout=timeout, batches_held=batches_held,
             order=order, in_place=in_place, stats=stats, stats_every=stats_every,
             concurrency=concurrency, round_robin=round_robin, dense_arrays=dense_arrays,
+            in_order=in_order,
         )
         if self.options.batches_per_epoch == 0 and order is not None:  # 0 only with an order
             raise EmptyEpochError(
@@ -248,6 +264,7 @@ class ParallelSource:
                             report=None if self.options.stats_every is None else self._maybe_report)
         self._next_epoch = 0
         self._resume_iteration = 0
+        self._resume_skip: FrozenSet[int] = frozenset()  # handed out after it (in_order=False)
         self._closed = False
         self._close_done = False  # close() ran to its end
 
@@ -372,11 +389,12 @@ class ParallelSource:
             self._pool.check_usable(self._producer.source_id)
             if self._producer.stats is not None and self._producer.stats.batches == 0:
                 self._producer.stats.reset()  # the window starts with the first epoch
-            run = self._producer.request(self._next_epoch, self._resume_iteration)
+            run = self._producer.request(self._next_epoch, self._resume_iteration, self._resume_skip)
             assert run is not None
             epoch = self._taker.begin(run)
             self._next_epoch += 1
             self._resume_iteration = 0
+            self._resume_skip = frozenset()
             self._pool.notify()
             return epoch
 
@@ -404,20 +422,25 @@ class ParallelSource:
         (``epoch_idx``, ``iteration``, and ``records``, the samples of the
         epoch before it), ``batch_size``, whether the source is in batch mode,
         and the order's settings, so that :meth:`set_state` refuses a state
-        that would load other records.
+        that would load other records. With ``in_order=False``, ``handed_out``
+        lists the later iterations already handed out (only when there are).
         """
         self._pool.check_owner()
         with self._pool.lock:
             epoch = self._taker.current
             if epoch is not None and epoch.state is EpochState.RUNNING:
-                epoch_idx, iteration = epoch.epoch_idx, epoch.position()
+                epoch_idx = epoch.epoch_idx
+                iteration, handed_out = epoch.position()
             else:
                 epoch_idx, iteration = self._next_epoch, self._resume_iteration
+                handed_out = sorted(self._resume_skip)
         state: Dict[str, Any] = {
             "epoch_idx": epoch_idx, "iteration": iteration,
             "batch_size": self.options.batch_size, "records": iteration * self.options.batch_size,
             "batch": self.options.batch,
         }
+        if handed_out:
+            state["handed_out"] = handed_out
         if self.options.order is not None:
             state["order"] = self.options.order.describe()
         return state
@@ -436,6 +459,13 @@ class ParallelSource:
         loop is ended (its next ``next()`` raises ``EpochSupersededError``).
         """
         epoch_idx, iteration = _parse_state(state)
+        skip = _parse_handed_out(state, iteration)
+        if skip and state.get("batch_size", self.options.batch_size) != self.options.batch_size:
+            raise StateMismatchError(
+                f"set_state: the state was saved with batch_size={state.get('batch_size')} after "
+                f"batches {sorted(skip)} were handed out ahead of batch {iteration} "
+                f"(in_order=False), and this source has batch_size={self.options.batch_size}: "
+                "resuming would repeat or skip records. Resume with the same batch_size")
         iteration = self._check_state(state, iteration)
         if iteration and self.kind in (BATCH_ITERABLE, BATCH_GENERATOR):
             raise ValueError("resuming in the middle of an epoch needs a callable source, not an iterable")
@@ -443,7 +473,7 @@ class ParallelSource:
         with self._pool.lock:
             self._taker.supersede("set_state()")
             self._producer.request(None)
-            self._next_epoch, self._resume_iteration = epoch_idx, iteration
+            self._next_epoch, self._resume_iteration, self._resume_skip = epoch_idx, iteration, skip
 
     def _check_state(self, state: Dict[str, Any], iteration: int) -> int:
         """The iteration of this source at which ``state`` resumes exactly; raises
@@ -540,6 +570,17 @@ def _parse_state(state: Any) -> tuple:
             raise ValueError(f"set_state: {key} must be an int >= 0, got {value!r}")
         values.append(int(value))
     return tuple(values)
+
+
+def _parse_handed_out(state: Dict[str, Any], iteration: int) -> FrozenSet[int]:
+    """The iterations after ``iteration`` a state says were handed out (``in_order=False``)."""
+    given = state.get("handed_out", ())
+    if not isinstance(given, (list, tuple)) or not all(
+            isinstance(i, (int, np.integer)) and not isinstance(i, bool) and i > iteration
+            for i in given):
+        raise ValueError(f"set_state: handed_out must be a list of iterations after iteration="
+                         f"{iteration}, as get_state() gives it, got {given!r}")
+    return frozenset(int(i) for i in given)
 
 
 def raise_closed(name: str) -> None:

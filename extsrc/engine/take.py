@@ -42,14 +42,14 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, FrozenSet, List, Optional, Tuple
 
 import numpy as np
 
 from extsrc.batch import Batch
 from extsrc.engine.assembly import BatchOutput, Decision, Output, PendingBatch
-from extsrc.errors import (EmptyEpochError, EpochSupersededError, SampleError, SharedMemoryError,
-                           SourceTimeoutError)
+from extsrc.errors import (EmptyEpochError, EpochLengthError, EpochSupersededError, SampleError,
+                           SharedMemoryError, SourceTimeoutError)
 from extsrc.shm import limits
 from extsrc.shm.slots import Lease
 
@@ -109,9 +109,14 @@ class Epoch:
         self.run = run
         self.epoch_idx = run.epoch_idx
         self.next_yield = run.first_iteration
+        # Iterations after next_yield already handed out (in_order=False, and those a resume
+        # skips); entries below next_yield mean nothing.
+        self.ahead: FrozenSet[int] = run.skip
+        self._skip_ahead()
         self.state = EpochState.RUNNING
         self.superseded_by = ""
         self.taken: Optional[Taken] = None
+        self.last_given = -1  # the iteration of the batch handed over last (-1: none yet)
 
     def __iter__(self) -> "Epoch":
         return self
@@ -119,10 +124,48 @@ class Epoch:
     def __next__(self) -> BatchOutput:
         return self.taker.next(self)
 
-    def position(self) -> int:
-        """The iteration of the next batch this epoch hands over (lock held)."""
+    def position(self) -> Tuple[int, List[int]]:
+        """Where the epoch stands (lock held): the first iteration not handed over yet, and
+        the later ones that were (``in_order=False``), ascending."""
         taken = self.taken
-        return self.next_yield if taken is None else taken.iteration
+        given = {i for i in self.ahead if i >= self.next_yield}
+        if taken is None:
+            return self.next_yield, sorted(given)
+        first = min(self.next_yield, taken.iteration)
+        # Every iteration before next_yield was handed over, but the record's.
+        given.update(range(first + 1, self.next_yield))
+        given.discard(taken.iteration)
+        return first, sorted(given)
+
+    def ready(self) -> bool:
+        """Whether ``__next__()`` would return or raise at once rather than wait (any
+        consumer thread; no state changes): to serve several epochs as their batches come."""
+        taker = self.taker
+        producer, pool = taker.producer, taker.pool
+        with pool.lock:
+            if (self.taken is not None or self.state is not EpochState.RUNNING
+                    or self is not taker.current or pool.broken or pool.closed):
+                return True
+            batches = taker.options.batches_per_epoch
+            if batches is not None and self.next_yield >= batches:
+                return True
+            if (producer.ready(self.run, self.next_yield) is not None
+                    or producer.failure(self.run, self.next_yield) is not None):
+                return True
+            return not taker.options.in_order and taker.whole_ahead(self) is not None
+
+    def may_take(self, iteration: int) -> bool:
+        """Whether batch ``iteration`` is still to be handed over (lock held)."""
+        if iteration == self.next_yield:
+            return True
+        return (not self.taker.options.in_order and iteration > self.next_yield
+                and iteration not in self.ahead)
+
+    def _skip_ahead(self) -> None:
+        """Moves the cursor past the iterations handed out ahead of it (each step a single
+        assignment: an interrupt leaves a consistent cursor)."""
+        while self.next_yield in self.ahead:
+            self.next_yield += 1
 
 
 class Taker:
@@ -194,10 +237,8 @@ class Taker:
                 if epoch.taken is not None:
                     self._apply(epoch)
                 else:
-                    waiter = self._ready_or_waiter(epoch, deadline)
-                    if waiter is None:
-                        pending = producer.ready(epoch.run, epoch.next_yield)
-                        assert pending is not None
+                    pending, waiter = self._ready_or_waiter(epoch, deadline)
+                    if pending is not None:
                         decision = self._decide(epoch, pending)
                         ready = producer.ready_count() - 1 if stats is not None else 0
                         # 2. Prepare (the lease; the arrays below, without the lock).
@@ -213,6 +254,7 @@ class Taker:
                 epoch.taken = None
                 if taken is None:
                     continue  # another thread handed it over, or it was dropped
+                epoch.last_given = taken.iteration
                 return taken.outcome
             assert lease is not None and pending is not None
             try:
@@ -227,7 +269,7 @@ class Taker:
             with pool.lock:
                 # 3. Commit, if nothing moved since step 1; else find again.
                 if (epoch.state is not EpochState.RUNNING or epoch.taken is not None
-                        or epoch.next_yield != pending.iteration or producer.run is not epoch.run
+                        or not epoch.may_take(pending.iteration) or producer.run is not epoch.run
                         or not producer.slots.holds(pending.slot, pending.seq, lease)):
                     continue
                 epoch.taken = record
@@ -243,6 +285,7 @@ class Taker:
             epoch.taken = None
             if taken is None:
                 continue  # another thread handed it over while this one counted it
+            epoch.last_given = taken.iteration
             return taken.outcome
 
     def _apply(self, epoch: Epoch) -> None:
@@ -257,14 +300,22 @@ class Taker:
             return
         producer.slots.commit(pending.slot, taken.lease)
         producer.commit(pending)
-        epoch.next_yield = taken.iteration + 1
+        if taken.iteration > epoch.next_yield:  # handed out ahead (in_order=False)
+            epoch.ahead = epoch.ahead | {taken.iteration}
+            return
+        if taken.iteration == epoch.next_yield:
+            epoch.next_yield = taken.iteration + 1
+        epoch._skip_ahead()  # also when re-run: an interrupt may have cut it short
         if taken.ends_epoch:
             epoch.state = EpochState.LAST_GIVEN
 
     # -- finding the batch (lock held) -------------------------------------------------------------
 
-    def _ready_or_waiter(self, epoch: Epoch, deadline: Optional[float]) -> Optional["Waiter"]:
-        """``None`` when the epoch's next batch is ready, else a waiter to wait on.
+    def _ready_or_waiter(self, epoch: Epoch, deadline: Optional[float]
+                         ) -> Tuple[Optional[PendingBatch], Optional["Waiter"]]:
+        """``(batch, None)``: the batch to hand out next, finished (the epoch's next one,
+        or with ``in_order=False`` the earliest whole one after it); else ``(None, waiter)``,
+        a waiter to wait on.
 
         Raises ``StopIteration`` at the end of the epoch, the pool's fault, a
         failed dispatch, :class:`SourceTimeoutError` past ``deadline``.
@@ -287,8 +338,13 @@ class Taker:
             self.end(epoch)
             raise StopIteration  # the order's epoch is over
         pool.check_usable(producer.source_id)
-        if producer.ready(epoch.run, epoch.next_yield) is not None:
-            return None
+        pending = producer.ready(epoch.run, epoch.next_yield)
+        if pending is not None:
+            return pending, None
+        if not self.options.in_order:
+            later = self.whole_ahead(epoch)
+            if later is not None:
+                return later, None
         failure = producer.failure(epoch.run, epoch.next_yield)
         if failure is not None:
             self.end(epoch)
@@ -298,11 +354,32 @@ class Taker:
                 failure = None  # see _decide
         if deadline is not None and deadline - time.monotonic() <= 0:
             raise self._timed_out(epoch)
-        return pool.waiter()
+        return None, pool.waiter()
+
+    def whole_ahead(self, epoch: Epoch) -> Optional[PendingBatch]:
+        """The earliest finished batch after the epoch's next one that was not handed out and
+        is whole, for ``in_order=False`` (lock held): a short last batch, the end of the epoch
+        and a batch's error come in their place."""
+        for later in self.producer.ready_after(epoch.run, epoch.next_yield):
+            if later.iteration not in epoch.ahead:
+                decision = later.decide(self.options.last_batch, self.name)
+                if decision.error is None and not decision.ended and decision.size:
+                    return later
+        return None
 
     def _decide(self, epoch: Epoch, pending: PendingBatch) -> Decision:
         """What the ready batch becomes; raises at the end of the epoch or an error."""
         decision = pending.decide(self.options.last_batch, self.name)
+        if (decision.ended and decision.error is None
+                and any(i >= pending.iteration + (decision.size > 0) for i in epoch.ahead)):
+            self.end(epoch)
+            raise EpochLengthError(
+                f"source {self.name}: the callback ended epoch {epoch.epoch_idx} at batch "
+                f"{pending.iteration}, and batch(es) "
+                f"{sorted(i for i in epoch.ahead if i >= pending.iteration)} after it were "
+                "already handed out (in_order=False takes a finished whole batch before earlier "
+                "ones): the callback must end the epoch at every sample past its end, as one "
+                "over a sequence does, or the source needs an order= that knows the epoch's length")
         if decision.error is None and decision.size:
             return decision
         self.end(epoch)

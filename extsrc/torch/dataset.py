@@ -18,8 +18,9 @@ import math
 import multiprocessing.context
 import os
 import random
+import time
 import warnings
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ from extsrc.errors import (EmptyEpochError, EpochSupersededError, ForkedChildErr
                            PoolClosedError, SharedMemoryError, SourceTimeoutError, WorkerDiedError)
 from extsrc.options import AUTO_OUTPUTS, START_METHODS
 from extsrc.order import Order, RecordCache
-from extsrc.torch.loader import Device, TorchLoader
+from extsrc.torch.loader import Device, LoopPosition, TorchLoader
 from extsrc.torch.sampling import IndexTable, SampledBatches, draw_batches
 from extsrc.torch.structure import Collation, Flattener, pack_whole, unpack_whole
 
@@ -211,6 +212,8 @@ class _DataLoaderAttributes:
     persistent_workers: bool
     generator: Optional["torch.Generator"]
     worker_init_fn: Optional[Callable[[int], None]]
+    in_order: bool
+    timeout: float
     _index_sampler: Any
 
     def _describe(self, attributes: dict, order: Optional[Order], index_sampler: Any = None) -> None:
@@ -593,11 +596,14 @@ class _GoesOnAfterErrors:
             if source.pool.broken or source.pool.closed:
                 self._done = True  # the workers are gone (e.g. worker_init_fn failed)
                 raise
-            following = position.next_iteration + 1  # the batch after the one that failed
-            if following >= self._count:
+            # The batch after the one that failed (errors come in their place, also with
+            # in_order=False), past those handed on ahead of it.
+            after = LoopPosition(position.epoch_idx, position.next_iteration, position.ahead)
+            after.handed(position.next_iteration)
+            if after.next_iteration >= self._count:
                 self._done = True
             else:
-                source.set_state({"epoch_idx": position.epoch_idx, "iteration": following})
+                source.set_state(after.state({}))
                 self._epoch = TorchLoader.__iter__(self._loader)
             raise
 
@@ -686,30 +692,54 @@ class IterableLoader(_DataLoaderAttributes):
         epochs = [iter(loader) for loader in self._loaders]  # ends the loops running before
         return self._round_robin(epochs)
 
+    def _turns(self, active: list) -> Iterator[Any]:
+        """The worker loops in the order they are to give their next batch: each in turn
+        (DataLoader's order), or with ``in_order=False`` whichever has a batch (or its end, or
+        an error) first, waiting for the workers while none has."""
+        if self.in_order:
+            while active:
+                yield from list(active)
+            return
+        pool = self._pool
+        waited = 0.0
+        while active:
+            with pool.lock:
+                waiter = pool.waiter()  # taken before looking: a change after it releases it
+            ready = next((epoch for epoch in active if epoch.ready()), None)
+            if ready is not None:
+                waited = 0.0
+                yield ready
+                continue
+            if self.timeout and waited >= self.timeout:
+                yield active[0]  # its own wait raises the timeout, naming what is stuck
+                continue
+            started = time.monotonic()
+            waiter.acquire(True, -1 if not self.timeout else self.timeout - waited)
+            waited += time.monotonic() - started
+
     def _round_robin(self, epochs: list) -> Any:
         active = list(epochs)
         yielded = 0
-        while active:
-            for epoch in list(active):
-                try:
-                    batch = next(epoch)
-                except StopIteration:
-                    active.remove(epoch)
-                    continue
-                yielded += 1
-                if self._len_asked is not None and yielded > self._len_asked:
-                    # As a DataLoader warns, and when: more batches than len(dataset) (each
-                    # worker's last batch may be short, so a count of len(loader) batches
-                    # would warn for a well-sharded dataset). The usual cause is workers that
-                    # each yield the whole dataset.
-                    warnings.warn(
-                        f"Length of IterableDataset {self.dataset!r} was reported to be "
-                        f"{self._len_asked} (len(dataset), when len(loader) was asked), but "
-                        f"{yielded} batches have been fetched: each of the {len(epochs)} workers "
-                        "iterates its own copy of the dataset; shard it by "
-                        "torch.utils.data.get_worker_info() (or in worker_init_fn) so that "
-                        "together they yield len(dataset) samples", UserWarning, stacklevel=2)
-                yield batch
+        for epoch in self._turns(active):
+            try:
+                batch = epoch.__next__()
+            except StopIteration:
+                active.remove(epoch)
+                continue
+            yielded += 1
+            if self._len_asked is not None and yielded > self._len_asked:
+                # As a DataLoader warns, and when: more batches than len(dataset) (each
+                # worker's last batch may be short, so a count of len(loader) batches
+                # would warn for a well-sharded dataset). The usual cause is workers that
+                # each yield the whole dataset.
+                warnings.warn(
+                    f"Length of IterableDataset {self.dataset!r} was reported to be "
+                    f"{self._len_asked} (len(dataset), when len(loader) was asked), but "
+                    f"{yielded} batches have been fetched: each of the {len(epochs)} workers "
+                    "iterates its own copy of the dataset; shard it by "
+                    "torch.utils.data.get_worker_info() (or in worker_init_fn) so that "
+                    "together they yield len(dataset) samples", UserWarning, stacklevel=2)
+            yield batch
 
     def close(self) -> None:
         if self._closed:
@@ -790,6 +820,7 @@ def _sampled_loader(dataset: Any, collate_fn: Callable[[Any], Any], batched: boo
             worker_init=worker_start,
             round_robin=True,  # batch i by worker i % num_workers, as DataLoader's
             dense_arrays=True,
+            in_order=attributes["in_order"],
         )
 
     try:
@@ -864,8 +895,11 @@ def _from_dataset(
     the first runs on new workers, with ``worker_init_fn`` run again, a fresh
     copy of the dataset and a new base seed; the workers persist anyway for
     an ``IterableDataset`` and with
-    ``device=`` or ``pin_memory=True`` with CUDA); ``in_order=False`` is
-    refused (batches always come in order). Batch ``i`` of each loop is made
+    ``device=`` or ``pin_memory=True`` with CUDA); ``in_order=False`` (with
+    workers: a batch that is finished comes before an earlier one that is
+    not, so one slow batch holds back no other; each batch is still the one
+    its indices make, and an error comes in its place; ``state_dict()``
+    records the batches that came early). Batch ``i`` of each loop is made
     whole by worker ``i % num_workers``, as a DataLoader assigns them. Each worker uses one PyTorch thread and has its global generators
     seeded from a base seed drawn here and its index, as DataLoader's
     workers. An error loading a batch (in ``dataset[i]`` or ``collate_fn``)
@@ -936,10 +970,6 @@ def _from_dataset(
                         ("persistent_workers", persistent_workers), ("in_order", in_order)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
-    if not in_order:
-        raise ValueError(
-            "in_order=False: from_dataset always hands batches out in order (a batch that is "
-            "slow to load holds back the ones after it); give in_order=True (the default)")
     if num_workers == 0 and prefetch_factor is not None:
         raise ValueError("prefetch_factor option could only be specified in multiprocessing: give "
                          "num_workers > 0, or prefetch_factor=None")
@@ -1068,6 +1098,7 @@ def _from_dataset(
             worker_init=worker_start,
             round_robin=True,  # batch i by worker i % num_workers, as DataLoader's
             dense_arrays=True,
+            in_order=in_order,
         )
 
     try:

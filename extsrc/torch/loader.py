@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, Optional, Type, TypeVar, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Type, TypeVar, Union
 
 import torch
 
@@ -148,7 +148,7 @@ class TorchLoader:
         self._pin = pin_memory
         self._page_lock: Optional[PageLock] = None
         self._stream: Any = None
-        self._position: Optional[_Position] = None  # of the running epoch (not the epoch: no cycle)
+        self._position: Optional[LoopPosition] = None  # of the running epoch (not the epoch: no cycle)
         self._closed = False
         self._in_flight = InFlight()
         self._handed = _Handed()
@@ -213,7 +213,7 @@ class TorchLoader:
         state = self._source.get_state()
         position = self._position
         if position is not None and not position.finished:
-            state = {**state, "epoch_idx": position.epoch_idx, "iteration": position.next_iteration}
+            state = position.state(state)
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -269,16 +269,42 @@ def _page_lock_with_torch(source: ParallelSource, index: int) -> PageLock:
     return page_lock(source, "PyTorch", register, unregister)
 
 
-class _Position:
-    """Where a loop over a loader stands: the epoch, and the iteration of the next batch."""
+class LoopPosition:
+    """Where a loop over a loader stands: the epoch, the iteration of the next batch, and the
+    later ones already handed on (``in_order=False``; entries below ``next_iteration`` mean
+    nothing)."""
 
-    __slots__ = ("epoch_idx", "next_iteration", "finished", "ended_by")
+    __slots__ = ("epoch_idx", "next_iteration", "ahead", "finished", "ended_by")
 
-    def __init__(self, epoch_idx: int, next_iteration: int):
+    def __init__(self, epoch_idx: int, next_iteration: int, ahead: Iterable[int] = ()):
         self.epoch_idx = epoch_idx
         self.next_iteration = next_iteration
+        self.ahead = frozenset(ahead)
         self.finished = False
         self.ended_by: Optional[str] = None  # what ended the loop before its epoch's end
+
+    def handed(self, iteration: int) -> None:
+        """Batch ``iteration`` was handed on; idempotent (each step one assignment), so that
+        it may be called again for a batch an interrupt made the loop hand on again."""
+        if iteration > self.next_iteration:
+            self.ahead = self.ahead | {iteration}
+            return
+        if iteration == self.next_iteration:
+            self.next_iteration = iteration + 1
+        while self.next_iteration in self.ahead:  # also when called again: an interrupt may
+            self.next_iteration += 1  # have cut it short
+
+    def handed_out(self) -> List[int]:
+        """The iterations after ``next_iteration`` handed on already, ascending."""
+        return sorted(i for i in self.ahead if i > self.next_iteration)
+
+    def state(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        """``state`` (the source's) at this position."""
+        state = {**state, "epoch_idx": self.epoch_idx, "iteration": self.next_iteration}
+        state.pop("handed_out", None)
+        if self.handed_out():
+            state["handed_out"] = self.handed_out()
+        return state
 
 
 class _Epoch:
@@ -287,7 +313,7 @@ class _Epoch:
     def __init__(self, loader: TorchLoader, batches: Any, start: Dict[str, Any]):
         self.loader = loader
         self.batches = batches
-        self.position = _Position(start["epoch_idx"], start["iteration"])
+        self.position = LoopPosition(start["epoch_idx"], start["iteration"], start.get("handed_out", ()))
         # A batch taken from the source and not yet handed on: an interrupt (KeyboardInterrupt)
         # arriving in between leaves it here, and the next call hands it on.
         self._taken: Any = None
@@ -311,6 +337,12 @@ class _Epoch:
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def ready(self) -> bool:
+        """Whether ``__next__()`` returns or raises at once rather than wait for the workers."""
+        position = self.position
+        return (self._taken is not None or position.finished or position.ended_by is not None
+                or self.batches.ready())
 
     def _check(self) -> None:
         ended_by = self.position.ended_by
@@ -344,8 +376,8 @@ class _HostEpoch(_Epoch):
             raise
         if loader._pin:
             loader._handed.tensors = tensors
-        self._taken = None  # handed on: no call from here to the return
-        self.position.next_iteration += 1
+        self.position.handed(self.batches.last_given)
+        self._taken = None  # handed on
         return tensors
 
 
@@ -358,6 +390,10 @@ class _DeviceEpoch(_Epoch):
         self._exhausted = False
         self._error: Optional[BaseException] = None  # raised after the batches before it
 
+    def ready(self) -> bool:
+        return (self._ready is not None or self._error is not None or self._exhausted
+                or super().ready())
+
     def _copy_next(self) -> Any:
         """Takes the next host batch and queues its copy; raises StopIteration at the end."""
         loader = self.loader
@@ -367,7 +403,7 @@ class _DeviceEpoch(_Epoch):
             event = torch.cuda.Event()
             event.record(loader._stream)
         loader._in_flight.add(event, host)  # the host memory is not reused before the copy is done
-        return device, event
+        return device, event, self.batches.last_given
 
     def __next__(self) -> Any:
         if self.position.finished:
@@ -396,7 +432,7 @@ class _DeviceEpoch(_Epoch):
                 self._exhausted = True
             except Exception as exc:
                 self._error = exc
-        device, event = current
+        device, event, iteration = current
         stream = torch.cuda.current_stream(self.loader._device)
         stream.wait_event(event)
         for tensor in each_tensor(device):
@@ -404,7 +440,7 @@ class _DeviceEpoch(_Epoch):
         # Handed on from here, with no call before the return: an interrupt (KeyboardInterrupt)
         # above leaves `current` ready and the upcoming host batch taken, and the next call
         # returns `current` and copies that batch again.
+        self.position.handed(iteration)
         self._ready = upcoming
         self._taken = None
-        self.position.next_iteration += 1
         return device

@@ -93,3 +93,48 @@ class ShardedStream(torch.utils.data.IterableDataset):
 def shard_by_worker_init(worker_id):
     info = torch.utils.data.get_worker_info()
     info.dataset.start, info.dataset.step = worker_id, info.num_workers
+
+
+def _wait_for(path: str) -> None:
+    import time
+
+    while not os.path.exists(path):
+        time.sleep(0.005)
+
+
+class HeldBackRecords(torch.utils.data.Dataset):
+    """Records(n)'s tensors and labels; the records in ``held`` wait until the file ``release``
+    exists, and ``dataset[fails]`` raises ValueError: a slow batch (or a failing one) the test
+    controls without timing."""
+
+    def __init__(self, n: int, release: str, held, fails: int = -1):
+        self.n = n
+        self.release = release
+        self.held = frozenset(held)
+        self.fails = fails
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if i in self.held:
+            _wait_for(self.release)
+        if i == self.fails:
+            raise ValueError(f"record {i} is damaged")
+        return torch.full((2,), i), i
+
+
+class HeldBackStream(torch.utils.data.IterableDataset):
+    """Records 0..n-1 sharded by worker; worker 0 waits before its first record until the file
+    ``release`` exists."""
+
+    def __init__(self, n: int, release: str):
+        self.n = n
+        self.release = release
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        for i in range(info.id, self.n, info.num_workers):
+            if i == 0:
+                _wait_for(self.release)
+            yield torch.tensor(i)

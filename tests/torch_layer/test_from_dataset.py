@@ -118,7 +118,7 @@ class _Stream(torch.utils.data.IterableDataset):
     (Records(4), dict(sampler=[0, 1], seed=3), ValueError, "the sampler decides"),
     (_Stream(), dict(sampler=[0, 1]), ValueError, "IterableDataset: expected unspecified sampler"),
     (Records(4), dict(generator=3), TypeError, "generator must be a torch.Generator"),
-    (Records(4), dict(in_order=False), ValueError, "in_order=False: from_dataset always hands"),
+    (Records(4), dict(in_order=0), TypeError, "in_order must be True or False"),
     (Records(4), dict(colate_fn=None), TypeError, "unexpected keyword argument 'colate_fn'"),
     (Records(4), dict(num_workers=0, persistent_workers=True), ValueError, "num_workers > 0"),
     (Records(4), dict(batch_size=None, drop_last=True), ValueError, "batch_size=None"),

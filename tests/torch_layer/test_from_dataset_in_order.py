@@ -1,0 +1,91 @@
+"""from_dataset(..., in_order=False): batches as they finish, each once, as DataLoader's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from extsrc.torch import from_dataset
+
+from sample_datasets import HeldBackRecords, HeldBackStream
+
+TIMEOUT_S = 120  # a hang fails the test instead of stalling the suite
+
+
+def first_labels(batch):
+    return int(batch[1][0]) // 4
+
+
+@pytest.mark.parametrize("kwargs", [
+    {},  # the loader's own order, collated in shared memory
+    {"collate_fn": lambda samples: (torch.stack([s[0] for s in samples]),
+                                    torch.tensor([s[1] for s in samples]))},
+    {"sampler": list(range(32))},  # batches of a sampler's indices
+], ids=["default", "collate_fn", "sampler"])
+def test_a_slow_batch_holds_back_no_other(tmp_path, kwargs):
+    release = tmp_path / "release"
+    dataset = HeldBackRecords(32, str(release), held={0})
+    with from_dataset(dataset, batch_size=4, num_workers=2, in_order=False, timeout=TIMEOUT_S,
+                      **kwargs) as loader:
+        got = []
+        for images, labels in loader:
+            assert labels.tolist() == list(range(labels[0], labels[0] + 4))
+            assert torch.equal(images[:, 0], labels)
+            got.append(int(labels[0]) // 4)
+            if len(got) == 3:
+                release.touch()
+        assert 0 not in got[:3]
+        assert sorted(got) == list(range(8))
+
+
+def test_state_dict_after_early_batches_resumes_with_exactly_the_rest(tmp_path):
+    release = tmp_path / "release"
+    dataset = HeldBackRecords(32, str(release), held={0})
+    with from_dataset(dataset, batch_size=4, num_workers=2, in_order=False,
+                      timeout=TIMEOUT_S) as loader:
+        loop = iter(loader)
+        early = [first_labels(next(loop)) for _ in range(3)]
+        state = loader.state_dict()
+        release.touch()
+    assert state["handed_out"] == sorted(early)
+    with from_dataset(HeldBackRecords(32, str(release), held=()), batch_size=4,
+                      num_workers=2) as resumed:
+        resumed.load_state_dict(state)
+        rest = [first_labels(batch) for batch in resumed]
+    assert sorted(early + rest) == list(range(8))
+
+
+def test_an_error_comes_in_its_place_and_the_loop_goes_on_without_repeats(tmp_path):
+    release = tmp_path / "release"
+    # Batch 0 is held back; record 9 (batch 2) fails.
+    dataset = HeldBackRecords(32, str(release), held={0}, fails=9)
+    with from_dataset(dataset, batch_size=4, num_workers=2, in_order=False,
+                      timeout=TIMEOUT_S) as loader:
+        loop = iter(loader)
+        got = [first_labels(next(loop)) for _ in range(3)]
+        assert 2 not in got and 0 not in got
+        release.touch()
+        while True:
+            try:
+                got.append(first_labels(next(loop)))
+            except ValueError as error:
+                assert "record 9 is damaged" in str(error)
+                got.append("error")
+            except StopIteration:
+                break
+    assert sorted(g for g in got if g != "error") == [0, 1, 3, 4, 5, 6, 7]
+    assert got.count("error") == 1
+    assert got.index("error") > got.index(0)  # after the batches before it
+
+
+def test_an_iterable_dataset_gives_the_batches_of_a_worker_that_is_ready(tmp_path):
+    release = tmp_path / "release"
+    with from_dataset(HeldBackStream(24, str(release)), batch_size=2, num_workers=2,
+                      in_order=False, timeout=TIMEOUT_S) as loader:
+        got = []
+        for batch in loader:
+            got.append(batch.tolist())
+            if len(got) == 2:
+                assert all(x % 2 == 1 for b in got for x in b)  # worker 1's, while 0 waits
+                release.touch()
+    assert sorted(x for b in got for x in b) == list(range(24))
