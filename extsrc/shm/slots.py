@@ -16,6 +16,7 @@ Slot states::
        │                                                         │                    │ is gone
        └─────────────────────────────────────────────────────────┴────────────────────┘
       FREE ──► RETIRED: trim() (more slots than needed), a fork while leased, close()
+      LEASED ──► RETIRED: acquire() with every slot held and ``keep`` of them allocated
 
 * **FREE**: nothing references the memory; it waits for a batch.
 * **FILLING**: a batch was dispatched into it; workers may write.
@@ -25,7 +26,11 @@ Slot states::
 * **LEASED**: the batch was handed out. Its arrays, and every view, slice or
   tensor made from them, hold a :class:`Lease`; when the last of them is
   gone, the lease returns the slot. Only then is the memory written again.
-* **RETIRED**: memory given back to the system (terminal).
+* **RETIRED**: out of the pool (terminal): its descriptors are closed and
+  the workers drop it. Its memory goes back to the system once no lease
+  holds it: a slot retired while LEASED (a consumer keeping more batches
+  than the pool keeps slots) stays mapped, its batch valid, until the batch
+  is dropped; so descriptors stay bounded however many batches are kept.
 
 Threads: every method runs with the pool's lock held, except the lease's
 return, which happens in whatever thread drops the last reference: it only
@@ -70,7 +75,7 @@ _ALLOWED = {
     SlotState.FILLING: frozenset({SlotState.READY, SlotState.DRAINING}),
     SlotState.DRAINING: frozenset({SlotState.FREE}),
     SlotState.READY: frozenset({SlotState.LEASED, SlotState.FREE}),
-    SlotState.LEASED: frozenset({SlotState.READY, SlotState.FREE}),
+    SlotState.LEASED: frozenset({SlotState.READY, SlotState.FREE, SlotState.RETIRED}),
     SlotState.RETIRED: frozenset(),
 }
 
@@ -124,6 +129,11 @@ class Slot:
         return f"<Slot {self.slot_id} {self.state.value}>"
 
 
+def _nbytes(slot: Slot) -> int:
+    """The shared memory of ``slot`` (its region and overflow segments), in bytes."""
+    return slot.region.size + sum(s.size for s in slot.overflow)
+
+
 class Lease:
     """The consumer's hold on a slot, alive while any array of its batch is.
 
@@ -170,8 +180,9 @@ class SlotPool:
 
     ``keep`` is how many slots stay allocated when free (the source's
     prefetch plus the batches a consumer usually holds): up to that many,
-    steady state allocates nothing; beyond it, slots are created while the
-    consumer holds more batches and retired when it drops them.
+    steady state allocates nothing; beyond it, a slot held by the consumer
+    leaves the pool for each new one made (it is freed when dropped), so
+    the pool never has more than ``keep`` slots, nor their descriptors.
     """
 
     def __init__(self, source_id: int, label: str, num_workers: int, keep: int, link: WorkerLink):
@@ -187,6 +198,7 @@ class SlotPool:
         # whose hash was never taken cannot be hashed.
         self.leases: Dict[int, Tuple[int, int, "weakref.ReferenceType[Lease]"]] = {}
         self.returns: Deque["weakref.ReferenceType[Lease]"] = deque()
+        self.released: Dict[int, int] = {}  # slot id -> bytes, of slots retired while leased
         self._next_id = 0
         self._closed = False
         self._watchers: List[Tuple[Callable[[int, int], None], Callable[[int, int], None]]] = []
@@ -214,6 +226,8 @@ class SlotPool:
         self._check_open()
         slot = next((s for s in self.slots.values() if s.state is SlotState.FREE), None)
         if slot is None:
+            if len(self.slots) >= self.keep:
+                self._release_held()
             slot = self._create()
         if region_bytes and (slot.region_map is None or slot.region_map.size < region_bytes):
             size = slot.region.reserve(region_bytes, total_needed)
@@ -221,6 +235,17 @@ class SlotPool:
         self._move(slot, SlotState.FILLING)
         slot.batch_seq = batch_seq
         return slot
+
+    def _release_held(self) -> None:
+        """The oldest slot the consumer holds leaves the pool (LEASED -> RETIRED), so that a
+        new slot takes its place rather than adding to it. Its batch stays valid: the lease
+        holds its mappings, not its descriptors. A consumer that keeps every batch thus holds
+        memory, never descriptors, for them (its own and the workers'), and a slot beyond
+        ``keep`` would be retired when freed anyway."""
+        held = next((s for s in self.slots.values() if s.state is SlotState.LEASED), None)
+        if held is not None:
+            self.released[held.slot_id] = _nbytes(held)  # counted until its lease returns
+            self._retire(held)
 
     def _create(self) -> Slot:
         slot_id = self._next_id
@@ -324,8 +349,11 @@ class SlotPool:
         while self.returns:
             slot_id, seq, _ref = self.leases.pop(id(self.returns.popleft()), (-1, -1, None))
             slot = self.slots.get(slot_id)
-            if slot is None or slot.state is not SlotState.LEASED or slot.lease_seq != seq:
-                continue  # retired, or the lease of a take that was never applied
+            if slot is None:
+                self.released.pop(slot_id, None)  # retired while leased: its memory is gone now
+                continue
+            if slot.state is not SlotState.LEASED or slot.lease_seq != seq:
+                continue  # the lease of a take that was never applied
             self._move(slot, SlotState.FREE)
             if slot.lease_generation != forking.generation() or slot.retire_when_free:
                 # A child forked while it was held may still read it; or it holds overflow
@@ -364,16 +392,16 @@ class SlotPool:
         return sum(1 for s in self.slots.values() if s.state is state)
 
     def capacities(self) -> List[int]:
-        """Shared memory each slot holds now (region and overflow segments), in bytes, by slot id."""
-        return [slot.region.size + sum(s.size for s in slot.overflow)
-                for _, slot in sorted(self.slots.items())]
+        """Shared memory each slot holds now (region and overflow segments), in bytes, by slot
+        id; slots retired while the consumer still holds their batch included."""
+        sizes = {slot_id: _nbytes(slot) for slot_id, slot in self.slots.items()}
+        sizes.update(self.released)
+        return [size for _, size in sorted(sizes.items())]
 
     def reserved_bytes(self) -> int:
-        """Shared memory the slots hold now (region and overflow segments), in bytes."""
-        total = 0
-        for slot in self.slots.values():
-            total += slot.region.size + sum(s.size for s in slot.overflow)
-        return total
+        """Shared memory the slots hold now (region and overflow segments), in bytes; slots
+        retired while the consumer still holds their batch included."""
+        return sum(_nbytes(slot) for slot in self.slots.values()) + sum(self.released.values())
 
     def _check_open(self) -> None:
         if self._closed:
@@ -400,4 +428,5 @@ class SlotPool:
         self._closed = True
         self.slots.clear()
         self.leases.clear()
+        self.released.clear()
         self.returns.clear()

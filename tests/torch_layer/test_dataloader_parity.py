@@ -584,9 +584,10 @@ def test_a_failing_worker_init_fn_is_the_error_raised_not_a_later_one():
             assert not isinstance(raised.value, (PoolClosedError, WorkerDiedError))
 
 
-def test_running_out_of_descriptors_while_every_batch_is_kept_is_a_runtime_error_naming_the_limit():
-    # What code written for a DataLoader catches when batches kept by the consumer use up the
-    # process's descriptors: a RuntimeError (extsrc's names ulimit -n), and nothing hangs.
+def test_keeping_every_batch_does_not_use_up_descriptors():
+    # A DataLoader sharing tensors by descriptor runs out of them when the consumer keeps every
+    # batch (PyTorch's test_fd_limit_exceeded accepts that, with advice); kept batches hold
+    # memory here, not descriptors, so all of them come under a limit of 100.
     out = run_isolated(
         """
         import resource
@@ -602,20 +603,16 @@ def test_running_out_of_descriptors_while_every_batch_is_kept_is_a_runtime_error
         if __name__ == "__main__":
             resource.setrlimit(resource.RLIMIT_NOFILE, (100, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
             kept = []
-            try:
-                with from_dataset(Stream(), batch_size=1, num_workers=1) as loader:
-                    for batch in loader:
-                        kept.append(batch)
-                print("ALL", len(kept))
-            except RuntimeError as exc:
-                print("CAUGHT", type(exc).__name__, len(kept), "ulimit -n" in str(exc))
+            with from_dataset(Stream(), batch_size=1, num_workers=1) as loader:
+                for batch in loader:
+                    kept.append(batch)
+            intact = all(torch.equal(b, torch.full((1, 4), i)) for i, b in enumerate(kept))
+            print("ALL", len(kept), intact)
         """,
         timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
-    caught = [line.split() for line in out.stdout.splitlines() if line.startswith("CAUGHT")]
-    assert caught and caught[0][1] == "SharedMemoryError" and caught[0][3] == "True", out.stdout
-    assert int(caught[0][2]) > 10, out.stdout  # the batches before the limit all came
+    assert "ALL 2000 True" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("kwargs, error", [

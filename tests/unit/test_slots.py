@@ -82,15 +82,25 @@ def test_a_free_slot_is_reused_before_a_new_one_is_made(pool):
     assert again is slot and link.added == [slot.slot_id]
 
 
-def test_held_batches_get_new_slots_and_trim_gives_the_extra_ones_back(pool):
+def test_batches_kept_beyond_keep_leave_the_pool_with_their_memory_intact(pool):
     slots, link = pool
-    held = [lease_a_batch(slots, seq)[1] for seq in range(5)]
-    assert len(slots.slots) == 5 and slots.held == 5
-    del held
+    kept = []
+    for seq in range(6):
+        slot, lease = lease_a_batch(slots, seq)
+        lease.base(lease.region)[:8] = seq  # the batch's contents
+        kept.append(lease.base(lease.region)[:8])
+        del lease
+        assert len(slots.slots) <= 2  # keep=2: no more slots, nor descriptors, however many kept
+    assert slots.held == 6 and len(link.dropped) == 4  # the workers dropped the ones that left
+    for seq, array in enumerate(kept):
+        assert (array == seq).all()  # every kept batch still reads what was written
+    assert slots.reserved_bytes() >= 6 * 4096 and len(slots.capacities()) == 6  # still counted
+    del kept, array
     gc.collect()
     slots.process_returns()
-    slots.trim()
-    assert len(slots.slots) == 2 and len(link.dropped) == 3  # keep=2
+    assert slots.held == 0
+    assert slots.reserved_bytes() <= 2 * 4096 * 3 and len(slots.capacities()) == 2
+    assert all(slot.state is SlotState.FREE for slot in slots.slots.values())
 
 
 def test_a_wrong_transition_is_an_internal_error(pool):
