@@ -204,7 +204,12 @@ def test_order_shards_are_disjoint_but_for_the_padding_and_equal(extsrc_outputs)
 
 def test_the_statistics_tell_input_bound_from_consumer_bound(extsrc_outputs):
     saved = extsrc_outputs("14_find_the_bottleneck.py")
-    assert saved["input_bound"].tolist() == [True, True, False]
+    one_worker, _, training_step = saved["input_bound"].tolist()
+    assert one_worker and not training_step
+    # What the tutorial says of two workers: the consumer waits less. Whether it is still
+    # input-bound depends on how many cores the machine gives the three processes.
+    waits = saved["waits"].tolist()
+    assert waits[1] < waits[0], waits
 
 
 def test_the_ray_cluster_tutorial_reads_every_image_on_both_nodes(extsrc_outputs):

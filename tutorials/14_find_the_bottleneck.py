@@ -87,13 +87,15 @@ def run(workers: int, step_s: float, device, device_id, images, labels):
 def main(argv=None):
     args = tutorial_io.parse_args(__doc__, argv)
     device, device_id = tutorial_io.decoder_device(args)
-    images, labels, input_bound = [], [], []
+    images, labels, input_bound, waits = [], [], [], []
     for title, workers, step_s in (("1 worker", 1, 0.0), ("2 workers", 2, 0.0),
                                    (f"2 workers, a {TRAIN_STEP_S:g} s training step", 2, TRAIN_STEP_S)):
         stats = run(workers, step_s, device, device_id, images, labels)
         print(f"--- {title}\n{stats}\n")
         input_bound.append(stats.input_bound)
-    tutorial_io.save(args.out, __file__, images[-RECORDS:], labels[-RECORDS:], input_bound=input_bound)
+        waits.append(stats.steady_wait_fraction)
+    tutorial_io.save(args.out, __file__, images[-RECORDS:], labels[-RECORDS:], input_bound=input_bound,
+                     waits=waits)
 
 
 if __name__ == "__main__":
