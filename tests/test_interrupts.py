@@ -14,11 +14,11 @@ import pytest
 from faultkit import run_isolated
 
 SCENARIO = '''
-import os, random, signal, sys
+import collections, os, random, signal, sys
 import numpy as np, extsrc
 from sources import StopsAt, jittered
 
-MODE, SEED, IN_ORDER = sys.argv[1] if len(sys.argv) > 1 else "{mode}", {seed}, {in_order}
+MODE, SEED, IN_ORDER, KEPT = sys.argv[1] if len(sys.argv) > 1 else "{mode}", {seed}, {in_order}, {kept}
 EXTSRC = os.path.dirname(extsrc.__file__)
 rng = random.Random(SEED)
 armed = [False]
@@ -52,6 +52,7 @@ else:  # batches that finish out of order, handed out as they finish
     src = extsrc.ParallelSource(jittered, 4, num_workers=2, order=extsrc.Order(120), in_order=False)
 expected = [[k + i for i in range(4)] for k in range(0, 120, 4)]
 interrupts = restarts = 0
+kept = collections.deque(maxlen=KEPT)  # the last KEPT batches (none with 0)
 for epoch in range(10):
     it = iter(src)
     seen = []
@@ -63,6 +64,7 @@ for epoch in range(10):
                 armed[0] = False  # first, inline: no check point for signals before it
                 sys.settrace(None)
                 seen.append([int(s[0]) for s in batch])
+                kept.append(batch)  # batches held beyond the source's slots leave its pool
                 arm()
         except KeyboardInterrupt:
             armed[0] = False  # inline: a function call would be a check point for the next alarm
@@ -87,9 +89,11 @@ print("interrupts", interrupts, "restarts", restarts)
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["timer", "call"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-@pytest.mark.parametrize("in_order", [True, False])
-def test_interrupts_anywhere_in_next_lose_and_repeat_nothing(mode, seed, in_order):
-    result = run_isolated(SCENARIO.format(mode=mode, seed=seed, in_order=in_order), timeout=120)
+@pytest.mark.parametrize("in_order, kept", [(True, 0), (False, 0), (True, 8)],
+                         ids=["in-order", "out-of-order", "keeping-8"])
+def test_interrupts_anywhere_in_next_lose_and_repeat_nothing(mode, seed, in_order, kept):
+    scenario = SCENARIO.format(mode=mode, seed=seed, in_order=in_order, kept=kept)
+    result = run_isolated(scenario, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     interrupts = int(result.stdout.split()[1])
     assert interrupts >= 20, result.stdout  # the interrupts really landed

@@ -247,6 +247,11 @@ class SlotPool:
             self.released[held.slot_id] = _nbytes(held)  # counted until its lease returns
             self._retire(held)
 
+    def _released_to(self, slot: Slot, lease: Lease) -> bool:
+        """Whether ``slot`` left the pool while leased to ``lease`` (its lease is still alive)."""
+        return (slot.state is SlotState.RETIRED and slot.slot_id in self.released
+                and lease.slot_id == slot.slot_id and slot.lease_seq == lease.seq)
+
     def _create(self) -> Slot:
         slot_id = self._next_id
         self._next_id += 1
@@ -314,8 +319,11 @@ class SlotPool:
     def holds(self, slot: Slot, batch_seq: int, lease: Lease) -> bool:
         """Whether ``slot`` holds batch ``batch_seq`` for ``lease``: READY with ``lease`` its next
         lease (a commit would take it), or LEASED to ``lease`` already (a commit was applied)."""
-        if slot.batch_seq != batch_seq or self.slots.get(slot.slot_id) is not slot:
+        if slot.batch_seq != batch_seq:
             return False
+        if self.slots.get(slot.slot_id) is not slot:
+            # Retired while leased (_release_held): still the lease's, until the lease dies.
+            return self._released_to(slot, lease)
         if slot.state is SlotState.READY:
             return slot.lease_seq in (lease.seq - 1, lease.seq)  # the second: a commit cut short
         return slot.state is SlotState.LEASED and slot.lease_seq == lease.seq
@@ -327,7 +335,7 @@ class SlotPool:
         every step is an assignment, and the state changes last. The lease
         starts holding the memory in forked children too (see :mod:`extsrc.forking`).
         """
-        if slot.state is SlotState.LEASED and slot.lease_seq == lease.seq:
+        if (slot.state is SlotState.LEASED and slot.lease_seq == lease.seq) or self._released_to(slot, lease):
             return
         assert lease.ref is not None, "a lease committed before lease() made its reference"
         self.leases[id(lease.ref)] = (slot.slot_id, lease.seq, lease.ref)

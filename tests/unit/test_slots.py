@@ -178,3 +178,18 @@ def test_watchers_see_every_mapping_made_and_every_mapping_before_it_goes(pool):
     slots.close(tell_workers=False)
     gc.collect()
     assert sorted(unmapped) == sorted(mapped)  # each unregistered before it was unmapped
+
+
+def test_a_batch_whose_slot_left_the_pool_while_leased_is_still_its_leases(pool):
+    # A take committed and not yet handed over when the pool thread lets its slot go (the
+    # consumer holds every slot): applying the take again must find it still held, or the
+    # batch would be dropped and the loop wait for it for ever.
+    slots, _ = pool
+    first, first_lease = lease_a_batch(slots, 0)
+    _, second_lease = lease_a_batch(slots, 1)
+    lease_a_batch(slots, 2)  # every slot held: the first one leaves the pool
+    assert first.state is SlotState.RETIRED and first.slot_id not in slots.slots
+    assert slots.holds(first, 0, first_lease)
+    slots.commit(first, first_lease)  # applied again after an interrupt: nothing changes
+    assert first.state is SlotState.RETIRED and slots.held >= 2
+    assert not slots.holds(first, 0, second_lease) and not slots.holds(first, 1, first_lease)
