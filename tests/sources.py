@@ -167,13 +167,15 @@ def outputs_by_iteration(info):
 class HeldBack:
     """:func:`sample_of`, but the samples of the batches in ``held`` wait until the file
     ``release`` exists, and those of the batches in ``ends`` raise StopIteration (after the wait,
-    if held too): a batch the test holds back for as long as it likes, without timing."""
+    if held too): a batch the test holds back for as long as it likes, without timing. Sample
+    ``float_at`` is float64, the others int64."""
 
-    def __init__(self, release: str, held, batch_size: int, ends=()):
+    def __init__(self, release: str, held, batch_size: int, ends=(), float_at: int = -1):
         self.release = release
         self.held = frozenset(held)
         self.batch_size = batch_size
         self.ends = frozenset(ends)
+        self.float_at = float_at  # this sample is float64: its batch cannot be made one array
 
     def __call__(self, info):
         iteration = info.idx_in_epoch // self.batch_size
@@ -182,4 +184,4 @@ class HeldBack:
                 time.sleep(0.005)
         if iteration in self.ends:
             raise StopIteration
-        return np.array(info[:4], dtype=np.int64)
+        return np.array(info[:4], dtype=np.float64 if info.idx_in_epoch == self.float_at else np.int64)

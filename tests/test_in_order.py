@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from extsrc import EpochLengthError, Order, ParallelSource, StateMismatchError
+from extsrc import EpochLengthError, Order, ParallelSource, SampleError, StateMismatchError
+from extsrc.engine.assembly import PendingBatch
 
 from sources import HeldBack, sample_of
 
@@ -111,3 +112,33 @@ def test_an_epoch_that_ends_before_a_batch_handed_out_early_is_an_error(tmp_path
             while True:
                 got.append(iteration_of(epoch.__next__()))
         assert 0 in got and 1 not in got
+
+
+def test_a_batch_that_cannot_be_made_here_raises_in_its_place_even_when_finished_early(
+        tmp_path, monkeypatch):
+    # Batch 2 (worker 2's) fails as it is made in this process (as when its dense copy does not
+    # fit the memory limits); batch 0 (worker 0's) is held back until batch 4 came.
+    build = PendingBatch.build
+
+    def failing_build(self, *args, **kwargs):
+        if self.iteration == 2:
+            raise SampleError("batch 2 cannot be made")
+        return build(self, *args, **kwargs)
+
+    monkeypatch.setattr(PendingBatch, "build", failing_build)
+    callback = HeldBack(str(tmp_path / "release"), {0}, BATCH)
+    events = []
+    with ParallelSource(callback, BATCH, num_workers=3, round_robin=True, in_order=False,
+                        order=Order(32), timeout=TIMEOUT_S) as src:
+        epoch = iter(src)
+        while True:
+            try:
+                events.append(iteration_of(epoch.__next__()))
+            except StopIteration:
+                break
+            except SampleError as error:
+                events.append(str(error))
+            if 4 in events or "batch 2 cannot be made" in events:
+                (tmp_path / "release").touch()
+    assert events.count("batch 2 cannot be made") == 1 and 2 not in events, events
+    assert {0, 1} <= set(events[:events.index("batch 2 cannot be made")]), events

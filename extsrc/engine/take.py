@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Callable, FrozenSet, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, FrozenSet, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -110,8 +110,11 @@ class Epoch:
         self.epoch_idx = run.epoch_idx
         self.next_yield = run.first_iteration
         # Iterations after next_yield already handed out (in_order=False, and those a resume
-        # skips); entries below next_yield mean nothing.
-        self.ahead: FrozenSet[int] = run.skip
+        # skips); entries below next_yield mean nothing. Changed by single calls (add,
+        # discard), each complete or not made when an interrupt lands.
+        self.ahead: Set[int] = set(run.skip)
+        # Finished batches after next_yield that cannot be made (their error comes in place).
+        self.in_place: FrozenSet[int] = frozenset()
         self._skip_ahead()
         self.state = EpochState.RUNNING
         self.superseded_by = ""
@@ -136,6 +139,11 @@ class Epoch:
         given.update(range(first + 1, self.next_yield))
         given.discard(taken.iteration)
         return first, sorted(given)
+
+    def goes_on(self) -> bool:
+        """Whether ``__next__()`` may still give batches: not ended by an error, the end of
+        the data, ``close()`` or a newer loop."""
+        return self.state in (EpochState.RUNNING, EpochState.LAST_GIVEN)
 
     def ready(self) -> bool:
         """Whether ``__next__()`` would return or raise at once rather than wait (any
@@ -165,7 +173,9 @@ class Epoch:
         """Moves the cursor past the iterations handed out ahead of it (each step a single
         assignment: an interrupt leaves a consistent cursor)."""
         while self.next_yield in self.ahead:
-            self.next_yield += 1
+            passed = self.next_yield
+            self.next_yield = passed + 1
+            self.ahead.discard(passed)  # after the move: an entry left behind means nothing
 
 
 class Taker:
@@ -262,6 +272,10 @@ class Taker:
                                                      self.options.dense_arrays))
             except (SampleError, SharedMemoryError):
                 with pool.lock:
+                    if pending.iteration > epoch.next_yield:
+                        # Taken early (in_order=False): its error comes in its place.
+                        epoch.in_place = epoch.in_place | {pending.iteration}
+                        continue
                     if epoch.state is EpochState.RUNNING and epoch.next_yield == pending.iteration:
                         self.end(epoch)  # the batch cannot be made: the epoch ends with its error
                 raise
@@ -301,7 +315,7 @@ class Taker:
         producer.slots.commit(pending.slot, taken.lease)
         producer.commit(pending)
         if taken.iteration > epoch.next_yield:  # handed out ahead (in_order=False)
-            epoch.ahead = epoch.ahead | {taken.iteration}
+            epoch.ahead.add(taken.iteration)
             return
         if taken.iteration == epoch.next_yield:
             epoch.next_yield = taken.iteration + 1
@@ -361,7 +375,7 @@ class Taker:
         is whole, for ``in_order=False`` (lock held): a short last batch, the end of the epoch
         and a batch's error come in their place."""
         for later in self.producer.ready_after(epoch.run, epoch.next_yield):
-            if later.iteration not in epoch.ahead:
+            if later.iteration not in epoch.ahead and later.iteration not in epoch.in_place:
                 decision = later.decide(self.options.last_batch, self.name)
                 if decision.error is None and not decision.ended and decision.size:
                     return later

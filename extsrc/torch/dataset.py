@@ -20,7 +20,7 @@ import os
 import random
 import time
 import warnings
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -568,6 +568,8 @@ class _GoesOnAfterErrors:
         self._epoch = epoch
         self._count = count
         self._done = False
+        self._failed: Any = None  # the loop whose batch failed, until the loop goes on after it
+        self._plan: Optional[Tuple[str, Any]] = None  # what going on after it takes (decided once)
 
     def __iter__(self) -> "_GoesOnAfterErrors":
         return self
@@ -576,6 +578,8 @@ class _GoesOnAfterErrors:
         return self._count
 
     def __next__(self) -> Any:
+        if self._failed is not None:  # going on after an error was interrupted: finish it
+            self._go_on_after()
         if self._done:
             raise StopIteration
         epoch = self._epoch
@@ -589,23 +593,46 @@ class _GoesOnAfterErrors:
             self._done = True
             raise
         except Exception:
-            position = epoch.position
-            source = self._loader._source
-            if position.ended_by is not None or self._loader._closed:
-                raise  # the loop was ended (by a newer loop, or close()): nothing to go on with
-            if source.pool.broken or source.pool.closed:
-                self._done = True  # the workers are gone (e.g. worker_init_fn failed)
-                raise
-            # The batch after the one that failed (errors come in their place, also with
-            # in_order=False), past those handed on ahead of it.
-            after = LoopPosition(position.epoch_idx, position.next_iteration, position.ahead)
-            after.handed(position.next_iteration)
-            if after.next_iteration >= self._count:
-                self._done = True
-            else:
-                source.set_state(after.state({}))
-                self._epoch = TorchLoader.__iter__(self._loader)
+            self._failed = epoch  # first: an interrupt below leaves the next call to finish
+            self._go_on_after()
             raise
+
+    def _go_on_after(self) -> None:
+        """Makes the loop go on after the batch of ``self._failed`` (a loop) that raised. What
+        to do is decided once, from the loop as it failed; doing it is safe to run again when
+        an interrupt cut it short."""
+        if self._plan is None:
+            self._plan = self._plan_after(self._failed)
+        action, after = self._plan
+        loader = self._loader
+        if action == "resume":
+            loader._source.set_state(after.state({}))
+            self._epoch = TorchLoader.__iter__(loader)
+        elif action == "done":
+            self._done = True
+            if after is not None:  # the last batch failed: the loop is over
+                after.finished = True
+                loader._loop_finished(after)
+        self._plan = None
+        self._failed = None
+
+    def _plan_after(self, failed: Any) -> Tuple[str, Any]:
+        """``("resume", position)``: the source's epoch ended with the error, and goes on from
+        ``position`` (after the failed batch and those handed on before it: errors come in
+        their place, also with in_order=False); ``("done", loop position or None)``; or
+        ``("as is", None)``: the loop goes on by itself (the error was raised here, making
+        tensors), or was ended, or the loader closed."""
+        position, loader = failed.position, self._loader
+        source = loader._source
+        if position.ended_by is not None or loader._closed or failed.goes_on():
+            return "as is", None
+        if source.pool.broken or source.pool.closed:
+            return "done", None  # the workers are gone (e.g. worker_init_fn failed)
+        after = LoopPosition(position.epoch_idx, position.next_iteration, position.ahead)
+        after.handed(position.next_iteration)
+        if after.next_iteration >= self._count:
+            return "done", position
+        return "resume", after
 
 
 class _HeapBuffers:
@@ -690,56 +717,7 @@ class IterableLoader(_DataLoaderAttributes):
         if self._closed:
             raise ValueError("this loader is closed")
         epochs = [iter(loader) for loader in self._loaders]  # ends the loops running before
-        return self._round_robin(epochs)
-
-    def _turns(self, active: list) -> Iterator[Any]:
-        """The worker loops in the order they are to give their next batch: each in turn
-        (DataLoader's order), or with ``in_order=False`` whichever has a batch (or its end, or
-        an error) first, waiting for the workers while none has."""
-        if self.in_order:
-            while active:
-                yield from list(active)
-            return
-        pool = self._pool
-        waited = 0.0
-        while active:
-            with pool.lock:
-                waiter = pool.waiter()  # taken before looking: a change after it releases it
-            ready = next((epoch for epoch in active if epoch.ready()), None)
-            if ready is not None:
-                waited = 0.0
-                yield ready
-                continue
-            if self.timeout and waited >= self.timeout:
-                yield active[0]  # its own wait raises the timeout, naming what is stuck
-                continue
-            started = time.monotonic()
-            waiter.acquire(True, -1 if not self.timeout else self.timeout - waited)
-            waited += time.monotonic() - started
-
-    def _round_robin(self, epochs: list) -> Any:
-        active = list(epochs)
-        yielded = 0
-        for epoch in self._turns(active):
-            try:
-                batch = epoch.__next__()
-            except StopIteration:
-                active.remove(epoch)
-                continue
-            yielded += 1
-            if self._len_asked is not None and yielded > self._len_asked:
-                # As a DataLoader warns, and when: more batches than len(dataset) (each
-                # worker's last batch may be short, so a count of len(loader) batches
-                # would warn for a well-sharded dataset). The usual cause is workers that
-                # each yield the whole dataset.
-                warnings.warn(
-                    f"Length of IterableDataset {self.dataset!r} was reported to be "
-                    f"{self._len_asked} (len(dataset), when len(loader) was asked), but "
-                    f"{yielded} batches have been fetched: each of the {len(epochs)} workers "
-                    "iterates its own copy of the dataset; shard it by "
-                    "torch.utils.data.get_worker_info() (or in worker_init_fn) so that "
-                    "together they yield len(dataset) samples", UserWarning, stacklevel=2)
-            yield batch
+        return _WorkerTurns(self, epochs)
 
     def close(self) -> None:
         if self._closed:
@@ -754,6 +732,95 @@ class IterableLoader(_DataLoaderAttributes):
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+class _WorkerTurns:
+    """One loop of an :class:`IterableLoader`: the batches of its workers' loops (one per
+    worker) in DataLoader's order, one from each worker in turn, skipping workers that are done;
+    or with ``in_order=False`` from whichever worker has one first (waiting for the workers
+    while none has). An iterator object, not a generator: an interrupt (KeyboardInterrupt)
+    inside ``next()`` leaves it able to go on, and loses no batch."""
+
+    def __init__(self, loader: IterableLoader, epochs: list):
+        self._loader = loader
+        self._active = list(epochs)
+        self._turn = 0  # with in_order: the index in _active of the worker whose turn it is
+        self._last: Any = None  # the worker loop that gave the last batch: the turn moves past it
+        self._held: Any = None  # a batch taken and not handed on yet (an interrupt came between)
+        self._yielded = 0
+
+    def __iter__(self) -> "_WorkerTurns":
+        return self
+
+    def __next__(self) -> Any:
+        held = self._held
+        if held is not None:
+            self._held = None
+            return held
+        if self._last is not None:
+            self._pass_turn(self._last)
+        while self._active:
+            epoch = self._next_turn()
+            try:
+                batch = epoch.__next__()
+            except StopIteration:
+                self._done(epoch)
+                continue
+            self._held = batch  # first: an interrupt below leaves it for the next call
+            self._last = epoch
+            self._yielded += 1
+            self._warn_past_length()
+            self._held = None
+            return batch
+        raise StopIteration
+
+    def _pass_turn(self, epoch: Any) -> None:
+        if epoch in self._active:
+            self._turn = (self._active.index(epoch) + 1) % len(self._active)
+        self._last = None
+
+    def _done(self, epoch: Any) -> None:
+        if epoch in self._active:
+            index = self._active.index(epoch)
+            self._active.remove(epoch)
+            if index < self._turn:
+                self._turn -= 1
+            if self._turn >= len(self._active):
+                self._turn = 0
+
+    def _next_turn(self) -> Any:
+        """The worker loop to take the next batch from (with ``in_order=False``, the first that
+        has one, its end or an error; past the loader's ``timeout`` without any, the first,
+        whose own wait raises the timeout naming what is stuck)."""
+        loader = self._loader
+        if loader.in_order:
+            return self._active[self._turn]
+        pool, waited = loader._pool, 0.0
+        while True:
+            with pool.lock:
+                waiter = pool.waiter()  # taken before looking: a change after it releases it
+            ready = next((epoch for epoch in self._active if epoch.ready()), None)
+            if ready is not None:
+                return ready
+            if loader.timeout and waited >= loader.timeout:
+                return self._active[0]
+            started = time.monotonic()
+            waiter.acquire(True, -1 if not loader.timeout else loader.timeout - waited)
+            waited += time.monotonic() - started
+
+    def _warn_past_length(self) -> None:
+        loader = self._loader
+        if loader._len_asked is not None and self._yielded > loader._len_asked:
+            # As a DataLoader warns, and when: more batches than len(dataset) (each worker's
+            # last batch may be short, so a count of len(loader) batches would warn for a
+            # well-sharded dataset). The usual cause is workers that each yield the whole dataset.
+            warnings.warn(
+                f"Length of IterableDataset {loader.dataset!r} was reported to be "
+                f"{loader._len_asked} (len(dataset), when len(loader) was asked), but "
+                f"{self._yielded} batches have been fetched: each of the {loader.num_workers} "
+                "workers iterates its own copy of the dataset; shard it by "
+                "torch.utils.data.get_worker_info() (or in worker_init_fn) so that together "
+                "they yield len(dataset) samples", UserWarning, stacklevel=3)
 
 
 def _iterable_loader(dataset: Any, batch_size: Optional[int], drop_last: bool, collate_fn: Any,

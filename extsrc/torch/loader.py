@@ -279,7 +279,7 @@ class LoopPosition:
     def __init__(self, epoch_idx: int, next_iteration: int, ahead: Iterable[int] = ()):
         self.epoch_idx = epoch_idx
         self.next_iteration = next_iteration
-        self.ahead = frozenset(ahead)
+        self.ahead = set(ahead)  # changed by single calls (add, discard), as the engine's epoch
         self.finished = False
         self.ended_by: Optional[str] = None  # what ended the loop before its epoch's end
 
@@ -287,12 +287,14 @@ class LoopPosition:
         """Batch ``iteration`` was handed on; idempotent (each step one assignment), so that
         it may be called again for a batch an interrupt made the loop hand on again."""
         if iteration > self.next_iteration:
-            self.ahead = self.ahead | {iteration}
+            self.ahead.add(iteration)
             return
         if iteration == self.next_iteration:
             self.next_iteration = iteration + 1
         while self.next_iteration in self.ahead:  # also when called again: an interrupt may
-            self.next_iteration += 1  # have cut it short
+            passed = self.next_iteration  # have cut it short
+            self.next_iteration = passed + 1
+            self.ahead.discard(passed)  # after the move: an entry left behind means nothing
 
     def handed_out(self) -> List[int]:
         """The iterations after ``next_iteration`` handed on already, ascending."""
@@ -329,8 +331,16 @@ class _Epoch:
         try:
             return self.loader._tensors(self._taken)
         except Exception:
-            self._taken = None  # a batch that cannot be made tensors is raised once, not again
+            # A batch that cannot be made tensors is raised once, in its place, not again; the
+            # source's epoch goes on after it.
+            self.position.handed(self.batches.last_given)
+            self._taken = None
             raise
+
+    def goes_on(self) -> bool:
+        """Whether the source's epoch may still give batches (after an error raised here,
+        making tensors, it does; after one from the source, it ended)."""
+        return self.batches.goes_on()
 
     def __iter__(self) -> "_Epoch":
         return self

@@ -138,3 +138,35 @@ class HeldBackStream(torch.utils.data.IterableDataset):
             if i == 0:
                 _wait_for(self.release)
             yield torch.tensor(i)
+
+
+class OddKeyRecords(torch.utils.data.Dataset):
+    """``{"x": tensor([i])}``, but record ``odd`` is ``{"z": ...}``: its batch cannot be
+    collated (found in the loop's process); the records in ``held`` wait for the file
+    ``release``."""
+
+    def __init__(self, n: int, odd: int, release: str, held=()):
+        self.n, self.odd, self.release, self.held = n, odd, release, frozenset(held)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if i in self.held:
+            _wait_for(self.release)
+        return {"z" if i == self.odd else "x": torch.tensor([i])}
+
+
+class FailsAt(torch.utils.data.Dataset):
+    """``tensor([i])`` for n records; ``dataset[fails]`` raises ValueError."""
+
+    def __init__(self, n: int, fails: int):
+        self.n, self.fails = n, fails
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if i == self.fails:
+            raise ValueError(f"record {i} is damaged")
+        return torch.tensor([i])

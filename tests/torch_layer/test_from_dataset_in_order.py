@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from extsrc.torch import from_dataset
 
-from sample_datasets import HeldBackRecords, HeldBackStream
+from sample_datasets import FailsAt, HeldBackRecords, HeldBackStream, OddKeyRecords, ShardedStream
 
 TIMEOUT_S = 120  # a hang fails the test instead of stalling the suite
 
@@ -89,3 +91,88 @@ def test_an_iterable_dataset_gives_the_batches_of_a_worker_that_is_ready(tmp_pat
                 assert all(x % 2 == 1 for b in got for x in b)  # worker 1's, while 0 waits
                 release.touch()
     assert sorted(x for b in got for x in b) == list(range(24))
+
+
+def test_a_batch_that_cannot_be_collated_fails_in_its_place_and_the_loop_goes_on(tmp_path):
+    release = tmp_path / "release"
+    # Record 13 (batch 3) has another key, so its batch cannot be collated; batch 0 is held
+    # back until a batch came early.
+    dataset = OddKeyRecords(32, odd=13, release=str(release), held={0})
+    events = []
+    with from_dataset(dataset, batch_size=4, num_workers=2, in_order=False,
+                      timeout=TIMEOUT_S) as loader:
+        loop = iter(loader)
+        while True:
+            try:
+                events.append(int(next(loop)["x"][0]) // 4)
+            except StopIteration:
+                break
+            except (TypeError, KeyError, ValueError) as error:
+                assert "13" in str(error), error  # names the record
+                events.append("error")
+            release.touch()
+    assert events.count("error") == 1
+    assert {0, 1, 2} <= set(events[:events.index("error")])  # in its place
+    assert sorted(e for e in events if e != "error") == [0, 1, 2, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_state_dict_after_the_last_batch_failed_points_at_the_next_epoch(in_order):
+    with from_dataset(FailsAt(32, fails=30), batch_size=4, num_workers=2, in_order=in_order,
+                      timeout=TIMEOUT_S) as loader:
+        got = []
+        with pytest.raises(ValueError, match="record 30 is damaged"):
+            for batch in loader:
+                got.append(int(batch[0]) // 4)
+        assert sorted(got) == list(range(7))
+        state = loader.state_dict()
+    assert (state["epoch_idx"], state["iteration"]) == (1, 0)
+
+
+def interrupt_at_call(name, file_part):
+    """A KeyboardInterrupt at the start of the next call of ``name`` (in a file ending with
+    ``file_part``), as a Ctrl-C could land."""
+    def trace(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and code.co_name == name and code.co_filename.endswith(file_part):
+            sys.settrace(None)
+            raise KeyboardInterrupt(name)
+    sys.settrace(trace)
+
+
+@pytest.mark.parametrize("where", [("set_state", "source.py"), ("__iter__", "loader.py"),
+                                   ("get_state", "source.py")])
+@pytest.mark.parametrize("in_order", [True, False])
+def test_an_interrupt_while_the_loop_goes_on_after_an_error_loses_no_batch(in_order, where):
+    got, interrupts = [], 0
+    with from_dataset(FailsAt(32, fails=9), batch_size=4, num_workers=2, in_order=in_order,
+                      timeout=TIMEOUT_S) as loader:
+        loop = iter(loader)
+        while True:
+            try:
+                if len(got) == 2 and not interrupts:
+                    interrupt_at_call(*where)  # lands while going on after batch 2's error
+                got.append(int(loop.__next__()[0]) // 4)
+            except StopIteration:
+                break
+            except KeyboardInterrupt:
+                interrupts += 1
+            except ValueError:
+                pass
+            finally:
+                sys.settrace(None)
+    assert interrupts == 1 and sorted(got) == [0, 1, 3, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_an_interrupt_inside_next_leaves_an_iterable_dataset_loop_going_on(in_order):
+    with from_dataset(ShardedStream(40), batch_size=4, num_workers=2, in_order=in_order,
+                      timeout=TIMEOUT_S) as loader:
+        loop = iter(loader)
+        got = loop.__next__()["i"].tolist()
+        interrupt_at_call("__next__", "loader.py")
+        with pytest.raises(KeyboardInterrupt):
+            loop.__next__()
+        for batch in loop:
+            got += batch["i"].tolist()
+    assert sorted(got) == list(range(40))
