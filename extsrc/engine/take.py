@@ -170,8 +170,8 @@ class Epoch:
                 and iteration not in self.ahead)
 
     def _skip_ahead(self) -> None:
-        """Moves the cursor past the iterations handed out ahead of it (each step a single
-        assignment: an interrupt leaves a consistent cursor)."""
+        """Moves the cursor past the iterations handed out ahead of it (each step moves it,
+        then forgets the entry passed: an interrupt leaves a consistent cursor)."""
         while self.next_yield in self.ahead:
             passed = self.next_yield
             self.next_yield = passed + 1
