@@ -284,8 +284,9 @@ class LoopPosition:
         self.ended_by: Optional[str] = None  # what ended the loop before its epoch's end
 
     def handed(self, iteration: int) -> None:
-        """Batch ``iteration`` was handed on; idempotent (each step one assignment), so that
-        it may be called again for a batch an interrupt made the loop hand on again."""
+        """Batch ``iteration`` was handed on; idempotent (each step moves the cursor, then
+        forgets the entry passed), so that it may be called again for a batch an interrupt
+        made the loop hand on again."""
         if iteration > self.next_iteration:
             self.ahead.add(iteration)
             return
@@ -304,8 +305,9 @@ class LoopPosition:
         """``state`` (the source's) at this position."""
         state = {**state, "epoch_idx": self.epoch_idx, "iteration": self.next_iteration}
         state.pop("handed_out", None)
-        if self.handed_out():
-            state["handed_out"] = self.handed_out()
+        handed_out = self.handed_out()
+        if handed_out:
+            state["handed_out"] = handed_out
         return state
 
 
