@@ -165,6 +165,7 @@ class SourceOptions:
     round_robin: bool = False  # batch i made whole by worker i % num_workers (DataLoader's)
     dense_arrays: bool = False  # a dense output comes as one array rather than a Batch
     in_order: bool = True  # False: a finished batch may be handed out before earlier ones
+    prefetch_auto: bool = False  # prefetch was not given: more batches go ahead when they are small
 
     @property
     def batches_per_epoch(self) -> Optional[int]:
@@ -282,4 +283,5 @@ class SourceOptions:
             round_robin=bool(round_robin),
             dense_arrays=bool(dense_arrays),
             in_order=bool(in_order),
+            prefetch_auto=prefetch is None,
         )

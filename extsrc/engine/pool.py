@@ -392,6 +392,12 @@ class WorkerPool:
         for waiter in waiters:
             waiter.release()
 
+    def _take_waiters(self) -> List[Any]:
+        """Lock held: the waiters to release once the lock is left (a consumer woken while the
+        I/O thread still holds the lock would only block on it again)."""
+        waiters, self._waiters = self._waiters, []
+        return waiters
+
     def fail(self, error: BaseException) -> None:
         """*engine*, lock held: a source found a fault (a timeout): break the pool with ``error``.
 
@@ -515,9 +521,10 @@ class WorkerPool:
             if fault is not None:
                 self._fault(fault)
                 return False
-            if changed:
-                self.notify()
             period = backend.poll_period()
+            woken = self._take_waiters() if changed else []
+        for waiter in woken:
+            waiter.release()
         timeout = RETURN_POLL_S if lending else None
         if period is not None:
             timeout = period if timeout is None else min(timeout, period)
@@ -537,8 +544,9 @@ class WorkerPool:
                 if fault is not None:
                     self._fault(fault)
                     return False
-            if changed:
-                self.notify()
+            woken = self._take_waiters() if changed else []
+        for waiter in woken:
+            waiter.release()
         return True
 
     def _deliver(self, arrival: Arrival) -> bool:

@@ -282,7 +282,9 @@ class ParallelSource:
 
     @property
     def prefetch(self) -> int:
-        return self.options.prefetch
+        """Batches made ahead at once: as given, or by default two per worker, twice that
+        once the batches turn out to be at most 1 MiB (every output of a known layout)."""
+        return self._producer.prefetch
 
     @property
     def last_batch(self) -> str:
@@ -542,7 +544,7 @@ class ParallelSource:
         with self._pool.lock:
             snapshot = collector.snapshot(
                 self.name, self._producer.ready_count(), self._producer.slots.reserved_bytes(),
-                self.options.prefetch, self.options.batch_size,
+                self._producer.prefetch, self.options.batch_size,
             )
             if reset:
                 collector.reset()

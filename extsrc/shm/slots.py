@@ -372,6 +372,10 @@ class SlotPool:
                 if mapping is not None:
                     mapping.leased = False
 
+    def keep_at_least(self, keep: int) -> None:
+        """Producer, lock held: lets up to ``keep`` slots stay allocated (never fewer than now)."""
+        self.keep = max(self.keep, keep)
+
     def trim(self) -> None:
         """Retires free slots while more than ``keep`` slots are allocated."""
         excess = len(self.slots) - self.keep

@@ -1,0 +1,71 @@
+"""The default prefetch keeps more small batches ahead (they cost little memory, and a
+consumer that waits for a CPU would otherwise find the workers idle)."""
+
+import os
+import time
+
+import numpy as np
+
+from extsrc import ParallelSource
+from extsrc.engine.producer import SMALL_BATCH_BYTES, SMALL_BATCH_PREFETCH_FACTOR
+
+BATCH = 4
+WORKERS = 2
+DEFAULT = 2 * WORKERS  # two per worker
+HELD = 2  # batches_held's default
+DEADLINE_S = 120  # generous: only a broken feature waits this long
+
+
+class Marks:
+    """A sample of ``nbytes``; each call leaves a file named by its index, so the test sees
+    how many samples the workers made, whatever the start method."""
+
+    def __init__(self, directory: str, nbytes: int):
+        self.directory = directory
+        self.nbytes = nbytes
+
+    def __call__(self, info):
+        open(os.path.join(self.directory, str(info.idx_in_epoch)), "w").close()
+        return np.full(self.nbytes, info.idx_in_epoch & 0xFF, np.uint8)
+
+
+def made(directory) -> int:
+    return len(os.listdir(directory))
+
+
+def wait_until_made(directory, samples: int) -> int:
+    deadline = time.monotonic() + DEADLINE_S
+    while made(directory) < samples and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return made(directory)
+
+
+def test_small_batches_go_further_ahead_with_the_default_prefetch(tmp_path):
+    # Without the widening, a consumer holding one batch lets at most HELD - 1 + DEFAULT + 1
+    # more be made (prefetch + batches_held slots); with it, twice the prefetch.
+    widened = DEFAULT * SMALL_BATCH_PREFETCH_FACTOR
+    with ParallelSource(Marks(str(tmp_path), 1024), BATCH, num_workers=WORKERS) as src:
+        batches = iter(src)
+        kept = next(batches)
+        assert src.prefetch == widened
+        beyond_default = (1 + DEFAULT + HELD) * BATCH
+        assert wait_until_made(tmp_path, beyond_default + BATCH) > beyond_default
+        assert int(kept[0][0]) == 0
+        # Every batch still comes once, in order.
+        rest = [int(b[0][0]) for b, _ in zip(batches, range(20))]
+        assert rest == [(k * BATCH) & 0xFF for k in range(1, 21)]
+
+
+def test_a_given_prefetch_and_large_batches_are_left_as_they_are(tmp_path):
+    given = tmp_path / "given"
+    large = tmp_path / "large"
+    given.mkdir()
+    large.mkdir()
+    with ParallelSource(Marks(str(given), 1024), BATCH, num_workers=WORKERS, prefetch=DEFAULT) as src:
+        next(iter(src))
+        assert src.prefetch == DEFAULT
+        assert src.stats().prefetch == DEFAULT
+    nbytes = SMALL_BATCH_BYTES // BATCH + 1  # a batch just over the limit
+    with ParallelSource(Marks(str(large), nbytes), BATCH, num_workers=WORKERS) as src:
+        next(iter(src))
+        assert src.prefetch == DEFAULT
