@@ -109,11 +109,20 @@ def _ndim(value: Any, output: int) -> Optional[int]:
     return int(value)
 
 
-def default_prefetch(num_workers: int, tasks_per_worker: int = 2) -> int:
+# With samples in flight together (concurrency > 1), the default prefetch is this many times
+# larger: a batch is finished only when its slowest request is, and batches waiting for their
+# last samples would otherwise take every place ahead while the workers' free places for
+# requests stay empty (measured: 100 KiB objects with 20 ms to first byte, batch 64,
+# 2 workers, concurrency=64: about 10% more samples/s with twice the batches ahead).
+CONCURRENT_PREFETCH_FACTOR = 2
+
+
+def default_prefetch(num_workers: int, tasks_per_worker: int = 2, concurrency: int = 1) -> int:
     """Batches produced ahead by default: as many per worker as a worker holds tasks (two for
     worker processes, as PyTorch's ``DataLoader``), so that each batch can be one task and
-    every worker still has a task queued."""
-    return tasks_per_worker * num_workers
+    every worker still has a task queued; :data:`CONCURRENT_PREFETCH_FACTOR` times that for
+    samples in flight together (``concurrency > 1``)."""
+    return tasks_per_worker * num_workers * (CONCURRENT_PREFETCH_FACTOR if concurrency > 1 else 1)
 
 
 @dataclass(frozen=True)
@@ -268,7 +277,7 @@ class SourceOptions:
             num_outputs=num_outputs,
             batch=bool(batch),
             batch_info=bool(batch_info),
-            prefetch=(default_prefetch(num_workers, tasks_per_worker) if prefetch is None
+            prefetch=(default_prefetch(num_workers, tasks_per_worker, concurrency) if prefetch is None
                       else positive_int("prefetch", prefetch)),
             last_batch=last_batch,
             dtypes=dtypes,

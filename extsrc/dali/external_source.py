@@ -286,7 +286,10 @@ def _parallel_source(pipe: Any, engine_source: Any, *, prefetch: Optional[int], 
         )
     pool = pipe._extsrc_pool_for_new_source()
     if prefetch is None:
-        prefetch = max(default_prefetch(pool.num_workers, pool.max_outstanding), pipe._extsrc_depth())
+        concurrency = options.get("concurrency", 1)  # checked by the engine
+        prefetch = max(default_prefetch(pool.num_workers, pool.max_outstanding,
+                                        concurrency if isinstance(concurrency, int) else 1),
+                       pipe._extsrc_depth())
     return ParallelSource(engine_source, batch_size, prefetch=prefetch,
                           batches_held=pipe._extsrc_batches_held(), pool=pool, dense_arrays=True,
                           **options)

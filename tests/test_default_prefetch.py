@@ -1,5 +1,6 @@
-"""The default prefetch keeps more small batches ahead (they cost little memory, and a
-consumer that waits for a CPU would otherwise find the workers idle)."""
+"""The default prefetch: two batches per worker, more for small batches (they cost little
+memory, and a consumer that waits for a CPU would otherwise find the workers idle) and for
+samples in flight together (a batch waits for its slowest request)."""
 
 import os
 import time
@@ -8,6 +9,7 @@ import numpy as np
 
 from extsrc import ParallelSource
 from extsrc.engine.producer import SMALL_BATCH_BYTES, SMALL_BATCH_PREFETCH_FACTOR
+from extsrc.options import CONCURRENT_PREFETCH_FACTOR
 
 BATCH = 4
 WORKERS = 2
@@ -69,3 +71,20 @@ def test_a_given_prefetch_and_large_batches_are_left_as_they_are(tmp_path):
     with ParallelSource(Marks(str(large), nbytes), BATCH, num_workers=WORKERS) as src:
         next(iter(src))
         assert src.prefetch == DEFAULT
+
+
+def test_samples_in_flight_together_get_more_batches_ahead(tmp_path):
+    nbytes = SMALL_BATCH_BYTES // BATCH + 1  # large enough not to widen once more
+    with ParallelSource(Marks(str(tmp_path), nbytes), BATCH, num_workers=WORKERS, concurrency=4) as src:
+        assert src.prefetch == DEFAULT * CONCURRENT_PREFETCH_FACTOR
+        batches = iter(src)
+        kept = next(batches)
+        # Made ahead: more than the prefetch + batches_held slots of the plain default allow.
+        beyond_default = (1 + DEFAULT + HELD) * BATCH
+        assert wait_until_made(tmp_path, beyond_default + BATCH) > beyond_default
+        assert int(kept[0][0]) == 0
+        assert [int(b[0][0]) for b, _ in zip(batches, range(12))] == [
+            (k * BATCH) & 0xFF for k in range(1, 13)]
+    with ParallelSource(Marks(str(tmp_path), nbytes), BATCH, num_workers=WORKERS, concurrency=4,
+                        prefetch=3) as src:
+        assert src.prefetch == 3
