@@ -202,10 +202,11 @@ class AsyncEngine:
                 for task in sorted(done, key=lambda t: flying[t][0]):
                     position, _ = flying.pop(task)
                     self._report(run, task, position)
-                for task, (position, _) in list(flying.items()):
-                    if not run.wanted(position):
-                        task.cancel()
-                        del flying[task]
+                if run.event is not None:  # cut: the samples after its position are not wanted
+                    for task, (position, _) in list(flying.items()):
+                        if not run.wanted(position):
+                            task.cancel()
+                            del flying[task]
         finally:
             for task in flying:
                 task.cancel()
@@ -337,9 +338,10 @@ class ThreadEngine:
                 self._tokens += 1
                 flying[self._tokens] = (job[0], time.monotonic())
                 self._jobs.put((run_id, self._tokens, job[1]))
-            for token in [t for t, f in flying.items() if not run.wanted(f[0])]:
-                self._dropped.add(token)
-                del flying[token]
+            if run.event is not None:  # cut: the samples after its position are not wanted
+                for token in [t for t, f in flying.items() if not run.wanted(f[0])]:
+                    self._dropped.add(token)
+                    del flying[token]
             if not flying:
                 return run.outcome()
             timeout = None
