@@ -32,10 +32,11 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, 
 
 import numpy as np
 
-from extsrc.engine.protocol import SetupFailed, SourceSetup, Task
+from extsrc.engine.channel import Channel
+from extsrc.engine.protocol import AddSlot, DropSlot, SetupFailed, SourceSetup, Task
 from extsrc.engine.runner import SAMPLE, SourceRunner, load_source
 from extsrc.ray.parts import INLINE_MAX_BYTES, columns_bytes, fitting, split
-from extsrc.ray.protocol import ActorReady, Produced, SlotChange, SlotOpen
+from extsrc.ray.protocol import ActorReady, ChannelHello, ChannelOpened, Produced, SlotChange, SlotOpen
 from extsrc.shm.writer import TaskWriter
 
 # Samples up to this size travel stacked, as one array per output: Ray serialises every array
@@ -194,6 +195,12 @@ class SourceActor:
     holds keeps running while an answer travels, and a slow task never holds
     back a finished one by more than that.
 
+    On the consumer's node the pool instead calls :meth:`serve` once, after
+    :meth:`ready`: tasks and slots then come over a Unix socket and Ray's
+    call thread runs them as a worker process does, answering on the socket
+    as each ends (a message costs tens of microseconds, a Ray call about a
+    millisecond), until the pool closes the channel.
+
     States of the runner thread: ``IDLE`` (no task queued) -> ``RUNNING``
     (one task) -> ``IDLE``; ``FAILED`` for good when running raised outside
     what the runner catches (a bug), which every later call raises.
@@ -250,6 +257,46 @@ class SourceActor:
             self._changed.notify_all()
             answers = self._take(parts)
         return split(answers, parts) if parts else answers
+
+    def serve(self, address: str, token: bytes) -> ChannelOpened:
+        """Connects to the pool's socket ``address`` (an abstract Unix socket of this host),
+        says :class:`~extsrc.ray.protocol.ChannelHello` with ``token``, then handles the pool's
+        messages until it closes the channel: tasks are run in this thread, in the order they
+        come, each answered on the channel as it ends; slots are opened with the descriptors
+        that came with them, or dropped. Answers ``ChannelOpened(False, why)`` at once when it
+        cannot connect; raises what breaks running a task outside the callback (a bug)."""
+        if self.setup_failed is not None:
+            return ChannelOpened(False, self.setup_failed.message)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(address)
+            channel = Channel(sock, pool_end=False)
+            channel.send(ChannelHello(self.index, token))
+        except OSError as exc:
+            sock.close()
+            return ChannelOpened(False, f"{type(exc).__name__}: {exc}")
+        try:
+            while True:
+                try:
+                    message, fds = channel.recv()
+                except (EOFError, OSError):
+                    break
+                if isinstance(message, Task):
+                    # Run here, as a worker process does: no hand-over to the runner thread,
+                    # which has nothing queued (the pool makes no run() call to this actor).
+                    answer = self.runners[message.source_id].run(message)
+                    try:
+                        channel.send(answer)
+                    except OSError:
+                        break  # the pool closed the channel: it wants no more answers
+                elif isinstance(message, AddSlot):
+                    writer = cast(ActorWriter, self.runners[message.source_id].writer).slots
+                    writer.add_slot(message.slot_id, fds[0], fds[1], message.kind, self.index)
+                elif isinstance(message, DropSlot):
+                    cast(ActorWriter, self.runners[message.source_id].writer).slots.drop_slot(message.slot_id)
+        finally:
+            sock.close()
+        return ChannelOpened(True)
 
     def _change_slots(self, slots: Tuple[SlotChange, ...]) -> None:
         """Opens (on the consumer's node) or closes slots for the runners' writers. A slot that

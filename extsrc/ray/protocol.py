@@ -11,6 +11,14 @@ travel as :class:`Piece` s in the call's further return values (see
 an :class:`ActorReady` (where it runs), or with the engine's
 :class:`~extsrc.engine.protocol.SetupFailed` when it could not load the
 sources.
+
+An actor on the consumer's node is then asked to ``serve()`` the pool over a
+Unix socket, as a worker process does (see :mod:`extsrc.ray.backend`): it
+connects, says :class:`ChannelHello`, and from then on tasks, slots
+(:class:`~extsrc.engine.protocol.AddSlot` with its descriptors) and answers
+travel as the engine's messages on that socket, not as Ray calls. ``serve()``
+answers :class:`ChannelOpened` when the channel closes, or at once when it
+could not connect (the pool then goes on with Ray calls).
 """
 
 from __future__ import annotations
@@ -96,3 +104,19 @@ class SlotClose(NamedTuple):
 
 
 SlotChange = Union[SlotOpen, SlotClose]
+
+
+class ChannelHello(NamedTuple):
+    """Actor -> pool, the first message on a direct channel: which worker connected, with the
+    token the pool gave it (another process of the host that connects has none)."""
+
+    index: int  # type: ignore[assignment]  # shadows tuple.index, never called on these
+    token: bytes
+
+
+class ChannelOpened(NamedTuple):
+    """``serve()``'s answer: ``connected`` when the channel was open (it closed since), else
+    why the actor could not connect."""
+
+    connected: bool
+    reason: str = ""

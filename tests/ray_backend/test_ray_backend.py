@@ -30,14 +30,16 @@ from sources import (
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("local_ray")]
 
 
-@pytest.fixture(params=["same-node", "other-node"])
+@pytest.fixture(params=["same-node", "same-node-calls", "other-node"])
 def actor_path(request, monkeypatch):
-    """Each data test runs both ways samples reach the slots: written by actors on the
-    consumer's node themselves, and returned through Ray as by actors on other nodes (forced
-    here on one node)."""
+    """Each data test runs every way tasks and samples travel: actors on the consumer's node
+    served over a Unix socket (the default) or in Ray calls, writing into the slots
+    themselves, and actors that return samples through Ray as on other nodes (forced here on
+    one node)."""
     import extsrc.ray.backend
 
-    monkeypatch.setattr(extsrc.ray.backend, "LOCAL_WRITES", request.param == "same-node")
+    monkeypatch.setattr(extsrc.ray.backend, "LOCAL_WRITES", request.param != "other-node")
+    monkeypatch.setattr(extsrc.ray.backend, "DIRECT_CHANNEL", request.param == "same-node")
     return request.param
 
 
@@ -93,7 +95,28 @@ def test_actors_on_the_consumers_node_write_the_slots_themselves_others_through_
     delivered = sum(a.samples for a in actors)
     direct = sum(a.direct_samples for a in actors)
     assert delivered >= 6 * 16
-    assert direct == (delivered if actor_path == "same-node" else 0), [tuple(a) for a in actors]
+    assert direct == (delivered if actor_path != "other-node" else 0), [tuple(a) for a in actors]
+    assert all(a.channel == (actor_path == "same-node") for a in actors), [tuple(a) for a in actors]
+
+
+def test_actors_that_cannot_reach_the_pools_socket_go_on_with_ray_calls(monkeypatch):
+    import extsrc.ray.backend
+
+    listen = extsrc.ray.backend.RayBackend._listen
+
+    def listen_elsewhere(self):
+        listen(self)
+        self._address = "\0extsrc-test-nobody-listens-here"  # the actors' connect() fails
+
+    monkeypatch.setattr(extsrc.ray.backend.RayBackend, "_listen", listen_elsewhere)
+    with ParallelSource(sample_of, 8, backend="ray", num_workers=2) as src:
+        taken = [_copy(batch) for _, batch in zip(range(5), src)]
+        actors = src.pool.workers_backend.actors()
+    with ParallelSource(sample_of, 8, num_workers=2) as src:
+        expected = [_copy(batch) for _, batch in zip(range(5), src)]
+    assert_same([taken], [expected])
+    assert not any(a.channel for a in actors)
+    assert sum(a.direct_samples for a in actors) == sum(a.samples for a in actors) >= 5 * 8
 
 
 def test_sample_mode_gives_the_batches_processes_give_despite_jitter(actor_path):
