@@ -36,7 +36,7 @@ from extsrc.engine.channel import Channel
 from extsrc.engine.protocol import AddSlot, DropSlot, SetupFailed, SourceSetup, Task
 from extsrc.engine.runner import SAMPLE, SourceRunner, load_source
 from extsrc.ray.parts import INLINE_MAX_BYTES, columns_bytes, fitting, split
-from extsrc.ray.protocol import ActorReady, ChannelHello, ChannelOpened, Produced, SlotChange, SlotOpen
+from extsrc.ray.protocol import HELLO, ActorReady, ChannelOpened, Produced, SlotChange, SlotOpen
 from extsrc.shm.writer import TaskWriter
 
 # Samples up to this size travel stacked, as one array per output: Ray serialises every array
@@ -260,7 +260,7 @@ class SourceActor:
 
     def serve(self, address: str, token: bytes) -> ChannelOpened:
         """Connects to the pool's socket ``address`` (an abstract Unix socket of this host),
-        says :class:`~extsrc.ray.protocol.ChannelHello` with ``token``, then handles the pool's
+        says :data:`~extsrc.ray.protocol.HELLO` (``token``, its index), then handles the pool's
         messages until it closes the channel: tasks are run in this thread, in the order they
         come, each answered on the channel as it ends; slots are opened with the descriptors
         that came with them, or dropped. Answers ``ChannelOpened(False, why)`` at once when it
@@ -270,8 +270,8 @@ class SourceActor:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(address)
+            sock.sendall(HELLO.pack(token, self.index))
             channel = Channel(sock, pool_end=False)
-            channel.send(ChannelHello(self.index, token))
         except OSError as exc:
             sock.close()
             return ChannelOpened(False, f"{type(exc).__name__}: {exc}")

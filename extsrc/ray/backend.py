@@ -20,8 +20,8 @@ thread. What differs is what a worker is and how results arrive:
   batches, and a slow task never holds back a finished one.
 * **Direct channel** (:data:`DIRECT_CHANNEL`): an actor on the consumer's node
   is asked, once it is ready, to ``serve()`` the pool over an abstract Unix
-  socket the pool listens on (it says its index and the pool's token first,
-  :class:`~extsrc.ray.protocol.ChannelHello`). From then on it is served as a
+  socket the pool listens on (a process of this user that says the pool's
+  token first, :data:`~extsrc.ray.protocol.HELLO`; nothing before is unpickled). From then on it is served as a
   worker process is: tasks, slots (``AddSlot`` with the descriptors, over
   ``SCM_RIGHTS``) and answers are the engine's messages on that socket, read
   by the I/O thread with the others; Ray's call thread stays in ``serve()``,
@@ -76,6 +76,7 @@ import queue
 import secrets
 import select
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -91,8 +92,8 @@ from extsrc.ray.options import check_options
 from extsrc.ray.actor import REPLY_TASKS, SourceActor
 from extsrc.ray.parts import columns_bytes, join, parts_for
 from extsrc.engine.channel import Channel, OwnedFds
-from extsrc.ray.protocol import (ActorReady, ChannelHello, ChannelOpened, Produced, SlotChange, SlotClose,
-                                 SlotOpen)
+from extsrc.ray.protocol import (HELLO, TOKEN_BYTES, ActorReady, ChannelOpened, Produced, SlotChange,
+                                 SlotClose, SlotOpen)
 from extsrc.ray.writer import ResultWriter
 
 # While calls are out, the I/O thread checks at least this often that Ray is still connected:
@@ -129,7 +130,7 @@ LOCAL_WRITES = True
 # about a millisecond of CPU between this process, the actor and Ray's threads, a message tens
 # of microseconds (small samples: 0.43x the process backend's rate with calls on 2 cores).
 DIRECT_CHANNEL = True
-# An actor sends its ChannelHello right after it connects; a connection that says nothing for
+# An actor sends its HELLO right after it connects; a connection that says nothing for
 # this long is not one of the pool's actors.
 HELLO_TIMEOUT_S = 5.0
 # When an actor's channel closes, Ray's own error for its serve() call (which says why: killed,
@@ -344,7 +345,7 @@ class RayBackend:
             listener.close()
             return
         listener.setblocking(False)
-        self._listener, self._address, self._token = listener, address, secrets.token_bytes(16)
+        self._listener, self._address, self._token = listener, address, secrets.token_bytes(TOKEN_BYTES)
         self._poller.register(listener.fileno(), select.POLLIN)
 
     def stop(self, ask: bool) -> None:
@@ -538,19 +539,35 @@ class RayBackend:
                 return
             except OSError:
                 return
-            sock.settimeout(HELLO_TIMEOUT_S)
-            try:
-                hello, _fds = Channel(sock, pool_end=False).recv()
-            except (EOFError, OSError, Exception):
-                sock.close()
-                continue
-            worker = (self._workers[hello.index] if isinstance(hello, ChannelHello)
-                      and 0 <= hello.index < len(self._workers) else None)
-            if (worker is None or not secrets.compare_digest(hello.token, self._token)
-                    or not worker.connecting or worker.channel is not None):
+            worker = self._hello(sock)
+            if worker is None:
                 sock.close()
                 continue
             self._connected(worker, Channel(sock, pool_end=True))
+
+    def _hello(self, sock: socket.socket) -> Optional[ActorHandle]:
+        """The worker a new connection is, if it is a process of this user that says the
+        pool's token and the index of a worker waiting to connect; nothing it sent before is
+        unpickled."""
+        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                             struct.calcsize("3i")))
+        if uid != os.getuid():
+            return None
+        sock.settimeout(HELLO_TIMEOUT_S)
+        hello = bytearray()
+        try:
+            while len(hello) < HELLO.size:
+                chunk = sock.recv(HELLO.size - len(hello))
+                if not chunk:
+                    return None
+                hello += chunk
+        except OSError:
+            return None
+        token, index = HELLO.unpack(hello)
+        if not secrets.compare_digest(token, self._token) or not 0 <= index < len(self._workers):
+            return None
+        worker = self._workers[index]
+        return worker if worker.connecting and worker.channel is None else None
 
     def _connected(self, worker: ActorHandle, channel: Channel) -> None:
         """``worker`` serves on ``channel`` from now on: the slot changes waiting for its first

@@ -14,7 +14,7 @@ sources.
 
 An actor on the consumer's node is then asked to ``serve()`` the pool over a
 Unix socket, as a worker process does (see :mod:`extsrc.ray.backend`): it
-connects, says :class:`ChannelHello`, and from then on tasks, slots
+connects, says :data:`HELLO` (the pool's token, its index), and from then on tasks, slots
 (:class:`~extsrc.engine.protocol.AddSlot` with its descriptors) and answers
 travel as the engine's messages on that socket, not as Ray calls. ``serve()``
 answers :class:`ChannelOpened` when the channel closes, or at once when it
@@ -23,6 +23,7 @@ could not connect (the pool then goes on with Ray calls).
 
 from __future__ import annotations
 
+import struct
 from typing import Any, List, NamedTuple, Tuple, Union
 
 import numpy as np
@@ -106,12 +107,11 @@ class SlotClose(NamedTuple):
 SlotChange = Union[SlotOpen, SlotClose]
 
 
-class ChannelHello(NamedTuple):
-    """Actor -> pool, the first message on a direct channel: which worker connected, with the
-    token the pool gave it (another process of the host that connects has none)."""
-
-    index: int  # type: ignore[assignment]  # shadows tuple.index, never called on these
-    token: bytes
+# Actor -> pool, the first bytes on a direct channel, before any pickled message: the token the
+# pool gave it (another process of the host that connects has none, and nothing it sends is
+# unpickled) and the worker's index.
+TOKEN_BYTES = 16
+HELLO = struct.Struct(f"<{TOKEN_BYTES}sI")
 
 
 class ChannelOpened(NamedTuple):

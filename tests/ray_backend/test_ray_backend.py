@@ -419,3 +419,53 @@ def test_reading_idx_in_epoch_under_a_shuffled_order_is_warned_once_with_ray_act
                 pass
     notes = [w for w in caught if issubclass(w.category, OrderWarning)]
     assert len(notes) == 1 and "idx_in_epoch" in str(notes[0].message)
+
+
+class _Planted:
+    """Unpickled, it would leave a file: what another local process could send the pool."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _pool_sockets():
+    """The abstract socket names the pools of this process listen on (from /proc/net/unix:
+    the connections accepted on one carry its name too; a listening socket's flags say so)."""
+    mine = f"@extsrc-ray-{os.getpid()}-"
+    listening = "00010000"  # __SO_ACCEPTCON
+    with open("/proc/net/unix") as f:
+        rows = [line.split() for line in f]
+    return [row[-1] for row in rows if len(row) == 8 and row[-1].startswith(mine) and row[3] == listening]
+
+
+def test_another_process_connecting_to_the_pools_socket_is_ignored_and_nothing_it_sends_is_unpickled(tmp_path):
+    import socket
+    import struct
+
+    from extsrc.engine.channel import Channel
+
+    planted = tmp_path / "planted"
+    with ParallelSource(sample_of, 8, backend="ray", num_workers=2) as src:
+        it = iter(src)
+        first = [np.array(s) for s in next(it)]
+        (address,) = _pool_sockets()
+        intruders = []
+        for prefix in (b"", b"\0" * 16 + struct.pack("<I", 0)):  # a message at once; a wrong token
+            intruder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            intruder.connect("\0" + address[1:])
+            intruder.sendall(prefix)
+            Channel(intruder, pool_end=False).send(_Planted(str(planted)))
+            intruders.append(intruder)
+        rest = [[np.array(s) for s in b] for _, b in zip(range(30), it)]
+        assert all(a.channel for a in src.pool.workers_backend.actors())  # they connected meanwhile
+        for intruder in intruders:
+            intruder.close()
+    assert not planted.exists()
+    with ParallelSource(sample_of, 8, num_workers=2) as src:
+        expected = [[np.array(s) for s in b] for _, b in zip(range(31), src)]
+    for got, want in zip([first] + rest, expected):
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
