@@ -27,7 +27,7 @@ import resource
 import select
 import signal
 import traceback
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Mapping, Optional, Set
 
 from extsrc import forking
 from extsrc.engine.channel import Channel
@@ -116,6 +116,14 @@ def worker_main(setup: WorkerSetup, channel: Channel, lifeline: LifelineEnd) -> 
             for runner in runners.values()):  # an async batch-mode callback runs the loop itself
         _serve_overlapping(channel, runners, setup.index)
         return
+    serve(channel, runners, setup.index)
+
+
+def serve(channel: Channel, runners: Mapping[int, SourceRunner], index: int) -> None:
+    """The worker's loop, in the thread that calls it: each task is run where it arrives and
+    answered when done; slots are added (with the descriptors that came with them) and
+    dropped in the order sent. Returns when the pool says :class:`Stop` or the channel closes
+    (also a Ray actor on the consumer's node serves its pool with it, ``index`` its worker)."""
     while True:
         try:
             message, fds = channel.recv()
@@ -129,7 +137,7 @@ def worker_main(setup: WorkerSetup, channel: Channel, lifeline: LifelineEnd) -> 
                 return
         elif isinstance(message, AddSlot):
             runners[message.source_id].writer.add_slot(message.slot_id, fds[0], fds[1],
-                                                       message.kind, setup.index)
+                                                       message.kind, index)
         elif isinstance(message, DropSlot):
             runners[message.source_id].writer.drop_slot(message.slot_id)
         elif isinstance(message, Stop):

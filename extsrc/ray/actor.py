@@ -33,8 +33,9 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, 
 import numpy as np
 
 from extsrc.engine.channel import Channel
-from extsrc.engine.protocol import AddSlot, DropSlot, SetupFailed, SourceSetup, Task
+from extsrc.engine.protocol import SetupFailed, SourceSetup, Task
 from extsrc.engine.runner import SAMPLE, SourceRunner, load_source
+from extsrc.engine.worker import serve
 from extsrc.ray.parts import INLINE_MAX_BYTES, columns_bytes, fitting, split
 from extsrc.ray.protocol import HELLO, ActorReady, ChannelOpened, Produced, SlotChange, SlotOpen
 from extsrc.shm.writer import TaskWriter
@@ -124,6 +125,13 @@ class ActorWriter:
         if slot_id in self.slots.slots:
             return self.slots.begin(slot_id, batch_seq, start, stop, region_bytes, regions, describe)
         return PackedWrite(self.checker, describe)
+
+    def add_slot(self, slot_id: int, region_fd: int, overflow_fd: int, kind: str, worker: int) -> None:
+        """A slot whose descriptors came over the channel (see :meth:`SourceActor.serve`)."""
+        self.slots.add_slot(slot_id, region_fd, overflow_fd, kind, worker)
+
+    def drop_slot(self, slot_id: int) -> None:
+        self.slots.drop_slot(slot_id)
 
     def close(self) -> None:
         self.slots.close()
@@ -276,24 +284,9 @@ class SourceActor:
             sock.close()
             return ChannelOpened(False, f"{type(exc).__name__}: {exc}")
         try:
-            while True:
-                try:
-                    message, fds = channel.recv()
-                except (EOFError, OSError):
-                    break
-                if isinstance(message, Task):
-                    # Run here, as a worker process does: no hand-over to the runner thread,
-                    # which has nothing queued (the pool makes no run() call to this actor).
-                    answer = self.runners[message.source_id].run(message)
-                    try:
-                        channel.send(answer)
-                    except OSError:
-                        break  # the pool closed the channel: it wants no more answers
-                elif isinstance(message, AddSlot):
-                    writer = cast(ActorWriter, self.runners[message.source_id].writer).slots
-                    writer.add_slot(message.slot_id, fds[0], fds[1], message.kind, self.index)
-                elif isinstance(message, DropSlot):
-                    cast(ActorWriter, self.runners[message.source_id].writer).slots.drop_slot(message.slot_id)
+            # Tasks run here, as in a worker process: no hand-over to the runner thread, which
+            # has nothing queued (the pool makes no run() call to an actor it serves this way).
+            serve(channel, self.runners, self.index)
         finally:
             sock.close()
         return ChannelOpened(True)
