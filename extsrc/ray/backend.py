@@ -535,9 +535,7 @@ class RayBackend:
         while listener is not None:
             try:
                 sock, _ = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
+            except OSError:  # none waiting (BlockingIOError), or the listener is closed
                 return
             worker = self._hello(sock)
             if worker is None:
