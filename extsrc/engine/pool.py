@@ -388,8 +388,7 @@ class WorkerPool:
 
     def notify(self) -> None:
         """*engine*, lock held: wakes every consumer waiting for a change."""
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
+        for waiter in self._take_waiters():
             waiter.release()
 
     def _take_waiters(self) -> List[Any]:

@@ -275,7 +275,7 @@ class RayBackend:
         self._poller: Any = None
         self._home = ""  # the Ray node id of this process (the consumer's)
         # The abstract Unix socket local actors connect to (DIRECT_CHANNEL), and the token they
-        # must say; connections accepted before their worker's serve() call was answered.
+        # must say first.
         self._listener: Optional[socket.socket] = None
         self._address = ""
         self._token = b""
