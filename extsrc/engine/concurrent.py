@@ -115,7 +115,7 @@ class AsyncEngine:
         self.callback = callback
         self.concurrency = concurrency
         self._busy = 0  # calls in flight, over all the runs sharing the limit (run_shared)
-        self._room: List["asyncio.Future[None]"] = []  # runs waiting for a call to end
+        self._room: List[asyncio.Event] = []  # runs with calls left to start, waiting for room
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -136,8 +136,10 @@ class AsyncEngine:
     async def run_shared(self, jobs: Iterable[Job], deliver: Deliver,
                          limit_s: Optional[float]) -> Outcome:
         """:meth:`run` as a coroutine on the running loop, for runs that overlap (the tasks
-        of one worker): all of them together keep at most ``concurrency`` calls in flight,
-        and a run started earlier gets the room a finished call frees first."""
+        of one worker): all of them together keep ``concurrency`` calls in flight whenever
+        they have calls left to start (a call that ends in one run lets another start one at
+        once, not when its own next call ends), and a run started earlier gets the room a
+        finished call frees first."""
         return await self._run(iter(jobs), deliver, limit_s, True)
 
     def _has_room(self, flying: int, shared: bool) -> bool:
@@ -146,9 +148,8 @@ class AsyncEngine:
     def _freed(self, _task: Any) -> None:
         self._busy -= 1
         waiting, self._room = self._room, []
-        for future in waiting:  # in the order they began to wait: earlier runs first
-            if not future.done():
-                future.set_result(None)
+        for wake in waiting:  # in the order they began to wait: earlier runs first
+            wake.set()
 
     async def _one(self, argument: Any) -> Tuple[Any, int]:
         began = time.perf_counter_ns()
@@ -165,7 +166,13 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         run = _Run(deliver)
         flying: Dict["asyncio.Task[Any]", Tuple[int, float]] = {}  # task -> (position, started)
-        finished: "asyncio.Queue[asyncio.Task[Any]]" = asyncio.Queue()
+        finished: List["asyncio.Task[Any]"] = []  # this run's calls that ended, not yet reported
+        wake = asyncio.Event()  # set when one of this run's calls ends, or room frees (shared)
+
+        def ended(task: "asyncio.Task[Any]") -> None:
+            finished.append(task)
+            wake.set()
+
         exhausted = False
         try:
             while True:
@@ -176,29 +183,27 @@ class AsyncEngine:
                         break
                     position, argument = job
                     task = loop.create_task(self._one(argument))
-                    task.add_done_callback(finished.put_nowait)  # O(1) per sample, unlike wait()
+                    task.add_done_callback(ended)  # O(1) per sample, unlike wait()
                     if shared:
                         self._busy += 1
                         task.add_done_callback(self._freed)
                     flying[task] = (position, loop.time())
-                if not flying:
-                    if exhausted:
-                        return run.outcome()
-                    room = loop.create_future()  # the other runs hold every call: wait for one
-                    self._room.append(room)
-                    await room
-                    continue
-                if finished.empty() and limit_s is not None:
-                    timeout = max(0.0, min(s for _, s in flying.values()) + limit_s - loop.time())
-                    first = None
-                    try:
-                        first = await asyncio.wait_for(finished.get(), timeout)
-                    except asyncio.TimeoutError:
-                        self._cut_hung(run, flying, limit_s, loop.time())
-                    done = self._drain(finished, flying, first)
-                else:
-                    first = await finished.get() if finished.empty() else None
-                    done = self._drain(finished, flying, first)
+                if not flying and exhausted:
+                    return run.outcome()
+                if shared and not exhausted and wake not in self._room:
+                    self._room.append(wake)  # a call of another run ending makes room for ours
+                if not finished:
+                    if limit_s is not None and flying:
+                        timeout = max(0.0, min(s for _, s in flying.values()) + limit_s - loop.time())
+                        try:
+                            await asyncio.wait_for(wake.wait(), timeout)
+                        except asyncio.TimeoutError:
+                            self._cut_hung(run, flying, limit_s, loop.time())
+                    else:
+                        await wake.wait()
+                wake.clear()
+                done = [task for task in finished if task in flying]  # cancelled ones are gone
+                finished.clear()
                 for task in sorted(done, key=lambda t: flying[t][0]):
                     position, _ = flying.pop(task)
                     self._report(run, task, position)
@@ -208,17 +213,12 @@ class AsyncEngine:
                             task.cancel()
                             del flying[task]
         finally:
+            if wake in self._room:
+                self._room.remove(wake)
             for task in flying:
                 task.cancel()
             if flying:
                 await asyncio.wait(flying)
-
-    @staticmethod
-    def _drain(finished: "asyncio.Queue[Any]", flying: Dict[Any, Any], first: Any) -> List[Any]:
-        done = [] if first is None else [first]
-        while not finished.empty():
-            done.append(finished.get_nowait())
-        return [task for task in done if task in flying]  # cancelled ones were dropped already
 
     @staticmethod
     def _report(run: _Run, task: "asyncio.Task[Any]", position: int) -> None:
