@@ -15,6 +15,10 @@ them alike:
   buffer, in one process.
 
 The ratio is ``engine / (workers * R)``, from a reference and an engine run back to back;
+with ``--pair`` the script also runs the reference loop in ``workers`` processes at once
+(``P``, their rates summed: what the machine's cores and memory give when both work, which
+on a shared virtual machine can be well below ``workers * R`` for the large row) and
+prints ``engine / P`` as well;
 the script prints each round, then the median and the range per row and tree. It also
 prints the CPU time per sample of each (the engine's: its process and workers together) and
 their quotient, the share of the engine's CPU that the callback's loop would need: a figure
@@ -115,6 +119,28 @@ def reference(row: str, seconds: float) -> Tuple[float, float]:
     return _timed(step, seconds)
 
 
+def reference_pair(row: str, seconds: float) -> Tuple[float, float]:
+    """:func:`reference` in ``WORKERS`` processes at once: their rates summed, and their
+    mean CPU microseconds per sample."""
+    readers = []
+    for _ in range(WORKERS):
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_end)
+            rate, cpu_us = reference(row, seconds)
+            os.write(write_end, json.dumps([rate, cpu_us]).encode())
+            os._exit(0)
+        os.close(write_end)
+        readers.append((pid, read_end))
+    results = []
+    for pid, read_end in readers:
+        with os.fdopen(read_end, "rb") as f:
+            results.append(json.loads(f.read()))
+        os.waitpid(pid, 0)
+    return sum(r for r, _ in results), statistics.mean(c for _, c in results)
+
+
 def engine_small(seconds: float, dense_arrays: bool = False) -> Tuple[float, float]:
     import extsrc
 
@@ -159,6 +185,8 @@ def engine_large(seconds: float) -> Tuple[float, float]:
 def child(kind: str, row: str, seconds: float) -> None:
     if kind == "reference":
         rate, cpu_us = reference(row, seconds)
+    elif kind == "pair":
+        rate, cpu_us = reference_pair(row, seconds)
     else:
         rate, cpu_us = (engine_large(seconds) if row == "large"
                         else engine_small(seconds, dense_arrays=row == "small-arrays"))
@@ -185,6 +213,8 @@ def main() -> int:
                         help="comma-separated: small, small-arrays, large (default: all three)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--seconds", type=float, default=3.0, help="measured time per run")
+    parser.add_argument("--pair", action="store_true", help="also run the reference loop in "
+                        "WORKERS processes at once and print the engine against their summed rate")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "ROW"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -196,6 +226,7 @@ def main() -> int:
     ratios: Dict[str, Dict[str, List[float]]] = {r: {t: [] for t in trees} for r in rows}
     rates: Dict[str, Dict[str, List[float]]] = {r: {t: [] for t in trees} for r in rows}
     cpu_shares: Dict[str, Dict[str, List[float]]] = {r: {t: [] for t in trees} for r in rows}
+    pair_ratios: Dict[str, Dict[str, List[float]]] = {r: {t: [] for t in trees} for r in rows}
     for round_ in range(args.rounds):
         for row in rows:
             for tree in (trees if round_ % 2 == 0 else trees[::-1]):
@@ -205,10 +236,17 @@ def main() -> int:
                 ratios[row][tree].append(ratio)
                 rates[row][tree].append(eng)
                 cpu_shares[row][tree].append(ref_cpu / eng_cpu)
+                pair = ""
+                if args.pair:
+                    both, _ = run_child(tree, "pair", row, args.seconds)
+                    pair_ratios[row][tree].append(eng / both)
+                    pair = (f"; {WORKERS} reference loops at once {both:,.0f}/s "
+                            f"({both / (WORKERS * ref):.2f} of {WORKERS}x one), engine / that "
+                            f"{eng / both:.3f}")
                 load = os.getloadavg()[0]
                 print(f"round {round_} {row:5s} {tree}: reference {ref:,.0f}/s per core, engine "
                       f"{eng:,.0f}/s, ratio {ratio:.3f}; CPU per sample {ref_cpu:.2f} us vs "
-                      f"{eng_cpu:.2f} us (load {load:.1f})", flush=True)
+                      f"{eng_cpu:.2f} us{pair} (load {load:.1f})", flush=True)
     print()
     for row in rows:
         for tree in trees:
@@ -219,6 +257,10 @@ def main() -> int:
                   f"{r[-1]:.3f}, {len(r)} runs); engine median {statistics.median(e):,.0f}/s; "
                   f"callback share of the engine's CPU median {statistics.median(c):.3f} "
                   f"(range {c[0]:.3f}-{c[-1]:.3f})")
+            if args.pair:
+                p = sorted(pair_ratios[row][tree])
+                print(f"{row:5s} {tree}: engine / {WORKERS} reference loops at once, median "
+                      f"{statistics.median(p):.3f} (range {p[0]:.3f}-{p[-1]:.3f})")
     return 0
 
 

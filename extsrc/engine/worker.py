@@ -34,6 +34,7 @@ from extsrc.engine.channel import Channel
 from extsrc.engine.concurrent import AsyncEngine, worker_loop
 from extsrc.engine.protocol import AddSlot, DropSlot, SetupFailed, Stop, Task, WorkerSetup
 from extsrc.engine.runner import SourceRunner, load_source
+from extsrc.engine.worker_malloc import keep_freed_memory
 
 _PR_SET_PDEATHSIG = 1
 _F_SETSIG = getattr(fcntl, "F_SETSIG", 10)  # Linux: the signal sent when the descriptor is ready
@@ -99,6 +100,7 @@ def worker_main(setup: WorkerSetup, channel: Channel, lifeline: LifelineEnd) -> 
     _raise_descriptor_limit()
     if setup.forked:
         forking.drop_inherited_memory()
+    keep_freed_memory()
     runners: Dict[int, SourceRunner] = {}
     try:
         for source in setup.sources:
