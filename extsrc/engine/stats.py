@@ -47,8 +47,9 @@ WORKERS_SATURATED = 0.85
 # the wall time or more: the CPU they needed was not there, and the other figures are skewed by it.
 CPU_WAIT_BUSY = 0.10
 # While they waited, other programs used at least this fraction of the cores the process may run
-# on (the cores minus what the source's own processes used): the machine is busy, rather than the
-# workers and the consumer crowding each other out.
+# on (what the kernel counts busy on them, /proc/stat, minus what the source's own processes
+# used; without /proc/stat, the cores minus that): the machine is busy, rather than the workers
+# and the consumer (or a worker's own threads, concurrency=N) crowding each other out.
 OTHERS_SHARE = 0.25
 # Busy workers that spend this share of their busy time or more neither on a CPU nor waiting
 # for one mostly wait on storage or the network: more samples in flight per worker is the fix,
@@ -95,6 +96,7 @@ class SourceStats:
     consumer_cpu_wait: Optional[float] = None  # the same for the thread taking the batches
     own_cpu_cores: Optional[float] = None  # cores used by this process and its workers, on average
     cores: int = 0  # cores this process may run on
+    idle_cores: Optional[float] = None  # of those, how many were idle on average (/proc/stat)
     concurrency: int = 1  # samples in flight at once per worker, at most (the source's setting)
     in_flight_mean: float = 0.0  # samples in flight per worker on average while it was busy
     worker_cpu_share: Optional[float] = None  # CPU time of the workers / their busy time
@@ -147,9 +149,17 @@ class SourceStats:
         other programs took the cores (:data:`OTHERS_SHARE`): the figures then tell about the
         machine, not about the source."""
         waits = [w for w in (self.mean_worker_cpu_wait, self.consumer_cpu_wait) if w is not None]
-        if not waits or max(waits) < CPU_WAIT_BUSY or self.own_cpu_cores is None or not self.cores:
+        if not waits or max(waits) < CPU_WAIT_BUSY or self.others_cores is None or not self.cores:
             return False
-        return self.cores - self.own_cpu_cores >= OTHERS_SHARE * self.cores
+        return self.others_cores >= OTHERS_SHARE * self.cores
+
+    @property
+    def others_cores(self) -> Optional[float]:
+        """Cores used on average by other programs, of those this process may run on."""
+        if self.own_cpu_cores is None:
+            return None
+        idle = self.idle_cores if self.idle_cores is not None else 0.0
+        return max(0.0, self.cores - idle - self.own_cpu_cores)
 
     @property
     def kind(self) -> str:
@@ -182,11 +192,13 @@ class SourceStats:
                 waited.append(f"the workers {self.mean_worker_cpu_wait:.0%}")
             if self.consumer_cpu_wait is not None:
                 waited.append(f"the consumer {self.consumer_cpu_wait:.0%}")
-            assert self.own_cpu_cores is not None
+            assert self.own_cpu_cores is not None and self.others_cores is not None
+            others = ("" if self.idle_cores is None else
+                      f" and other programs {self.others_cores:.1f}")
             return (
                 f"Machine busy: other programs use the cores. Ready to run, {' and '.join(waited)} "
                 f"of the time waited for a CPU, while this source's processes used "
-                f"{self.own_cpu_cores:.1f} of the {_cores_text(self.cores)} they may run on. The waits and "
+                f"{self.own_cpu_cores:.1f}{others} of the {_cores_text(self.cores)} they may run on. The waits and "
                 "busy times above include that lost CPU time, so they blame neither the workers "
                 "nor the consumer; no setting of the source fixes it. Run on free cores (fewer "
                 "other jobs, taskset/cpuset), then look again."
@@ -283,9 +295,10 @@ class SourceStats:
         if self.own_cpu_cores is not None:
             waits = ", ".join(f"{w:.0%}" for w in self.workers_cpu_wait) or "n/a"
             consumer = "n/a" if self.consumer_cpu_wait is None else f"{self.consumer_cpu_wait:.0%}"
+            others = "" if self.idle_cores is None else f", {self.others_cores:.1f} by other programs"
             lines.append(
                 f"  CPU: {self.own_cpu_cores:.1f} of {_cores_text(self.cores)} used by the consumer and "
-                f"workers; waiting for a CPU while runnable: workers {waits}, consumer {consumer}"
+                f"workers{others}; waiting for a CPU while runnable: workers {waits}, consumer {consumer}"
             )
         lines.append(f"  diagnosis: {self.diagnosis()}")
         return "\n".join(lines)
@@ -329,6 +342,23 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+def _idle_ticks() -> Optional[int]:
+    """Clock ticks the CPUs this process may run on have spent idle (idle and iowait, from
+    ``/proc/stat``) since boot; None where it cannot be read."""
+    try:
+        allowed = {f"cpu{n}" for n in os.sched_getaffinity(0)}
+        total, found = 0, False
+        with open("/proc/stat") as f:
+            for line in f:
+                fields = line.split()
+                if fields and fields[0] in allowed:
+                    total += int(fields[4]) + int(fields[5])  # idle, iowait
+                    found = True
+        return total if found else None
+    except (AttributeError, OSError, ValueError, IndexError):
+        return None
+
+
 class SchedWindow:
     """What the scheduler says about the source's processes over a window (Linux ``schedstat``).
 
@@ -343,6 +373,7 @@ class SchedWindow:
         self.worker_pids = worker_pids
         self.consumer_tid = threading.get_native_id()
         self._base: Dict[object, Sched] = {}
+        self._idle_base: Optional[int] = None
 
     def _now(self) -> Dict[object, Sched]:
         now: Dict[object, Sched] = {}
@@ -360,6 +391,14 @@ class SchedWindow:
     def start(self) -> None:
         self.consumer_tid = threading.get_native_id()
         self._base = self._now()
+        self._idle_base = _idle_ticks()
+
+    def idle_cores(self, seconds: float) -> Optional[float]:
+        """Cores of this process's set idle on average since :meth:`start` (None: unknown)."""
+        now = _idle_ticks()
+        if now is None or self._idle_base is None or seconds <= 0:
+            return None
+        return max(0.0, (now - self._idle_base) / os.sysconf("SC_CLK_TCK") / seconds)
 
     def figures(self, seconds: float, num_workers: int
                 ) -> Tuple[Tuple[float, ...], Optional[float], Optional[float], int]:
@@ -455,6 +494,7 @@ class StatsCollector:
                  batch_size: int) -> SourceStats:
         seconds = max(time.monotonic() - self.started, 1e-9)
         workers_wait, consumer_wait, used, cores = self.sched.figures(seconds, self.num_workers)
+        idle = self.sched.idle_cores(seconds) if used is not None else None
         kept = min(self.timed, TIMINGS_KEPT)
         median, p95 = _weighted_percentiles(self.per_sample[:kept], self.weight[:kept], (0.5, 0.95))
         return SourceStats(
@@ -467,7 +507,7 @@ class StatsCollector:
             ready_ahead=self.ready_sum / self.batches if self.batches else 0.0,
             ready_now=ready_now, shared_memory_bytes=shared_memory, num_workers=self.num_workers,
             prefetch=prefetch, batch_size=batch_size, workers_cpu_wait=workers_wait,
-            consumer_cpu_wait=consumer_wait, own_cpu_cores=used, cores=cores,
+            consumer_cpu_wait=consumer_wait, own_cpu_cores=used, cores=cores, idle_cores=idle,
             concurrency=self.concurrency,
             in_flight_mean=self.waited_ns / max(1, sum(self.busy_ns)),
             worker_cpu_share=self.cpu_ns / self.cpu_busy_ns if self.cpu_busy_ns else None,

@@ -37,6 +37,24 @@ def test_workers_crowding_each_other_out_are_not_a_busy_machine():
     assert stats.kind == "input-bound"
 
 
+def test_a_worker_s_own_threads_waiting_on_an_idle_machine_are_not_a_busy_machine():
+    # concurrency=32 on threads: many threads wake at once and queue for the CPU (their waits,
+    # summed, are large) while the source uses 0.4 of 2 cores and the cores are idle the rest
+    # of the time: no other program took them.
+    crowded = dict(wait_seconds=9.0, worker_busy=(1.0, 1.0), workers_cpu_wait=(0.7, 0.7),
+                   consumer_cpu_wait=0.0, own_cpu_cores=0.4, cores=2, concurrency=32,
+                   in_flight_mean=29.0, worker_cpu_share=0.2, worker_runq_share=0.1,
+                   callback_median_s=0.02)
+    stats = figures(idle_cores=1.5, **crowded)
+    assert stats.kind == "input-bound", stats.diagnosis()
+    assert "Machine busy" not in stats.diagnosis()
+    assert "0.1 by other programs" in str(stats)
+    # The same waits while other programs kept the cores busy: the machine is named.
+    busy = figures(idle_cores=0.2, **crowded)
+    assert busy.kind == "machine busy"
+    assert "0.4 and other programs 1.4 of the 2 cores" in busy.diagnosis()
+
+
 def test_batches_ready_when_taken_are_not_a_wait_for_the_workers():
     stats = figures(wait_seconds=3.0, ready_ahead=1.8, worker_busy=(0.9, 0.9))
     assert not stats.input_bound and stats.kind == "per-batch cost"
