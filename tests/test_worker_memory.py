@@ -7,7 +7,6 @@ back to the kernel (mmap/munmap, or a trimmed heap) and every call faults all of
 again; a worker of extsrc keeps it (:mod:`extsrc.engine.worker_malloc`).
 """
 
-import ctypes
 import resource
 
 import numpy as np
@@ -31,11 +30,7 @@ def faults_making_buffers(info):
     return np.array([resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before], np.int64)
 
 
-def _glibc() -> bool:
-    return hasattr(ctypes.CDLL(None), "mallopt")
-
-
-@pytest.mark.skipif(not _glibc(), reason="the C library has no mallopt (not glibc)")
+@pytest.mark.skipif(not worker_malloc.available(), reason="the C library has no mallopt (not glibc)")
 @pytest.mark.skipif(worker_malloc.user_chose(), reason="the environment sets glibc's thresholds")
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_samples_made_again_do_not_fault_their_memory_in_again(start_method):

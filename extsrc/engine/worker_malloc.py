@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import Any, Optional
 
 # glibc's mallopt() parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -47,14 +48,24 @@ def user_chose() -> bool:
     return "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
 
 
+def _mallopt() -> Optional[Any]:
+    """The C library's ``mallopt``; None where there is none (not glibc)."""
+    try:
+        return ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+
+
+def available() -> bool:
+    """Whether this process's C library can be told (glibc's ``mallopt``)."""
+    return _mallopt() is not None
+
+
 def keep_freed_memory() -> bool:
     """In a worker: has glibc keep freed memory for reuse (see the module docstring).
     Returns whether the settings were applied."""
-    if user_chose():
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc
+    mallopt = None if user_chose() else _mallopt()
+    if mallopt is None:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
