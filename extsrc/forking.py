@@ -9,7 +9,7 @@ workers, ``os.fork()`` by the user, a library (a PyTorch ``DataLoader``,
   signalling a worker happen only in that process; in any other they are
   no-ops, so a child's garbage collector or exit never touches the parent's
   workers or memory.
-* **In every child**, right after the fork (:func:`_after_fork_in_child`),
+* **In every child**, right after the fork (:func:`_forget_in_child`),
   registered resources forget what they held: descriptors of segments and
   of worker sockets are closed (a child holding a worker's socket would keep
   that worker alive after the parent died), and pools refuse any use with
@@ -35,6 +35,7 @@ close-on-exec).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -44,7 +45,8 @@ from typing import Protocol
 # is forked between the two (it would inherit a descriptor it does not know to close).
 _lock = threading.RLock()
 lock = _lock
-_generation = 0
+# One entry per fork of this process, appended by a C call in a fork hook (see the bottom).
+_forks: "list[None]" = []
 _forgetful: "weakref.WeakSet[ForgetsAfterFork]" = weakref.WeakSet()
 _droppable: "weakref.WeakSet[DroppableMemory]" = weakref.WeakSet()
 
@@ -68,7 +70,7 @@ class DroppableMemory(Protocol):
 
 def generation() -> int:
     """How many times this process has forked (from Python) so far."""
-    return _generation
+    return len(_forks)
 
 
 def register(resource: ForgetsAfterFork) -> None:
@@ -104,10 +106,7 @@ def drop_inherited_memory() -> None:
         mapping.drop_in_worker()
 
 
-def _before_fork() -> None:
-    global _generation
-    _lock.acquire()
-    _generation += 1
+def _advise_memory_before_fork() -> None:
     for mapping in list(_droppable):
         try:
             mapping.before_fork()
@@ -115,12 +114,7 @@ def _before_fork() -> None:
             pass
 
 
-def _after_fork_in_parent() -> None:
-    _lock.release()
-
-
-def _after_fork_in_child() -> None:
-    _lock.release()
+def _forget_in_child() -> None:
     for resource in list(_forgetful):
         try:
             resource.forget_after_fork()
@@ -128,9 +122,15 @@ def _after_fork_in_child() -> None:
             pass
 
 
+# Python runs the ``before`` hooks in the reverse order of their registration and the ``after``
+# ones in order: the lock is taken first and released first, so the two Python hooks run with it
+# held (before) and not held (in the child). Taking and releasing the lock and counting the fork
+# are C calls on purpose: a ``KeyboardInterrupt`` is raised only where Python code runs (a hook's
+# exception is then printed and dropped), so none can skip them. A skipped release would leave
+# the lock held for good, and hang the next thread that needs it (a pool starting a worker).
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(
-        before=_before_fork,
-        after_in_parent=_after_fork_in_parent,
-        after_in_child=_after_fork_in_child,
-    )
+    os.register_at_fork(before=_advise_memory_before_fork)
+    os.register_at_fork(before=functools.partial(_forks.append, None))
+    os.register_at_fork(before=_lock.acquire, after_in_parent=_lock.release,
+                        after_in_child=_lock.release)
+    os.register_at_fork(after_in_child=_forget_in_child)

@@ -148,3 +148,64 @@ def test_fork_workers_of_one_source_hold_no_memory_of_another():
         beta.close()
     ''', timeout=120))
     assert out.strip() == "[0, 0] True"
+
+
+def test_an_interrupt_in_a_fork_leaves_the_fork_count_right_and_other_threads_free_to_start_sources():
+    # A KeyboardInterrupt raised at the k-th call of extsrc's Python code during os.fork() (where
+    # a Ctrl-C would be raised), for every k that lands in a fork hook. The fork count must still
+    # go up by one each time (a held batch's memory must not be reused after a fork), and a source
+    # started in another thread afterwards must not wait forever for a lock the fork left taken.
+    out = check(run_isolated('''
+        import os, sys, threading
+        import numpy as np
+        import extsrc
+        from extsrc import forking
+
+        EXTSRC = os.path.dirname(extsrc.__file__)
+
+        def interrupt_at(k, calls):
+            def trace(frame, event, arg):
+                if event == "call" and frame.f_code.co_filename.startswith(EXTSRC):
+                    calls[0] += 1
+                    if calls[0] == k:
+                        raise KeyboardInterrupt(f"at call {k}")
+                return None
+            return trace
+
+        held = extsrc.ParallelSource(lambda info: np.full(4, info.idx_in_epoch), 4, num_workers=1)
+        batch = next(iter(held))  # a held batch: the fork hooks have memory to look at
+        k = 0
+        while True:
+            k += 1
+            calls, before = [0], forking.generation()
+            sys.settrace(interrupt_at(k, calls))
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            sys.settrace(None)
+            os.waitpid(pid, 0)
+            assert forking.generation() == before + 1, (k, forking.generation(), before)
+            if calls[0] < k:
+                break  # every call of the fork's hooks has been interrupted once
+        print("interrupted", k - 1, "calls")
+
+        def use_a_source():
+            src = extsrc.ParallelSource(lambda info: np.full(4, info.idx_in_epoch), 4,
+                                        num_workers=1, start_method="fork")
+            got.append(int(next(iter(src))[1][0]))
+            src.close()
+
+        got = []
+        user = threading.Thread(target=use_a_source, daemon=True)
+        user.start()
+        user.join(60)  # a hang guard: the source starts in well under a second
+        if user.is_alive():
+            print("HUNG", flush=True)
+            os._exit(3)
+        assert got == [1], got
+        held.close()
+        print("OK")
+    ''', timeout=180))
+    assert "OK" in out, out
+    interrupted = int(out.split()[out.split().index("interrupted") + 1])
+    assert interrupted >= 1, out

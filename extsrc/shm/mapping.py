@@ -130,7 +130,10 @@ class Mapping:
                         callback(self.address, self.size)
                     except Exception:
                         pass
-            _libc.munmap(self.address, self.size)
+            # Forgotten before the unmap, with no call in between: a close() interrupted after
+            # the unmap and called again must not unmap whatever has since been mapped there.
+            address, self.address = self.address, 0
+            _libc.munmap(address, self.size)
         self.address = 0
 
     def drop_in_worker(self) -> None:
