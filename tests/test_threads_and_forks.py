@@ -209,3 +209,63 @@ def test_an_interrupt_in_a_fork_leaves_the_fork_count_right_and_other_threads_fr
     assert "OK" in out, out
     interrupted = int(out.split()[out.split().index("interrupted") + 1])
     assert interrupted >= 1, out
+
+
+@pytest.mark.slow
+def test_an_interrupted_forkserver_start_harms_neither_the_next_start_nor_other_sources():
+    # A KeyboardInterrupt at the k-th call of extsrc's or multiprocessing's Python code in the
+    # consumer's thread while a forkserver source starts, for every k up to the start's last
+    # such call. Interrupted half way through a request, multiprocessing's fork server exits: the
+    # next start is refused, and the workers of every other forkserver source look dead.
+    # Interrupted between starting its workers and its I/O thread, a pool ran without the thread
+    # (a hang) or started its workers twice. After each interrupted start, the source must start
+    # again and give its epoch, and a source started before must go on giving its own.
+    out = check(run_isolated('''
+        import multiprocessing, os, sys
+        import numpy as np
+        import extsrc
+
+        WATCHED = (os.path.dirname(extsrc.__file__), os.path.dirname(multiprocessing.__file__))
+
+        def interrupt_at(k, calls):
+            def trace(frame, event, arg):
+                if event == "call" and frame.f_code.co_filename.startswith(WATCHED):
+                    calls[0] += 1
+                    if calls[0] == k:
+                        raise KeyboardInterrupt(f"at call {k}")
+                return None
+            return trace
+
+        def eight(info):
+            if info.idx_in_epoch >= 8:
+                raise StopIteration
+            return np.full(2, info.idx_in_epoch)
+
+        def epoch(source):
+            return [int(sample[0]) for batch in source for sample in batch]
+
+        if __name__ == "__main__":
+            other = extsrc.ParallelSource(eight, 2, num_workers=1, start_method="forkserver")
+            assert epoch(other) == list(range(8))
+            src = extsrc.ParallelSource(eight, 2, num_workers=1, start_method="forkserver")
+            k = 0
+            while True:
+                k += 1
+                calls = [0]
+                sys.settrace(interrupt_at(k, calls))
+                try:
+                    iter(src)
+                except KeyboardInterrupt:
+                    pass
+                sys.settrace(None)
+                assert epoch(src) == list(range(8)), k
+                assert epoch(other) == list(range(8)), k
+                src.close()  # the next round starts it anew
+                src = extsrc.ParallelSource(eight, 2, num_workers=1, start_method="forkserver")
+                if calls[0] < k:
+                    break
+            other.close()
+            src.close()
+            print("interrupted", k - 1, "calls")
+    ''', timeout=300))
+    assert int(out.split()[out.split().index("interrupted") + 1]) >= 20, out

@@ -177,6 +177,7 @@ class WorkerPool:
         self._waker: Optional[Waker] = None
         self._thread: Optional[OwnedThread] = None
         self._io_ident: Optional[int] = None
+        self._io_token: Optional[object] = None  # the I/O thread's that start() committed
         _live_pools.add(self)
         forking.register(self)
 
@@ -259,25 +260,26 @@ class WorkerPool:
                 if exc.errno in DESCRIPTOR_ERRNOS:
                     raise out_of_descriptors(exc, "the pool's wake-up pipe", OSError) from exc
                 raise
+            # Everything is made first and committed at the end in plain stores, where no
+            # interrupt can land: an interrupt (KeyboardInterrupt) anywhere before leaves the
+            # pool NEW, its workers stopped. The I/O thread starts before the commit and waits
+            # for the lock held here; one whose start was not committed ends without touching
+            # anything (see _run).
+            token, running = object(), PoolState.RUNNING
             try:
                 self._backend.start(sources, self._waker)
+                loads = [_Load(index) for index in range(self.options.num_workers)]
+                thread = OwnedThread(lambda: self._run(token), "extsrc-pool-io")
+                try:
+                    thread.start()
+                except RuntimeError as exc:  # no thread could be made (e.g. RLIMIT_AS)
+                    raise thread_start_error(exc, "the pool's I/O thread") from None
             except BaseException:
+                self._backend.stop(ask=False)
                 self._waker.close()
                 self._waker = None
                 raise
-            self._loads = [_Load(index) for index in range(self.options.num_workers)]
-            self._state = PoolState.RUNNING  # the thread waits for the lock held here
-            self._thread = OwnedThread(self._run, "extsrc-pool-io")
-            try:
-                self._thread.start()
-            except RuntimeError as exc:  # no thread could be made (e.g. RLIMIT_AS): back to NEW
-                self._thread = None
-                self._state = PoolState.NEW
-                self._backend.stop(ask=False)
-                self._loads = []
-                self._waker.close()
-                self._waker = None
-                raise thread_start_error(exc, "the pool's I/O thread") from None
+            self._loads, self._thread, self._state, self._io_token = loads, thread, running, token
 
     def close(self) -> None:
         """Stops the workers and frees the shared memory of every source. Idempotent.
@@ -477,7 +479,10 @@ class WorkerPool:
 
     # -- the I/O thread -------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, token: object) -> None:
+        with self.lock:  # held by start() until it committed this thread, or gave up
+            if self._io_token is not token:
+                return  # an interrupted start's: the workers were stopped by start() itself
         self._io_ident = threading.get_ident()
         try:
             while self._io_round():

@@ -71,6 +71,8 @@ class ProcessBackend:
         self._waker: Optional[Wakeable] = None
 
     def start(self, sources: Tuple[SourceSetup, ...], waker: Wakeable) -> None:
+        if self._workers:  # a start interrupted, and interrupted again while it was undone
+            self.stop(ask=False)
         method = self.start_method
         if method == "fork" and cuda_initialized():
             raise RuntimeError(FORK_AFTER_CUDA)

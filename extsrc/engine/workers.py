@@ -10,6 +10,7 @@ of the consumer that happens to exit (see :mod:`extsrc.forking`).
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import multiprocessing
 import multiprocessing.process
@@ -19,11 +20,12 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from extsrc import forking
 from extsrc.engine.channel import Channel, OwnedFds
 from extsrc.engine.protocol import Stop, Task, WorkerSetup
+from extsrc.engine.threads import OwnedThread
 from extsrc.engine.worker import LifelineEnd, worker_main
 
 # A worker asked to stop finishes its current callback first; most are done in
@@ -64,6 +66,10 @@ class Lifeline:
     def close(self) -> None:
         """Closes both ends (idempotent); a worker still alive is killed by the kernel."""
         self.close_read_end()
+        self.close_write_end()
+
+    def close_write_end(self) -> None:
+        """Closes the pool's end (idempotent): a worker still alive is killed by the kernel."""
         fd, self._write_fd = self._write_fd, -1
         if fd >= 0 and self._pid == os.getpid():
             os.close(fd)
@@ -113,6 +119,23 @@ def launch(context: Any, setup: WorkerSetup, run_main: bool) -> WorkerHandle:
     """
     pool_end, worker_end = Channel.pair()
     lifeline = Lifeline()
+    # The worker's ends (its channel, its lifeline's read end) are closed by start(), once the
+    # worker has its copies, or by the error path below if start() never began: whichever takes
+    # ``claim`` first (a C call, which no interrupt splits). A forkserver start may still be
+    # sending them to the server after an interrupt made this call give up; closing them then
+    # would cut its request short.
+    claim = _thread.allocate_lock()
+
+    def start() -> None:
+        if not claim.acquire(False):
+            return  # launch gave up before the start began
+        try:
+            with _main_hidden(not run_main):
+                process.start()
+        finally:
+            worker_end.close()
+            lifeline.close_read_end()
+
     try:
         process = context.Process(
             target=worker_main,
@@ -120,18 +143,59 @@ def launch(context: Any, setup: WorkerSetup, run_main: bool) -> WorkerHandle:
             name=f"extsrc-worker-{setup.index}",
             daemon=True,
         )
-        with _main_hidden(not run_main):
-            process.start()
+        if context.get_start_method() == "forkserver":
+            _start_on_a_thread(start)
+        else:
+            start()
     except BaseException:
+        if claim.acquire(False):  # the start never began: the worker's ends are still here
+            worker_end.close()
+            lifeline.close_read_end()
         pool_end.close()
-        lifeline.close()
+        lifeline.close_write_end()  # a worker started all the same dies with it
         raise
-    finally:
-        worker_end.close()
-        lifeline.close_read_end()
     # The pool reaps its workers itself (see the module docstring).
     multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
     return WorkerHandle(setup.index, process, pool_end, lifeline)
+
+
+def _start_on_a_thread(start: Callable[[], None]) -> None:
+    """Runs ``start`` (a forkserver ``process.start()``) on a thread of its own, so that no
+    interrupt splits it.
+
+    A start is a request to multiprocessing's fork server, which exits when a request stops
+    half way (a ``KeyboardInterrupt`` in the caller's thread, between sending descriptors and
+    the process data). The next start is then refused, and every worker the server started,
+    for any source, looks ended. Interrupts are raised in the main thread only: one that lands
+    in the wait is raised once the request is whole. A second one, or one between the lines
+    here, is raised at once; the request still completes on its thread, and the worker it
+    made dies with its lifeline (closed by :func:`launch`).
+    """
+    failure: List[BaseException] = []
+
+    def run() -> None:
+        try:
+            start()
+        except BaseException as exc:  # raised in the caller's thread below
+            failure.append(exc)
+
+    thread = OwnedThread(run, "extsrc-forkserver-start")
+    try:
+        thread.start()
+    except RuntimeError:  # no thread could be made: the start is made here, interruptible
+        run()
+    interrupted: Optional[BaseException] = None
+    while not thread.ended and thread.ident is not None:
+        try:
+            thread.join()
+        except KeyboardInterrupt as exc:
+            if interrupted is not None:
+                raise
+            interrupted = exc
+    if failure:
+        raise failure[0]
+    if interrupted is not None:
+        raise interrupted
 
 
 @contextlib.contextmanager
