@@ -160,17 +160,9 @@ def test_an_interrupt_in_a_fork_leaves_the_fork_count_right_and_other_threads_fr
         import numpy as np
         import extsrc
         from extsrc import forking
+        from interrupting import interrupt_at_call
 
         EXTSRC = os.path.dirname(extsrc.__file__)
-
-        def interrupt_at(k, calls):
-            def trace(frame, event, arg):
-                if event == "call" and frame.f_code.co_filename.startswith(EXTSRC):
-                    calls[0] += 1
-                    if calls[0] == k:
-                        raise KeyboardInterrupt(f"at call {k}")
-                return None
-            return trace
 
         held = extsrc.ParallelSource(lambda info: np.full(4, info.idx_in_epoch), 4, num_workers=1)
         batch = next(iter(held))  # a held batch: the fork hooks have memory to look at
@@ -178,7 +170,7 @@ def test_an_interrupt_in_a_fork_leaves_the_fork_count_right_and_other_threads_fr
         while True:
             k += 1
             calls, before = [0], forking.generation()
-            sys.settrace(interrupt_at(k, calls))
+            sys.settrace(interrupt_at_call(k, calls, EXTSRC))
             pid = os.fork()
             if pid == 0:
                 os._exit(0)
@@ -224,17 +216,9 @@ def test_an_interrupted_forkserver_start_harms_neither_the_next_start_nor_other_
         import multiprocessing, os, sys
         import numpy as np
         import extsrc
+        from interrupting import interrupt_at_call
 
         WATCHED = (os.path.dirname(extsrc.__file__), os.path.dirname(multiprocessing.__file__))
-
-        def interrupt_at(k, calls):
-            def trace(frame, event, arg):
-                if event == "call" and frame.f_code.co_filename.startswith(WATCHED):
-                    calls[0] += 1
-                    if calls[0] == k:
-                        raise KeyboardInterrupt(f"at call {k}")
-                return None
-            return trace
 
         def eight(info):
             if info.idx_in_epoch >= 8:
@@ -252,7 +236,7 @@ def test_an_interrupted_forkserver_start_harms_neither_the_next_start_nor_other_
             while True:
                 k += 1
                 calls = [0]
-                sys.settrace(interrupt_at(k, calls))
+                sys.settrace(interrupt_at_call(k, calls, WATCHED))
                 try:
                     iter(src)
                 except KeyboardInterrupt:

@@ -1,0 +1,28 @@
+"""Interrupts placed where a Ctrl-C can land, for scripts that walk every such place in turn.
+
+CPython runs signal handlers at the start of a Python function (among other places), so a
+``KeyboardInterrupt`` raised by a trace function at a ``call`` event lands exactly where a real
+Ctrl-C could. Counting calls, not lines: a line event also fires where no signal can land
+(before a with-statement's exit, for one).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Tuple, Union
+
+
+def interrupt_at_call(k: int, calls: List[int], watched: Union[str, Tuple[str, ...]]
+                      ) -> Callable[[Any, str, Any], None]:
+    """A trace function (``sys.settrace``) that counts in ``calls[0]`` the calls of Python
+    functions whose file starts with ``watched`` (a folder, or several), and raises
+    ``KeyboardInterrupt`` at the ``k``-th. A script raises it at every such call in turn by
+    trying k = 1, 2, ... until ``calls[0] < k`` after the traced step (no call was left)."""
+
+    def trace(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(watched):
+            calls[0] += 1
+            if calls[0] == k:
+                raise KeyboardInterrupt(f"at call {k}")
+        return None
+
+    return trace
