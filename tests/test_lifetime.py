@@ -171,3 +171,22 @@ def test_a_batch_held_after_close_stays_right_then_its_memory_goes():
     assert _extsrc_mappings() > before
     del kept, it
     assert _extsrc_mappings() == before
+
+
+def test_shared_memory_bytes_counts_batches_held_after_close_until_they_are_dropped():
+    def sample(info):
+        return np.full((1 << 20,), info.idx_in_epoch % 256, np.uint8)
+
+    src = ParallelSource(sample, 4, num_workers=2)  # 4 MiB batches
+    it = iter(src)
+    for _ in range(4):
+        next(it)  # the first batches (one per worker) are copies, made before the layout is known
+    kept = [next(it) for _ in range(3)]
+    src.close()
+    # What a memory check reads: the three held batches still take their memory.
+    assert src.shared_memory_bytes() >= 3 * (4 << 20)
+    assert src.shared_memory_capacities() == []  # the source holds no slot any more
+    kept.pop()
+    assert 2 * (4 << 20) <= src.shared_memory_bytes() < 3 * (4 << 20)
+    del kept, it
+    assert src.shared_memory_bytes() == 0

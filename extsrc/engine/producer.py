@@ -229,7 +229,7 @@ class Producer:
         return self.error is not failed
 
     def lends(self) -> bool:
-        return bool(self.slots.leases)
+        return not self._closed and bool(self.slots.leases)  # once closed, returns are not applied
 
     def describe_task(self, task: Task) -> str:
         if self.kind == SAMPLE:

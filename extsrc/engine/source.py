@@ -320,7 +320,8 @@ class ParallelSource:
             self._producer.slots.watch(on_map, on_unmap)
 
     def shared_memory_bytes(self) -> int:
-        """Shared memory this source holds now for its slots, in bytes (held batches included)."""
+        """Shared memory this source holds now for its slots, in bytes: held batches included,
+        after :meth:`close` too, until they are dropped."""
         self._pool.check_owner()
         with self._pool.lock:
             return self._producer.slots.reserved_bytes()

@@ -49,7 +49,7 @@ from __future__ import annotations
 import enum
 import weakref
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -398,21 +398,35 @@ class SlotPool:
     @property
     def held(self) -> int:
         """Batches the consumer holds now (leased slots whose lease lives)."""
+        if self._closed:
+            return len(self._alive_leases())
         return len(self.leases) - len(self.returns)
+
+    def _alive_leases(self) -> Set[int]:
+        """After :meth:`close`, where no thread applies returns: the ids of the slots whose lease
+        still lives (a lease that ended is seen by its dead reference)."""
+        return {slot_id for slot_id, _, ref in self.leases.values() if ref() is not None}
 
     def count(self, state: SlotState) -> int:
         return sum(1 for s in self.slots.values() if s.state is state)
 
     def capacities(self) -> List[int]:
         """Shared memory each slot holds now (region and overflow segments), in bytes, by slot
-        id; slots retired while the consumer still holds their batch included."""
+        id; slots retired while the consumer still holds their batch included. Empty after
+        :meth:`close`: the pool holds no slot then."""
+        if self._closed:
+            return []
         sizes = {slot_id: _nbytes(slot) for slot_id, slot in self.slots.items()}
         sizes.update(self.released)
         return [size for _, size in sorted(sizes.items())]
 
     def reserved_bytes(self) -> int:
         """Shared memory the slots hold now (region and overflow segments), in bytes; slots
-        retired while the consumer still holds their batch included."""
+        retired while the consumer still holds their batch included, after :meth:`close` too
+        (until the batch is dropped)."""
+        if self._closed:
+            alive = self._alive_leases()
+            return sum(size for slot_id, size in self.released.items() if slot_id in alive)
         return sum(_nbytes(slot) for slot in self.slots.values()) + sum(self.released.values())
 
     def _check_open(self) -> None:
@@ -431,6 +445,8 @@ class SlotPool:
         if self._closed:
             return
         for slot in list(self.slots.values()):
+            if slot.state is SlotState.LEASED:
+                self.released[slot.slot_id] = _nbytes(slot)  # counted until its lease ends
             if tell_workers:
                 self.link.drop_slot(self.source_id, slot.slot_id)
             slot.close_segments()
@@ -439,6 +455,4 @@ class SlotPool:
             slot.state = SlotState.RETIRED
         self._closed = True
         self.slots.clear()
-        self.leases.clear()
-        self.released.clear()
-        self.returns.clear()
+        self.returns.clear()  # the leases and what they hold stay: see reserved_bytes()
