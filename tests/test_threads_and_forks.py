@@ -269,3 +269,119 @@ def test_an_interrupted_forkserver_start_harms_neither_the_next_start_nor_other_
             print("interrupted", k - 1, "calls")
     ''', timeout=300))
     assert int(out.split()[out.split().index("interrupted") + 1]) >= 20, out
+
+
+def test_an_interrupted_thread_start_leaves_no_thread_stuck_and_join_waits_for_any_thread_made():
+    # A KeyboardInterrupt at the k-th call or return of Python code (extsrc's, threading's) in
+    # OwnedThread.start(), for every k up to the last: a return stands for a Ctrl-C landing just
+    # after the C call that ends a function. threading.Thread.start() waits on an Event for the
+    # new thread: interrupted as it had just taken the Event's lock, it left the lock held, and
+    # the new thread blocked before its target for ever (a storm hung so); interrupted in the
+    # wait, it raised RuntimeError for a thread it had made. A thread made must run its target
+    # once, and join() must wait for it; no thread may be left behind.
+    out = check(run_isolated('''
+        import _thread, os, sys, threading, time
+        import extsrc
+        from extsrc.engine.threads import OwnedThread
+
+        WATCHED = (os.path.dirname(extsrc.__file__), threading.__file__)
+        # A target here ends in microseconds: this only bounds the wait for a thread that hangs.
+        HANG_GUARD_S = 30
+
+        def interrupt_at(k, events):
+            def trace(frame, event, arg):
+                if not frame.f_code.co_filename.startswith(WATCHED):
+                    return None
+                if event in ("call", "return"):
+                    events[0] += 1
+                    if events[0] == k:
+                        raise KeyboardInterrupt(f"at event {k}")  # also ends the tracing
+                return trace  # a return event needs the frame traced
+            return trace
+
+        def threads_back_to(count):
+            deadline = time.monotonic() + HANG_GUARD_S
+            while _thread._count() != count:
+                assert time.monotonic() < deadline, f"{_thread._count() - count} thread(s) stuck"
+                time.sleep(0.001)
+
+        base, ran, k = _thread._count(), [], 0
+        while True:
+            k += 1
+            events = [0]
+            thread = OwnedThread(lambda k=k: ran.append(k), f"interrupted-{k}")
+            sys.settrace(interrupt_at(k, events))
+            try:
+                thread.start()  # a RuntimeError here (no thread could be made) fails the test
+            except KeyboardInterrupt:
+                pass
+            finally:
+                sys.settrace(None)
+            joined = thread.join(HANG_GUARD_S)
+            threads_back_to(base)  # every thread made has ended: none is stuck
+            assert joined == (k in ran), (k, joined, ran[-3:])  # join() waited for a thread made
+            assert ran.count(k) <= 1, k
+            if events[0] < k:
+                break  # every event of the start has been interrupted once
+        print("interrupted", k - 1, "events")
+        later = OwnedThread(lambda: ran.append("later"), "later")
+        later.start()
+        assert later.join(HANG_GUARD_S) and ran[-1] == "later"
+    ''', timeout=180))
+    assert int(out.split()[out.split().index("interrupted") + 1]) >= 2, out
+
+
+def test_an_interrupt_in_threading_code_while_forkserver_workers_start_keeps_no_worker_half_started():
+    # A KeyboardInterrupt at the k-th call or return of threading's Python code in the consumer's
+    # thread while a forkserver source starts its two workers, for every k up to the last. Each
+    # worker starts on a thread of its own; threading.Thread.start() interrupted in its wait
+    # raised RuntimeError for the thread it had made, the start was taken for one that never
+    # began, and the pool kept a worker whose process was still being started on that thread:
+    # stopping it failed ("can only join a started process"), as a storm of interrupts found.
+    # After each interrupted start, the source must start again and give its epoch.
+    out = check(run_isolated('''
+        import os, sys, threading
+        import numpy as np
+        import extsrc
+
+        WATCHED = (threading.__file__,)
+
+        def interrupt_at(k, events):
+            def trace(frame, event, arg):
+                if not frame.f_code.co_filename.startswith(WATCHED):
+                    return None
+                if event in ("call", "return"):
+                    events[0] += 1
+                    if events[0] == k:
+                        raise KeyboardInterrupt(f"at event {k}")  # also ends the tracing
+                return trace  # a return event needs the frame traced
+            return trace
+
+        def eight(info):
+            if info.idx_in_epoch >= 8:
+                raise StopIteration
+            return np.full(2, info.idx_in_epoch)
+
+        def epoch(source):
+            return [int(sample[0]) for batch in source for sample in batch]
+
+        if __name__ == "__main__":
+            k = 0
+            while True:
+                k += 1
+                events = [0]
+                src = extsrc.ParallelSource(eight, 2, num_workers=2, start_method="forkserver")
+                sys.settrace(interrupt_at(k, events))
+                try:
+                    iter(src)
+                except KeyboardInterrupt:
+                    pass
+                finally:
+                    sys.settrace(None)
+                assert epoch(src) == list(range(8)), k
+                src.close()
+                if events[0] < k:
+                    break
+            print("interrupted", k - 1, "events")
+    ''', timeout=300))
+    assert int(out.split()[out.split().index("interrupted") + 1]) >= 2, out

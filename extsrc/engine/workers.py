@@ -185,7 +185,7 @@ def _start_on_a_thread(start: Callable[[], None]) -> None:
     except RuntimeError:  # no thread could be made: the start is made here, interruptible
         run()
     interrupted: Optional[BaseException] = None
-    while not thread.ended and thread.ident is not None:
+    while not thread.ended and thread.started:
         try:
             thread.join()
         except KeyboardInterrupt as exc:
