@@ -385,3 +385,66 @@ def test_an_interrupt_in_threading_code_while_forkserver_workers_start_keeps_no_
             print("interrupted", k - 1, "events")
     ''', timeout=300))
     assert int(out.split()[out.split().index("interrupted") + 1]) >= 2, out
+
+
+def test_overlapping_forkserver_starts_send_no_worker_the_main_script_to_import():
+    # Two forkserver starts overlap (here one in another thread; in a storm of interrupts, the
+    # start an interrupted launch left running on its thread and the next launch's): the first
+    # ends while the second is still in its start. The second worker must not be told to import
+    # the main script (a script without a __main__ guard would run in it), and the script's
+    # __file__ must be back once both ended. Each start is held at multiprocessing's preparation
+    # of the worker's data until the other got there: no timing decides the order.
+    out = check(run_isolated('''
+        import multiprocessing.spawn, sys, threading
+        import numpy as np
+        import extsrc
+
+        HANG_GUARD_S = 60  # a start takes well under a second; this only bounds a hang
+        prepare = multiprocessing.spawn.get_preparation_data
+        first_in, second_in, first_started = threading.Event(), threading.Event(), threading.Event()
+        sent = []  # whether each worker was told to import the main script
+
+        def held_prepare(name):
+            if name == "ignore":  # the fork server's own start
+                return prepare(name)
+            if not first_in.is_set():
+                first_in.set()
+                data = prepare(name)
+                assert second_in.wait(HANG_GUARD_S), "the second start never came"
+            else:
+                second_in.set()
+                assert first_started.wait(HANG_GUARD_S), "the first start never ended"
+                data = prepare(name)
+            sent.append(any(key.startswith("init_main_from") for key in data))
+            return data
+
+        def eight(info):
+            if info.idx_in_epoch >= 8:
+                raise StopIteration
+            return np.full(2, info.idx_in_epoch)
+
+        def epoch(source):
+            return [int(sample[0]) for batch in source for sample in batch]
+
+        def start_first(source):
+            iter(source)
+            first_started.set()
+
+        if __name__ == "__main__":
+            script = __file__
+            multiprocessing.spawn.get_preparation_data = held_prepare
+            first = extsrc.ParallelSource(eight, 2, num_workers=1, start_method="forkserver")
+            second = extsrc.ParallelSource(eight, 2, num_workers=1, start_method="forkserver")
+            starter = threading.Thread(target=start_first, args=(first,))
+            starter.start()
+            assert first_in.wait(HANG_GUARD_S)
+            iter(second)
+            starter.join()
+            assert sent == [False, False], sent
+            assert epoch(first) == list(range(8)) and epoch(second) == list(range(8))
+            assert sys.modules["__main__"].__file__ == script
+            first.close()
+            second.close()
+            print("OK")
+    ''', timeout=120))
+    assert "OK" in out, out

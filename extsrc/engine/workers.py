@@ -207,20 +207,73 @@ def _main_hidden(hide: bool) -> Iterator[None]:
     default pickler sends everything of ``__main__`` by value, so that import
     only costs time (the script's top-level imports, in every worker) and
     breaks scripts without an ``if __name__ == "__main__":`` guard. With
-    another pickler the main script is imported as usual.
+    another pickler the main script is imported as usual. Starts may overlap
+    (see :class:`_MainHiding`).
     """
     main = sys.modules.get("__main__")
     if not hide or main is None:
         yield
         return
-    saved: Dict[str, Any] = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__dict__["__spec__"] = None
+    _hiding.enter(main)
     try:
         yield
     finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
+        _hiding.leave()
+
+
+class _MainHiding:
+    """``__main__``'s ``__file__`` and ``__spec__``, hidden while any start is in
+    :func:`_main_hidden`: the first start to enter hides them, the last to leave
+    restores them.
+
+    Starts overlap: a forkserver start goes on on its thread after an interrupt
+    made its launch give up, beside the next launch's; two consumer threads start
+    sources. Each start saving and restoring on its own let one that ended
+    restore the script's path while another was still starting: that worker
+    imported the main script (and ran a script without a ``__main__`` guard), and
+    the last to end restored the hidden values. Any thread; the count and the
+    values change under a C lock taken in ``with`` statements only. In a forked
+    child the starting threads are gone: :meth:`forget_after_fork` restores.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._starts = 0  # in _main_hidden(True) now
+        self._saved: Dict[str, Any] = {}  # what __main__ had before the first of them
+        self._main: Any = None
+        forking.register(self)
+
+    def enter(self, main: Any) -> None:
+        with self._lock:
+            if self._starts == 0:
+                self._saved = {name: main.__dict__[name] for name in ("__file__", "__spec__")
+                               if name in main.__dict__}
+                self._main = main
+                main.__dict__.pop("__file__", None)
+                main.__dict__["__spec__"] = None
+            self._starts += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._starts -= 1
+            if self._starts == 0:
+                self._restore()
+
+    def _restore(self) -> None:
+        main, self._main = self._main, None
+        if main is not None:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(self._saved)
+
+    def forget_after_fork(self) -> None:
+        # The lock may have been held by a thread that is not in the child: a fresh one.
+        self._lock = threading.Lock()
+        if self._starts:
+            self._starts = 0
+            self._restore()
+
+
+_hiding = _MainHiding()
 
 
 def stop(workers: Sequence[WorkerHandle], ask: bool) -> None:
