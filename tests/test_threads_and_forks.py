@@ -448,3 +448,67 @@ def test_overlapping_forkserver_starts_send_no_worker_the_main_script_to_import(
             print("OK")
     ''', timeout=120))
     assert "OK" in out, out
+
+
+def test_an_interrupt_while_forkserver_workers_start_is_raised_once_the_pool_runs():
+    # A Ctrl-C (a real SIGINT to the main thread) while a forkserver worker starts: it is held
+    # until every worker started, and raised once the pool committed its start. Raised at once,
+    # it made the pool undo a start of tens of milliseconds, stopping half-started workers;
+    # under a storm of interrupts no start ever finished. The next iter() must find the pool
+    # running with the same workers. The interrupt is sent from inside the worker's start, once
+    # the main thread waits for it: no timing decides where it lands.
+    out = check(run_isolated('''
+        import multiprocessing.spawn, signal, sys, threading, time
+        import numpy as np
+        import extsrc
+
+        HANG_GUARD_S = 60  # a start takes well under a second; this only bounds a hang
+        MAIN = threading.get_ident()
+        prepare = multiprocessing.spawn.get_preparation_data
+        landed = threading.Event()
+
+        def on_sigint(signum, frame):
+            landed.set()
+            raise KeyboardInterrupt("while a worker starts")
+
+        def main_waits():
+            frame = sys._current_frames().get(MAIN)
+            return frame is not None and frame.f_code.co_name == "join"
+
+        def interrupting_prepare(name):
+            if name != "ignore" and not landed.is_set():  # not the fork server's own start
+                deadline = time.monotonic() + HANG_GUARD_S
+                while not main_waits():  # in OwnedThread.join(), waiting for this start
+                    assert time.monotonic() < deadline, "the main thread never waited"
+                    time.sleep(0.001)
+                signal.pthread_kill(MAIN, signal.SIGINT)
+                assert landed.wait(HANG_GUARD_S), "the interrupt never landed"
+            return prepare(name)
+
+        def eight(info):
+            if info.idx_in_epoch >= 8:
+                raise StopIteration
+            return np.full(2, info.idx_in_epoch)
+
+        def epoch(source):
+            return [int(sample[0]) for batch in source for sample in batch]
+
+        if __name__ == "__main__":
+            src = extsrc.ParallelSource(eight, 2, num_workers=2, start_method="forkserver")
+            signal.signal(signal.SIGINT, on_sigint)
+            multiprocessing.spawn.get_preparation_data = interrupting_prepare
+            try:
+                iter(src)
+            except KeyboardInterrupt:
+                pass
+            else:
+                raise AssertionError("the interrupt was not raised")
+            assert landed.is_set()
+            pids = src.worker_pids()
+            assert len(pids) == 2, pids  # the pool runs: the interrupt came after its start
+            assert epoch(src) == list(range(8))
+            assert src.worker_pids() == pids  # no second start
+            src.close()
+            print("OK")
+    ''', timeout=120))
+    assert "OK" in out, out
