@@ -512,3 +512,85 @@ def test_an_interrupt_while_forkserver_workers_start_is_raised_once_the_pool_run
             print("OK")
     ''', timeout=120))
     assert "OK" in out, out
+
+
+def test_an_interrupt_after_the_hold_ends_the_wait_and_leaves_no_forkserver_worker():
+    # Past INTERRUPT_HOLD_S (a fork server that stopped answering; here the hold is made 0 and
+    # a worker's start is held back until the interrupt was raised), a Ctrl-C is raised at once:
+    # the pool stays NEW, and the workers its start thread goes on to start are stopped by that
+    # thread. Then no worker of the fork server may be left, and the source starts again.
+    out = check(run_isolated('''
+        import _thread, multiprocessing.forkserver, multiprocessing.spawn, os, signal, sys
+        import threading, time
+        import numpy as np
+        import extsrc
+        from extsrc.engine import workers
+
+        HANG_GUARD_S = 60  # a start takes well under a second; this only bounds a hang
+        MAIN = threading.get_ident()
+        prepare = multiprocessing.spawn.get_preparation_data
+        raised = threading.Event()
+
+        def main_waits():
+            frame = sys._current_frames().get(MAIN)
+            return frame is not None and frame.f_code.co_name == "join"
+
+        def until(condition, what):
+            deadline = time.monotonic() + HANG_GUARD_S
+            while not condition():
+                assert time.monotonic() < deadline, what
+                time.sleep(0.001)
+
+        def stuck_prepare(name):
+            if name != "ignore" and not raised.is_set():  # not the fork server's own start
+                until(main_waits, "the main thread never waited")
+                signal.pthread_kill(MAIN, signal.SIGINT)
+                assert raised.wait(HANG_GUARD_S), "the interrupt was not raised"
+            return prepare(name)
+
+        def server_children():
+            server = multiprocessing.forkserver._forkserver._forkserver_pid
+            found = []
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[1]) == server and fields[0] != "Z":
+                    found.append(int(pid))
+            return found
+
+        def eight(info):
+            if info.idx_in_epoch >= 8:
+                raise StopIteration
+            return np.full(2, info.idx_in_epoch)
+
+        def epoch(source):
+            return [int(sample[0]) for batch in source for sample in batch]
+
+        if __name__ == "__main__":
+            warm = extsrc.ParallelSource(eight, 2, num_workers=1, start_method="forkserver")
+            assert epoch(warm) == list(range(8))  # the fork server runs
+            warm.close()
+            until(lambda: not server_children(), "the first source's worker stayed")
+            threads = _thread._count()
+            workers.INTERRUPT_HOLD_S = 0.0
+            multiprocessing.spawn.get_preparation_data = stuck_prepare
+            src = extsrc.ParallelSource(eight, 2, num_workers=2, start_method="forkserver")
+            try:
+                iter(src)
+            except KeyboardInterrupt:
+                pass
+            else:
+                raise AssertionError("the interrupt was not raised")
+            raised.set()
+            assert src.worker_pids() == []  # the pool did not start
+            until(lambda: _thread._count() == threads, "the start thread did not end")
+            until(lambda: not server_children(), f"workers left: {server_children()}")
+            multiprocessing.spawn.get_preparation_data = prepare
+            assert epoch(src) == list(range(8))
+            src.close()
+            print("OK")
+    ''', timeout=120))
+    assert "OK" in out, out
