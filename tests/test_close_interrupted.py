@@ -5,7 +5,7 @@ returned at once and left them all until the interpreter's exit.) Runs in its ow
 from faultkit import run_fault
 
 INTERRUPTED_CLOSES = '''
-import asyncio, os, sys, threading
+import _thread, asyncio, os, sys, threading
 import numpy as np
 import extsrc
 from extsrc import ParallelSource
@@ -33,7 +33,7 @@ def fds():
     return sorted(os.listdir("/proc/self/fd"))
 
 def run(report):
-    before_fds, before_threads = len(fds()), threading.active_count()
+    before_fds, before_threads = len(fds()), _thread._count()
     pids, interrupted = [], 0
     for k in range(1, 40):
         src = ParallelSource(Slow(), 4, num_workers=2, concurrency=8, prefetch=2, timeout=60)
@@ -50,7 +50,7 @@ def run(report):
             sys.settrace(None)
         src.close()  # finishes what the interrupted one left
         del it, src
-        assert threading.active_count() == before_threads, (k, threading.enumerate())
+        assert _thread._count() == before_threads, (k, _thread._count(), threading.enumerate())
         assert len(fds()) == before_fds, (k, before_fds, fds())
     assert interrupted > 5, interrupted  # the interrupts landed inside close()
 '''

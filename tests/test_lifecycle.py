@@ -182,7 +182,7 @@ def test_close_gives_back_every_descriptor_thread_and_process_at_once(method):
     # back stays held (500 such sources once exhausted the default 1,024 descriptors).
     out = run_isolated(
         f"""
-        import gc, json, os, threading
+        import _thread, gc, json, os
         import numpy as np
         import extsrc
         from procs import live_children
@@ -194,7 +194,7 @@ def test_close_gives_back_every_descriptor_thread_and_process_at_once(method):
             return np.zeros(3)
 
         def counts():
-            return (len(os.listdir("/proc/self/fd")), len(threading.enumerate()), len(live_children()))
+            return (len(os.listdir("/proc/self/fd")), _thread._count(), len(live_children()))
 
         def use(kept):
             src = extsrc.ParallelSource(sample_of, 4, num_workers=2, start_method="{method}")

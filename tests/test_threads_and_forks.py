@@ -253,3 +253,328 @@ def test_an_interrupted_forkserver_start_harms_neither_the_next_start_nor_other_
             print("interrupted", k - 1, "calls")
     ''', timeout=300))
     assert int(out.split()[out.split().index("interrupted") + 1]) >= 20, out
+
+
+def test_an_interrupted_thread_start_leaves_no_thread_stuck_and_join_waits_for_any_thread_made():
+    # A KeyboardInterrupt at the k-th call or return of Python code (extsrc's, threading's) in
+    # OwnedThread.start(), for every k up to the last: a return stands for a Ctrl-C landing just
+    # after the C call that ends a function. threading.Thread.start() waits on an Event for the
+    # new thread: interrupted as it had just taken the Event's lock, it left the lock held, and
+    # the new thread blocked before its target for ever (a storm hung so); interrupted in the
+    # wait, it raised RuntimeError for a thread it had made. A thread made must run its target
+    # once, and join() must wait for it; no thread may be left behind.
+    out = check(run_isolated('''
+        import _thread, os, sys, threading, time
+        import extsrc
+        from extsrc.engine.threads import OwnedThread
+
+        WATCHED = (os.path.dirname(extsrc.__file__), threading.__file__)
+        # A target here ends in microseconds: this only bounds the wait for a thread that hangs.
+        HANG_GUARD_S = 30
+
+        def interrupt_at(k, events):
+            def trace(frame, event, arg):
+                if not frame.f_code.co_filename.startswith(WATCHED):
+                    return None
+                if event in ("call", "return"):
+                    events[0] += 1
+                    if events[0] == k:
+                        raise KeyboardInterrupt(f"at event {k}")  # also ends the tracing
+                return trace  # a return event needs the frame traced
+            return trace
+
+        def threads_back_to(count):
+            deadline = time.monotonic() + HANG_GUARD_S
+            while _thread._count() != count:
+                assert time.monotonic() < deadline, f"{_thread._count() - count} thread(s) stuck"
+                time.sleep(0.001)
+
+        base, ran, k = _thread._count(), [], 0
+        while True:
+            k += 1
+            events = [0]
+            thread = OwnedThread(lambda k=k: ran.append(k), f"interrupted-{k}")
+            sys.settrace(interrupt_at(k, events))
+            try:
+                thread.start()  # a RuntimeError here (no thread could be made) fails the test
+            except KeyboardInterrupt:
+                pass
+            finally:
+                sys.settrace(None)
+            joined = thread.join(HANG_GUARD_S)
+            threads_back_to(base)  # every thread made has ended: none is stuck
+            assert joined == (k in ran), (k, joined, ran[-3:])  # join() waited for a thread made
+            assert ran.count(k) <= 1, k
+            if events[0] < k:
+                break  # every event of the start has been interrupted once
+        print("interrupted", k - 1, "events")
+        later = OwnedThread(lambda: ran.append("later"), "later")
+        later.start()
+        assert later.join(HANG_GUARD_S) and ran[-1] == "later"
+    ''', timeout=180))
+    assert int(out.split()[out.split().index("interrupted") + 1]) >= 2, out
+
+
+def test_an_interrupt_in_threading_code_while_forkserver_workers_start_keeps_no_worker_half_started():
+    # A KeyboardInterrupt at the k-th call or return of threading's Python code in the consumer's
+    # thread while a forkserver source starts its two workers, for every k up to the last. Each
+    # worker starts on a thread of its own; threading.Thread.start() interrupted in its wait
+    # raised RuntimeError for the thread it had made, the start was taken for one that never
+    # began, and the pool kept a worker whose process was still being started on that thread:
+    # stopping it failed ("can only join a started process"), as a storm of interrupts found.
+    # After each interrupted start, the source must start again and give its epoch.
+    out = check(run_isolated('''
+        import os, sys, threading
+        import numpy as np
+        import extsrc
+
+        WATCHED = (threading.__file__,)
+
+        def interrupt_at(k, events):
+            def trace(frame, event, arg):
+                if not frame.f_code.co_filename.startswith(WATCHED):
+                    return None
+                if event in ("call", "return"):
+                    events[0] += 1
+                    if events[0] == k:
+                        raise KeyboardInterrupt(f"at event {k}")  # also ends the tracing
+                return trace  # a return event needs the frame traced
+            return trace
+
+        def eight(info):
+            if info.idx_in_epoch >= 8:
+                raise StopIteration
+            return np.full(2, info.idx_in_epoch)
+
+        def epoch(source):
+            return [int(sample[0]) for batch in source for sample in batch]
+
+        if __name__ == "__main__":
+            k = 0
+            while True:
+                k += 1
+                events = [0]
+                src = extsrc.ParallelSource(eight, 2, num_workers=2, start_method="forkserver")
+                sys.settrace(interrupt_at(k, events))
+                try:
+                    iter(src)
+                except KeyboardInterrupt:
+                    pass
+                finally:
+                    sys.settrace(None)
+                assert epoch(src) == list(range(8)), k
+                src.close()
+                if events[0] < k:
+                    break
+            print("interrupted", k - 1, "events")
+    ''', timeout=300))
+    assert int(out.split()[out.split().index("interrupted") + 1]) >= 2, out
+
+
+def test_overlapping_forkserver_starts_send_no_worker_the_main_script_to_import():
+    # Two forkserver starts overlap (here one in another thread; in a storm of interrupts, the
+    # start an interrupted launch left running on its thread and the next launch's): the first
+    # ends while the second is still in its start. The second worker must not be told to import
+    # the main script (a script without a __main__ guard would run in it), and the script's
+    # __file__ must be back once both ended. Each start is held at multiprocessing's preparation
+    # of the worker's data until the other got there: no timing decides the order.
+    out = check(run_isolated('''
+        import multiprocessing.spawn, sys, threading
+        import numpy as np
+        import extsrc
+
+        HANG_GUARD_S = 60  # a start takes well under a second; this only bounds a hang
+        prepare = multiprocessing.spawn.get_preparation_data
+        first_in, second_in, first_started = threading.Event(), threading.Event(), threading.Event()
+        sent = []  # whether each worker was told to import the main script
+
+        def held_prepare(name):
+            if name == "ignore":  # the fork server's own start
+                return prepare(name)
+            if not first_in.is_set():
+                first_in.set()
+                data = prepare(name)
+                assert second_in.wait(HANG_GUARD_S), "the second start never came"
+            else:
+                second_in.set()
+                assert first_started.wait(HANG_GUARD_S), "the first start never ended"
+                data = prepare(name)
+            sent.append(any(key.startswith("init_main_from") for key in data))
+            return data
+
+        def eight(info):
+            if info.idx_in_epoch >= 8:
+                raise StopIteration
+            return np.full(2, info.idx_in_epoch)
+
+        def epoch(source):
+            return [int(sample[0]) for batch in source for sample in batch]
+
+        def start_first(source):
+            iter(source)
+            first_started.set()
+
+        if __name__ == "__main__":
+            script = __file__
+            multiprocessing.spawn.get_preparation_data = held_prepare
+            first = extsrc.ParallelSource(eight, 2, num_workers=1, start_method="forkserver")
+            second = extsrc.ParallelSource(eight, 2, num_workers=1, start_method="forkserver")
+            starter = threading.Thread(target=start_first, args=(first,))
+            starter.start()
+            assert first_in.wait(HANG_GUARD_S)
+            iter(second)
+            starter.join()
+            assert sent == [False, False], sent
+            assert epoch(first) == list(range(8)) and epoch(second) == list(range(8))
+            assert sys.modules["__main__"].__file__ == script
+            first.close()
+            second.close()
+            print("OK")
+    ''', timeout=120))
+    assert "OK" in out, out
+
+
+def test_an_interrupt_while_forkserver_workers_start_is_raised_once_the_pool_runs():
+    # A Ctrl-C (a real SIGINT to the main thread) while a forkserver worker starts: it is held
+    # until every worker started, and raised once the pool committed its start. Raised at once,
+    # it made the pool undo a start of tens of milliseconds, stopping half-started workers;
+    # under a storm of interrupts no start ever finished. The next iter() must find the pool
+    # running with the same workers. The interrupt is sent from inside the worker's start, once
+    # the main thread waits for it: no timing decides where it lands.
+    out = check(run_isolated('''
+        import multiprocessing.spawn, signal, sys, threading, time
+        import numpy as np
+        import extsrc
+
+        HANG_GUARD_S = 60  # a start takes well under a second; this only bounds a hang
+        MAIN = threading.get_ident()
+        prepare = multiprocessing.spawn.get_preparation_data
+        landed = threading.Event()
+
+        def on_sigint(signum, frame):
+            landed.set()
+            raise KeyboardInterrupt("while a worker starts")
+
+        def main_waits():
+            frame = sys._current_frames().get(MAIN)
+            return frame is not None and frame.f_code.co_name == "join"
+
+        def interrupting_prepare(name):
+            if name != "ignore" and not landed.is_set():  # not the fork server's own start
+                deadline = time.monotonic() + HANG_GUARD_S
+                while not main_waits():  # in OwnedThread.join(), waiting for this start
+                    assert time.monotonic() < deadline, "the main thread never waited"
+                    time.sleep(0.001)
+                signal.pthread_kill(MAIN, signal.SIGINT)
+                assert landed.wait(HANG_GUARD_S), "the interrupt never landed"
+            return prepare(name)
+
+        def eight(info):
+            if info.idx_in_epoch >= 8:
+                raise StopIteration
+            return np.full(2, info.idx_in_epoch)
+
+        def epoch(source):
+            return [int(sample[0]) for batch in source for sample in batch]
+
+        if __name__ == "__main__":
+            src = extsrc.ParallelSource(eight, 2, num_workers=2, start_method="forkserver")
+            signal.signal(signal.SIGINT, on_sigint)
+            multiprocessing.spawn.get_preparation_data = interrupting_prepare
+            try:
+                iter(src)
+            except KeyboardInterrupt:
+                pass
+            else:
+                raise AssertionError("the interrupt was not raised")
+            assert landed.is_set()
+            pids = src.worker_pids()
+            assert len(pids) == 2, pids  # the pool runs: the interrupt came after its start
+            assert epoch(src) == list(range(8))
+            assert src.worker_pids() == pids  # no second start
+            src.close()
+            print("OK")
+    ''', timeout=120))
+    assert "OK" in out, out
+
+
+def test_an_interrupt_after_the_hold_ends_the_wait_and_leaves_no_forkserver_worker():
+    # Past INTERRUPT_HOLD_S (a fork server that stopped answering; here the hold is made 0 and
+    # a worker's start is held back until the interrupt was raised), a Ctrl-C is raised at once:
+    # the pool stays NEW, and the workers its start thread goes on to start are stopped by that
+    # thread. Then no worker of the fork server may be left, and the source starts again.
+    out = check(run_isolated('''
+        import _thread, multiprocessing.forkserver, multiprocessing.spawn, os, signal, sys
+        import threading, time
+        import numpy as np
+        import extsrc
+        from extsrc.engine import workers
+
+        HANG_GUARD_S = 60  # a start takes well under a second; this only bounds a hang
+        MAIN = threading.get_ident()
+        prepare = multiprocessing.spawn.get_preparation_data
+        raised = threading.Event()
+
+        def main_waits():
+            frame = sys._current_frames().get(MAIN)
+            return frame is not None and frame.f_code.co_name == "join"
+
+        def until(condition, what):
+            deadline = time.monotonic() + HANG_GUARD_S
+            while not condition():
+                assert time.monotonic() < deadline, what
+                time.sleep(0.001)
+
+        def stuck_prepare(name):
+            if name != "ignore" and not raised.is_set():  # not the fork server's own start
+                until(main_waits, "the main thread never waited")
+                signal.pthread_kill(MAIN, signal.SIGINT)
+                assert raised.wait(HANG_GUARD_S), "the interrupt was not raised"
+            return prepare(name)
+
+        def server_children():
+            server = multiprocessing.forkserver._forkserver._forkserver_pid
+            found = []
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[1]) == server and fields[0] != "Z":
+                    found.append(int(pid))
+            return found
+
+        def eight(info):
+            if info.idx_in_epoch >= 8:
+                raise StopIteration
+            return np.full(2, info.idx_in_epoch)
+
+        def epoch(source):
+            return [int(sample[0]) for batch in source for sample in batch]
+
+        if __name__ == "__main__":
+            warm = extsrc.ParallelSource(eight, 2, num_workers=1, start_method="forkserver")
+            assert epoch(warm) == list(range(8))  # the fork server runs
+            warm.close()
+            until(lambda: not server_children(), "the first source's worker stayed")
+            threads = _thread._count()
+            workers.INTERRUPT_HOLD_S = 0.0
+            multiprocessing.spawn.get_preparation_data = stuck_prepare
+            src = extsrc.ParallelSource(eight, 2, num_workers=2, start_method="forkserver")
+            try:
+                iter(src)
+            except KeyboardInterrupt:
+                pass
+            else:
+                raise AssertionError("the interrupt was not raised")
+            raised.set()
+            assert src.worker_pids() == []  # the pool did not start
+            until(lambda: _thread._count() == threads, "the start thread did not end")
+            until(lambda: not server_children(), f"workers left: {server_children()}")
+            multiprocessing.spawn.get_preparation_data = prepare
+            assert epoch(src) == list(range(8))
+            src.close()
+            print("OK")
+    ''', timeout=120))
+    assert "OK" in out, out

@@ -111,9 +111,11 @@ class WorkerBackend(Protocol):
     concurrent_samples: bool  # a worker runs a task's samples concurrently (concurrency > 1,
     # async def callbacks); without it, sources that ask for that are refused when made
 
-    def start(self, sources: Tuple[SourceSetup, ...], waker: Wakeable) -> None:
+    def start(self, sources: Tuple[SourceSetup, ...], waker: Wakeable) -> Optional[KeyboardInterrupt]:
         """Starts the workers with ``sources``; raises with nothing left running. ``waker``
-        wakes the I/O thread (from any thread) once something arrived."""
+        wakes the I/O thread (from any thread) once something arrived. Returns ``None``, or a
+        ``KeyboardInterrupt`` that landed while the workers started and was held, not raised
+        (the workers are running): the pool raises it once its start is committed."""
 
     def add_slot(self, source_id: int, slot_id: int, region_fd: int,
                  overflow_fds: Sequence[int]) -> None:

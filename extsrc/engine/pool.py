@@ -244,6 +244,8 @@ class WorkerPool:
 
         With ``fork``, call it before CUDA is initialised. Pickling errors of a
         source (spawn, forkserver, ray) are raised here, with the pool still NEW.
+        A ``KeyboardInterrupt`` raised here leaves the pool NEW, or RUNNING when
+        it landed while ``forkserver`` workers started (held until they all had).
         """
         with self.lock:
             self.check_owner()
@@ -264,10 +266,11 @@ class WorkerPool:
             # interrupt can land: an interrupt (KeyboardInterrupt) anywhere before leaves the
             # pool NEW, its workers stopped. The I/O thread starts before the commit and waits
             # for the lock held here; one whose start was not committed ends without touching
-            # anything (see _run).
+            # anything (see _run). An interrupt the backend held while its workers started is
+            # raised after the commit, as one landing there would be: the pool runs.
             token, running = object(), PoolState.RUNNING
             try:
-                self._backend.start(sources, self._waker)
+                held = self._backend.start(sources, self._waker)
                 loads = [_Load(index) for index in range(self.options.num_workers)]
                 thread = OwnedThread(lambda: self._run(token), "extsrc-pool-io")
                 try:
@@ -280,6 +283,8 @@ class WorkerPool:
                 self._waker = None
                 raise
             self._loads, self._thread, self._state, self._io_token = loads, thread, running, token
+            if held is not None:
+                raise held
 
     def close(self) -> None:
         """Stops the workers and frees the shared memory of every source. Idempotent.

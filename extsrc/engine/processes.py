@@ -70,7 +70,7 @@ class ProcessBackend:
         self._sentinels: Dict[int, WorkerHandle] = {}
         self._waker: Optional[Wakeable] = None
 
-    def start(self, sources: Tuple[SourceSetup, ...], waker: Wakeable) -> None:
+    def start(self, sources: Tuple[SourceSetup, ...], waker: Wakeable) -> Optional[KeyboardInterrupt]:
         if self._workers:  # a start interrupted, and interrupted again while it was undone
             self.stop(ask=False)
         method = self.start_method
@@ -87,17 +87,26 @@ class ProcessBackend:
         check_descriptors(2 + self.num_workers * worker_processes.DESCRIPTORS_PER_WORKER
                           + worker_processes.DESCRIPTORS_TO_START_ONE,
                           f"starting {self.num_workers} workers")
+        setups = [
+            WorkerSetup(
+                index=index,
+                parent_pid=None if method == "forkserver" else os.getpid(),
+                forked=method == "fork",
+                die_with_parent=main or method == "forkserver",
+                sources=sources,
+                pickler=pickler,
+            )
+            for index in range(self.num_workers)
+        ]
+        held: Optional[KeyboardInterrupt] = None
         try:
-            for index in range(self.num_workers):
-                setup = WorkerSetup(
-                    index=index,
-                    parent_pid=None if method == "forkserver" else os.getpid(),
-                    forked=method == "fork",
-                    die_with_parent=main or method == "forkserver",
-                    sources=sources,
-                    pickler=pickler,
-                )
-                self._workers.append(worker_processes.launch(context, setup, run_main))
+            if method == "forkserver":
+                # On a thread of their own; an interrupt meanwhile is held, and returned for the
+                # pool to raise once it started (see worker_processes.launch_on_a_thread).
+                held = worker_processes.launch_on_a_thread(context, setups, run_main, self._workers)
+            else:
+                for setup in setups:
+                    self._workers.append(worker_processes.launch(context, setup, run_main))
         except BaseException as exc:
             starting = len(self._workers)
             self.stop(ask=False)
@@ -113,6 +122,7 @@ class ProcessBackend:
             self._sentinels[worker.sentinel] = worker
             self._poller.register(worker.channel.fileno(), select.POLLIN)
             self._poller.register(worker.sentinel, select.POLLIN)
+        return held
 
     # -- slots and tasks (lock held) ----------------------------------------------------------
 

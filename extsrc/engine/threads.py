@@ -1,28 +1,39 @@
-"""Threads whose end can be waited for and checked from an interrupted thread.
+"""Threads whose start and end can be waited for and checked from an interrupted thread.
 
-Why not ``Thread.is_alive()`` and ``Thread.join()``: up to CPython 3.12 both run
-Python code that, when a ``KeyboardInterrupt`` lands between its lock calls,
-takes the thread for ended (the handler added for bpo-45274 releases a lock the
-live thread still holds and marks the thread stopped). From then on
-``is_alive()`` is ``False`` for a thread that is still running, and extsrc
-would give up on a call in progress or close a descriptor that thread still
-polls. A storm of interrupts (see ``tests/test_interrupt_storm.py``) hits it.
+Why not ``threading.Thread``: up to CPython 3.12 its ``start()``, ``is_alive()``
+and ``join()`` run Python code that a ``KeyboardInterrupt`` can cut short
+between two lock calls. ``is_alive()`` and ``join()`` then take a thread that
+still runs for ended (the handler added for bpo-45274 releases a lock the
+live thread still holds and marks the thread stopped), and extsrc would give
+up on a call in progress or close a descriptor that thread still polls.
+``start()`` waits for the new thread on an ``Event``; interrupted there, it
+may leave the ``Event``'s lock taken (the new thread then blocks before its
+target, for ever), or raise ``RuntimeError`` for a thread that was made and
+runs its target (taken for "no thread could be made", the start was made a
+second time). A storm of interrupts (see ``tests/test_interrupt_storm.py``)
+hits all of them.
 
-:class:`OwnedThread` asks the thread itself: its target sets ``ended`` as its
-last step and then releases a lock that :meth:`OwnedThread.join` waits on. An
-interrupt in ``join()`` leaves at worst that lock taken, and ``ended`` answers
-every later call.
+:class:`OwnedThread` is no ``threading.Thread``: :meth:`OwnedThread.start` is
+one C call (``_thread.start_new_thread``), and the thread itself tells what
+happened: it records its ident as its first step, sets ``ended`` as its last
+and then releases a lock that :meth:`OwnedThread.join` waits on. ``started``
+is set just before that C call, and set back only if the call raised: it is
+true whenever the thread exists. An interrupt in ``join()`` leaves at worst
+that lock taken, and ``ended`` answers every later call. Such a thread is not
+in ``threading.enumerate()`` (``_thread._count()`` counts it), and
+``threading.current_thread()`` in it is a dummy; ``name`` is for messages.
+At interpreter exit it is a daemon thread.
 
-Owner: the object that started the thread; any thread may call ``join`` and read
-``ended``. In a process forked while the thread ran, the thread is gone but
-``ended`` is false: owners compare the pid they were made in.
+Owner: the object that started the thread (in the thread that calls
+``start``); any thread may call ``join`` and read ``started`` and ``ended``.
+In a process forked while the thread ran, the thread is gone but ``ended``
+is false: owners compare the pid they were made in.
 """
 
 from __future__ import annotations
 
 import _thread
 import sys
-import threading
 from typing import Any, Callable, Optional
 
 
@@ -30,41 +41,50 @@ class OwnedThread:
     """A daemon thread running ``target()``; ``ended`` once ``target`` returned or raised.
 
     ``start()`` raises ``RuntimeError`` if no thread could be made (e.g. under an
-    address-space limit); ``target`` is then never called.
+    address-space limit); ``target`` is then never called and ``started`` is false.
+    Interrupted (``KeyboardInterrupt``), it raises with ``started`` true if the thread
+    was made: the thread runs ``target`` all the same, and :meth:`join` waits for it.
     """
 
-    __slots__ = ("name", "ended", "_target", "_done", "_thread")
+    __slots__ = ("name", "started", "ended", "_ident", "_target", "_done")
 
     def __init__(self, target: Callable[[], Any], name: str):
         self.name = name
+        self.started = False  # true from just before the C call that makes the thread
         self.ended = False
+        self._ident: Optional[int] = None  # stored by the thread itself, first thing
         self._target: Optional[Callable[[], Any]] = target
         self._done = _thread.allocate_lock()  # held until target's end: join() waits on it
         self._done.acquire()
-        self._thread: Optional[threading.Thread] = None
 
     def start(self) -> None:
         """Starts the thread (once)."""
-        if self._thread is not None:
+        if self.started:
             raise RuntimeError(f"thread {self.name} was started already")
-        thread = threading.Thread(target=self._main, name=self.name, daemon=True)
-        thread.start()
-        self._thread = thread
+        # A plain store, then the C call: no interrupt lands between the two, so a thread
+        # never exists with ``started`` false. An interrupt after the call is no Exception:
+        # it leaves ``started`` true, as the thread runs.
+        self.started = True
+        try:
+            _thread.start_new_thread(self._main, ())
+        except Exception:  # raised by the call: no thread was made
+            self.started = False
+            raise
 
     @property
     def ident(self) -> Optional[int]:
         """The thread's ident once it runs, else ``None``."""
-        return None if self._thread is None else self._thread.ident
+        return self._ident
 
     def is_current(self) -> bool:
         """Whether the caller is this thread."""
-        return self._thread is not None and self._thread.ident == threading.get_ident()
+        return self._ident is not None and self._ident == _thread.get_ident()
 
     def join(self, timeout: Optional[float] = None) -> bool:
         """Waits until ``target`` ended, at most ``timeout`` seconds (``None``: no limit); returns
         ``ended``. At once when the thread was never started, when called from itself, or while
         the interpreter shuts down."""
-        if self.ended or self._thread is None or self.is_current() or sys.is_finalizing():
+        if self.ended or not self.started or self.is_current() or sys.is_finalizing():
             # While the interpreter shuts down (an owner's __del__ at exit) daemon threads no
             # longer run: waiting for one would never end.
             return self.ended
@@ -73,6 +93,7 @@ class OwnedThread:
         return self.ended
 
     def _main(self) -> None:
+        self._ident = _thread.get_ident()  # before the target: is_current() in it answers True
         target = self._target
         assert target is not None, f"thread {self.name} ran its target twice"
         try:

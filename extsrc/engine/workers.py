@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from extsrc import forking
 from extsrc.engine.channel import Channel, OwnedFds
@@ -40,6 +40,11 @@ EXIT_STATUS_WAIT_S = 1.0
 # out of descriptors half way through a request exits, taking every worker it started along.
 DESCRIPTORS_PER_WORKER = 3
 DESCRIPTORS_TO_START_ONE = 10
+# While forkserver workers start, an interrupt is held until they all started (see
+# launch_on_a_thread); a start takes milliseconds, a second or so on a loaded machine or with
+# a fork server still starting. One landing later than this is raised at once, so that Ctrl-C
+# still ends the wait for a fork server that stopped answering.
+INTERRUPT_HOLD_S = 10.0
 
 
 class Lifeline:
@@ -112,30 +117,14 @@ class WorkerHandle:
 
 
 def launch(context: Any, setup: WorkerSetup, run_main: bool) -> WorkerHandle:
-    """Starts one worker process with ``setup``.
+    """Starts one worker process with ``setup``, in the calling thread (a forkserver worker in
+    the thread of :func:`launch_on_a_thread`).
 
     ``run_main=False`` (spawn/forkserver): the worker does not import the
     main script again, as ``multiprocessing`` would (see :func:`_main_hidden`).
     """
     pool_end, worker_end = Channel.pair()
     lifeline = Lifeline()
-    # The worker's ends (its channel, its lifeline's read end) are closed by start(), once the
-    # worker has its copies, or by the error path below if start() never began: whichever takes
-    # ``claim`` first (a C call, which no interrupt splits). A forkserver start may still be
-    # sending them to the server after an interrupt made this call give up; closing them then
-    # would cut its request short.
-    claim = _thread.allocate_lock()
-
-    def start() -> None:
-        if not claim.acquire(False):
-            return  # launch gave up before the start began
-        try:
-            with _main_hidden(not run_main):
-                process.start()
-        finally:
-            worker_end.close()
-            lifeline.close_read_end()
-
     try:
         process = context.Process(
             target=worker_main,
@@ -143,14 +132,13 @@ def launch(context: Any, setup: WorkerSetup, run_main: bool) -> WorkerHandle:
             name=f"extsrc-worker-{setup.index}",
             daemon=True,
         )
-        if context.get_start_method() == "forkserver":
-            _start_on_a_thread(start)
-        else:
-            start()
-    except BaseException:
-        if claim.acquire(False):  # the start never began: the worker's ends are still here
+        try:
+            with _main_hidden(not run_main):
+                process.start()
+        finally:  # the worker has its copies of its ends, or never will
             worker_end.close()
             lifeline.close_read_end()
+    except BaseException:
         pool_end.close()
         lifeline.close_write_end()  # a worker started all the same dies with it
         raise
@@ -159,43 +147,62 @@ def launch(context: Any, setup: WorkerSetup, run_main: bool) -> WorkerHandle:
     return WorkerHandle(setup.index, process, pool_end, lifeline)
 
 
-def _start_on_a_thread(start: Callable[[], None]) -> None:
-    """Runs ``start`` (a forkserver ``process.start()``) on a thread of its own, so that no
-    interrupt splits it.
+def launch_on_a_thread(context: Any, setups: Sequence[WorkerSetup], run_main: bool,
+                       workers: List[WorkerHandle]) -> Optional[KeyboardInterrupt]:
+    """Starts a forkserver worker for each of ``setups`` (:func:`launch`) on a thread of its own,
+    adds them to ``workers`` and returns an interrupt that landed meanwhile, for the pool to
+    raise once its start is committed. Caller: the thread starting the pool; ``workers`` is the
+    caller's, changed in that thread only.
 
     A start is a request to multiprocessing's fork server, which exits when a request stops
-    half way (a ``KeyboardInterrupt`` in the caller's thread, between sending descriptors and
-    the process data). The next start is then refused, and every worker the server started,
-    for any source, looks ended. Interrupts are raised in the main thread only: one that lands
-    in the wait is raised once the request is whole. A second one, or one between the lines
-    here, is raised at once; the request still completes on its thread, and the worker it
-    made dies with its lifeline (closed by :func:`launch`).
+    half way (a ``KeyboardInterrupt`` in the requesting thread, between sending descriptors
+    and the process data): the next start is refused, and every worker the server started, for
+    any source, looks ended. On a thread of its own no interrupt splits one (interrupts are
+    raised in the main thread only), and the caller only waits. An interrupt in that wait is
+    held, not raised: a pool start takes tens of milliseconds with forkserver, and raised at
+    once, an interrupt made the pool undo its start, with workers that had to be stopped again
+    half started; under a storm of interrupts no start finished then, and the workers undone
+    kept the machine busy. One landing after :data:`INTERRUPT_HOLD_S`, or between the lines
+    here, is raised at once: the workers the thread started are then stopped (by the thread if
+    it still runs, else by the caller, to whom they were added). A failed start is raised with
+    the workers started before it added.
     """
+    made: List[WorkerHandle] = []
     failure: List[BaseException] = []
+    # Taken by whichever ends first: run() (its workers are the caller's, to add) or the caller
+    # giving up while run() goes on (run() stops its workers itself). A C call no interrupt splits.
+    claim = _thread.allocate_lock()
 
     def run() -> None:
         try:
-            start()
-        except BaseException as exc:  # raised in the caller's thread below
+            for setup in setups:
+                made.append(launch(context, setup, run_main))
+        except BaseException as exc:  # raised in the caller's thread
             failure.append(exc)
+        if not claim.acquire(False):
+            stop(made, ask=False)  # nobody waits for these any more
 
     thread = OwnedThread(run, "extsrc-forkserver-start")
+    held: Optional[KeyboardInterrupt] = None
     try:
-        thread.start()
-    except RuntimeError:  # no thread could be made: the start is made here, interruptible
-        run()
-    interrupted: Optional[BaseException] = None
-    while not thread.ended and thread.ident is not None:
+        began = time.monotonic()
         try:
-            thread.join()
-        except KeyboardInterrupt as exc:
-            if interrupted is not None:
-                raise
-            interrupted = exc
+            thread.start()
+        except RuntimeError:  # no thread could be made: the starts are made here, interruptible
+            run()
+        while not thread.ended and thread.started:
+            try:
+                thread.join()
+            except KeyboardInterrupt as exc:
+                if time.monotonic() - began > INTERRUPT_HOLD_S:
+                    raise
+                held = exc
+    finally:
+        if not claim.acquire(False):  # run() ended: its workers are the caller's
+            workers.extend(made)
     if failure:
         raise failure[0]
-    if interrupted is not None:
-        raise interrupted
+    return held
 
 
 @contextlib.contextmanager
@@ -207,20 +214,73 @@ def _main_hidden(hide: bool) -> Iterator[None]:
     default pickler sends everything of ``__main__`` by value, so that import
     only costs time (the script's top-level imports, in every worker) and
     breaks scripts without an ``if __name__ == "__main__":`` guard. With
-    another pickler the main script is imported as usual.
+    another pickler the main script is imported as usual. Starts may overlap
+    (see :class:`_MainHiding`).
     """
     main = sys.modules.get("__main__")
     if not hide or main is None:
         yield
         return
-    saved: Dict[str, Any] = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__dict__["__spec__"] = None
+    _hiding.enter(main)
     try:
         yield
     finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
+        _hiding.leave()
+
+
+class _MainHiding:
+    """``__main__``'s ``__file__`` and ``__spec__``, hidden while any start is in
+    :func:`_main_hidden`: the first start to enter hides them, the last to leave
+    restores them.
+
+    Starts overlap: a forkserver start goes on on its thread after an interrupt
+    made its launch give up, beside the next launch's; two consumer threads start
+    sources. Each start saving and restoring on its own let one that ended
+    restore the script's path while another was still starting: that worker
+    imported the main script (and ran a script without a ``__main__`` guard), and
+    the last to end restored the hidden values. Any thread; the count and the
+    values change under a C lock taken in ``with`` statements only. In a forked
+    child the starting threads are gone: :meth:`forget_after_fork` restores.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._starts = 0  # in _main_hidden(True) now
+        self._saved: Dict[str, Any] = {}  # what __main__ had before the first of them
+        self._main: Any = None
+        forking.register(self)
+
+    def enter(self, main: Any) -> None:
+        with self._lock:
+            if self._starts == 0:
+                self._saved = {name: main.__dict__[name] for name in ("__file__", "__spec__")
+                               if name in main.__dict__}
+                self._main = main
+                main.__dict__.pop("__file__", None)
+                main.__dict__["__spec__"] = None
+            self._starts += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._starts -= 1
+            if self._starts == 0:
+                self._restore()
+
+    def _restore(self) -> None:
+        main, self._main = self._main, None
+        if main is not None:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(self._saved)
+
+    def forget_after_fork(self) -> None:
+        # The lock may have been held by a thread that is not in the child: a fresh one.
+        self._lock = threading.Lock()
+        if self._starts:
+            self._starts = 0
+            self._restore()
+
+
+_hiding = _MainHiding()
 
 
 def stop(workers: Sequence[WorkerHandle], ask: bool) -> None:
