@@ -11,18 +11,22 @@ from __future__ import annotations
 from typing import Any, Callable, List, Tuple, Union
 
 
-def interrupt_at_call(k: int, calls: List[int], watched: Union[str, Tuple[str, ...]]
-                      ) -> Callable[[Any, str, Any], None]:
+def interrupt_at_call(k: int, calls: List[int], watched: Union[str, Tuple[str, ...]],
+                      returns: bool = False) -> Callable[[Any, str, Any], Any]:
     """A trace function (``sys.settrace``) that counts in ``calls[0]`` the calls of Python
-    functions whose file starts with ``watched`` (a folder, or several), and raises
-    ``KeyboardInterrupt`` at the ``k``-th. A script raises it at every such call in turn by
-    trying k = 1, 2, ... until ``calls[0] < k`` after the traced step (no call was left)."""
+    functions whose file starts with ``watched`` (a folder or file, or several), and their
+    returns as well with ``returns``, and raises ``KeyboardInterrupt`` at the ``k``-th. A
+    script raises it at every such event in turn by trying k = 1, 2, ... until
+    ``calls[0] < k`` after the traced step (no event was left)."""
+    counted = ("call", "return") if returns else ("call",)
 
-    def trace(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_filename.startswith(watched):
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if not frame.f_code.co_filename.startswith(watched):
+            return None
+        if event in counted:
             calls[0] += 1
             if calls[0] == k:
-                raise KeyboardInterrupt(f"at call {k}")
-        return None
+                raise KeyboardInterrupt(f"at event {k}")  # also ends the tracing
+        return trace if returns else None  # a return event needs the frame traced
 
     return trace

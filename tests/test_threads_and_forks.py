@@ -229,6 +229,7 @@ def test_an_interrupted_forkserver_start_harms_neither_the_next_start_nor_other_
             return [int(sample[0]) for batch in source for sample in batch]
 
         if __name__ == "__main__":
+            script = __file__  # hidden while workers start, and back after every start
             other = extsrc.ParallelSource(eight, 2, num_workers=1, start_method="forkserver")
             assert epoch(other) == list(range(8))
             src = extsrc.ParallelSource(eight, 2, num_workers=1, start_method="forkserver")
@@ -248,6 +249,8 @@ def test_an_interrupted_forkserver_start_harms_neither_the_next_start_nor_other_
                 src = extsrc.ParallelSource(eight, 2, num_workers=1, start_method="forkserver")
                 if calls[0] < k:
                     break
+            assert epoch(src) == list(range(8))  # a start no interrupt cuts
+            assert globals().get("__file__") == script, "__main__.__file__ was not restored"
             other.close()
             src.close()
             print("interrupted", k - 1, "calls")
@@ -267,21 +270,11 @@ def test_an_interrupted_thread_start_leaves_no_thread_stuck_and_join_waits_for_a
         import _thread, os, sys, threading, time
         import extsrc
         from extsrc.engine.threads import OwnedThread
+        from interrupting import interrupt_at_call
 
         WATCHED = (os.path.dirname(extsrc.__file__), threading.__file__)
         # A target here ends in microseconds: this only bounds the wait for a thread that hangs.
         HANG_GUARD_S = 30
-
-        def interrupt_at(k, events):
-            def trace(frame, event, arg):
-                if not frame.f_code.co_filename.startswith(WATCHED):
-                    return None
-                if event in ("call", "return"):
-                    events[0] += 1
-                    if events[0] == k:
-                        raise KeyboardInterrupt(f"at event {k}")  # also ends the tracing
-                return trace  # a return event needs the frame traced
-            return trace
 
         def threads_back_to(count):
             deadline = time.monotonic() + HANG_GUARD_S
@@ -294,7 +287,7 @@ def test_an_interrupted_thread_start_leaves_no_thread_stuck_and_join_waits_for_a
             k += 1
             events = [0]
             thread = OwnedThread(lambda k=k: ran.append(k), f"interrupted-{k}")
-            sys.settrace(interrupt_at(k, events))
+            sys.settrace(interrupt_at_call(k, events, WATCHED, returns=True))
             try:
                 thread.start()  # a RuntimeError here (no thread could be made) fails the test
             except KeyboardInterrupt:
@@ -327,19 +320,9 @@ def test_an_interrupt_in_threading_code_while_forkserver_workers_start_keeps_no_
         import os, sys, threading
         import numpy as np
         import extsrc
+        from interrupting import interrupt_at_call
 
         WATCHED = (threading.__file__,)
-
-        def interrupt_at(k, events):
-            def trace(frame, event, arg):
-                if not frame.f_code.co_filename.startswith(WATCHED):
-                    return None
-                if event in ("call", "return"):
-                    events[0] += 1
-                    if events[0] == k:
-                        raise KeyboardInterrupt(f"at event {k}")  # also ends the tracing
-                return trace  # a return event needs the frame traced
-            return trace
 
         def eight(info):
             if info.idx_in_epoch >= 8:
@@ -355,7 +338,7 @@ def test_an_interrupt_in_threading_code_while_forkserver_workers_start_keeps_no_
                 k += 1
                 events = [0]
                 src = extsrc.ParallelSource(eight, 2, num_workers=2, start_method="forkserver")
-                sys.settrace(interrupt_at(k, events))
+                sys.settrace(interrupt_at_call(k, events, WATCHED, returns=True))
                 try:
                     iter(src)
                 except KeyboardInterrupt:
@@ -369,6 +352,42 @@ def test_an_interrupt_in_threading_code_while_forkserver_workers_start_keeps_no_
             print("interrupted", k - 1, "events")
     ''', timeout=300))
     assert int(out.split()[out.split().index("interrupted") + 1]) >= 2, out
+
+
+def test_an_interrupt_anywhere_in_hiding_the_main_script_leaves_it_restored_after_the_next_start():
+    # A spawn worker starts in the consumer's thread, where a Ctrl-C lands: while it starts,
+    # __main__'s __file__ and __spec__ are hidden (the worker must not import the script). An
+    # interrupt at any call of that hiding and its undoing must leave them restored, at the
+    # latest once the next start ended: a script that reads __file__ later must find it.
+    out = check(run_isolated('''
+        import os, sys
+        import extsrc
+        from extsrc.engine import workers
+        from interrupting import interrupt_at_call
+
+        EXTSRC = os.path.dirname(extsrc.__file__)
+        main = sys.modules["__main__"]
+        script = main.__file__
+        k = 0
+        while True:
+            k += 1
+            calls = [0]
+            sys.settrace(interrupt_at_call(k, calls, EXTSRC))
+            try:
+                with workers._main_hidden(True):
+                    pass
+            except KeyboardInterrupt:
+                pass
+            finally:
+                sys.settrace(None)
+            with workers._main_hidden(True):  # the next start, not interrupted
+                assert "__file__" not in main.__dict__ and main.__spec__ is None, k
+            assert main.__dict__.get("__file__") == script, (k, main.__dict__.get("__file__"))
+            if calls[0] < k:
+                break
+        print("interrupted", k - 1, "calls")
+    ''', timeout=120))
+    assert int(out.split()[out.split().index("interrupted") + 1]) >= 3, out
 
 
 def test_overlapping_forkserver_starts_send_no_worker_the_main_script_to_import():

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from extsrc import forking
 from extsrc.engine.channel import Channel, OwnedFds
@@ -221,10 +221,13 @@ def _main_hidden(hide: bool) -> Iterator[None]:
     if not hide or main is None:
         yield
         return
-    _hiding.enter(main)
-    try:
+    token = object()
+    try:  # entered inside: an interrupt anywhere in enter() still leaves
+        _hiding.enter(main, token)
         yield
     finally:
+        # One C call first: an interrupt at the start of leave() cannot keep the token.
+        _hiding.starts.discard(token)
         _hiding.leave()
 
 
@@ -238,46 +241,51 @@ class _MainHiding:
     sources. Each start saving and restoring on its own let one that ended
     restore the script's path while another was still starting: that worker
     imported the main script (and ran a script without a ``__main__`` guard), and
-    the last to end restored the hidden values. Any thread; the count and the
-    values change under a C lock taken in ``with`` statements only. In a forked
-    child the starting threads are gone: :meth:`forget_after_fork` restores.
+    the last to end restored the hidden values. Any thread; the starts and the
+    values change under a C lock taken in ``with`` statements only. An interrupt
+    may cut ``enter`` or ``leave`` anywhere: each start is known by a token, added
+    first in ``enter`` and discarded by one C call before ``leave``; the values
+    are saved before anything is hidden, and restored before the mark that they
+    are hidden is cleared, so a cut leave is finished by the next start's. In a
+    forked child the starting threads are gone: :meth:`forget_after_fork`
+    restores.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._starts = 0  # in _main_hidden(True) now
+        self.starts: Set[object] = set()  # tokens of the starts in _main_hidden(True) now
         self._saved: Dict[str, Any] = {}  # what __main__ had before the first of them
-        self._main: Any = None
+        self._main: Any = None  # set while the values are hidden
         forking.register(self)
 
-    def enter(self, main: Any) -> None:
+    def enter(self, main: Any, token: object) -> None:
         with self._lock:
-            if self._starts == 0:
+            self.starts.add(token)
+            if self._main is None:
                 self._saved = {name: main.__dict__[name] for name in ("__file__", "__spec__")
                                if name in main.__dict__}
                 self._main = main
                 main.__dict__.pop("__file__", None)
                 main.__dict__["__spec__"] = None
-            self._starts += 1
 
     def leave(self) -> None:
+        """After a start discarded its token: restores the values if no start is left."""
         with self._lock:
-            self._starts -= 1
-            if self._starts == 0:
+            if not self.starts:
                 self._restore()
 
     def _restore(self) -> None:
-        main, self._main = self._main, None
+        main = self._main
         if main is not None:
             main.__dict__.pop("__spec__", None)
             main.__dict__.update(self._saved)
+            self._main = None
 
     def forget_after_fork(self) -> None:
         # The lock may have been held by a thread that is not in the child: a fresh one.
         self._lock = threading.Lock()
-        if self._starts:
-            self._starts = 0
-            self._restore()
+        self.starts = set()
+        self._restore()
 
 
 _hiding = _MainHiding()
