@@ -573,6 +573,9 @@ def test_an_interrupt_after_the_hold_ends_the_wait_and_leaves_no_forkserver_work
             return [int(sample[0]) for batch in source for sample in batch]
 
         if __name__ == "__main__":
+            # Python leaves SIGINT ignored when it started so (a test run started in the
+            # background by a shell): Ctrl-C's own handler, for the SIGINT sent below.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             warm = extsrc.ParallelSource(eight, 2, num_workers=1, start_method="forkserver")
             assert epoch(warm) == list(range(8))  # the fork server runs
             warm.close()
