@@ -1,4 +1,5 @@
-"""Several threads on one source, and processes forked from the consumer.
+"""Threads in the consumer's process (several on one source, those extsrc starts), and
+processes forked from it.
 
 Each case runs in its own interpreter with a time limit (a hang fails the test).
 """
@@ -214,19 +215,11 @@ def test_an_interrupted_forkserver_start_harms_neither_the_next_start_nor_other_
     # again and give its epoch, and a source started before must go on giving its own.
     out = check(run_isolated('''
         import multiprocessing, os, sys
-        import numpy as np
         import extsrc
         from interrupting import interrupt_at_call
+        from script_helpers import eight, epoch
 
         WATCHED = (os.path.dirname(extsrc.__file__), os.path.dirname(multiprocessing.__file__))
-
-        def eight(info):
-            if info.idx_in_epoch >= 8:
-                raise StopIteration
-            return np.full(2, info.idx_in_epoch)
-
-        def epoch(source):
-            return [int(sample[0]) for batch in source for sample in batch]
 
         if __name__ == "__main__":
             script = __file__  # hidden while workers start, and back after every start
@@ -267,20 +260,16 @@ def test_an_interrupted_thread_start_leaves_no_thread_stuck_and_join_waits_for_a
     # wait, it raised RuntimeError for a thread it had made. A thread made must run its target
     # once, and join() must wait for it; no thread may be left behind.
     out = check(run_isolated('''
-        import _thread, os, sys, threading, time
+        import _thread, os, sys, threading
         import extsrc
         from extsrc.engine.threads import OwnedThread
         from interrupting import interrupt_at_call
+        from script_helpers import HANG_GUARD_S, until
 
         WATCHED = (os.path.dirname(extsrc.__file__), threading.__file__)
-        # A target here ends in microseconds: this only bounds the wait for a thread that hangs.
-        HANG_GUARD_S = 30
 
         def threads_back_to(count):
-            deadline = time.monotonic() + HANG_GUARD_S
-            while _thread._count() != count:
-                assert time.monotonic() < deadline, f"{_thread._count() - count} thread(s) stuck"
-                time.sleep(0.001)
+            until(lambda: _thread._count() == count, "a thread is stuck")
 
         base, ran, k = _thread._count(), [], 0
         while True:
@@ -317,20 +306,12 @@ def test_an_interrupt_in_threading_code_while_forkserver_workers_start_keeps_no_
     # stopping it failed ("can only join a started process"), as a storm of interrupts found.
     # After each interrupted start, the source must start again and give its epoch.
     out = check(run_isolated('''
-        import os, sys, threading
-        import numpy as np
+        import sys, threading
         import extsrc
         from interrupting import interrupt_at_call
+        from script_helpers import eight, epoch
 
         WATCHED = (threading.__file__,)
-
-        def eight(info):
-            if info.idx_in_epoch >= 8:
-                raise StopIteration
-            return np.full(2, info.idx_in_epoch)
-
-        def epoch(source):
-            return [int(sample[0]) for batch in source for sample in batch]
 
         if __name__ == "__main__":
             k = 0
@@ -399,10 +380,9 @@ def test_overlapping_forkserver_starts_send_no_worker_the_main_script_to_import(
     # of the worker's data until the other got there: no timing decides the order.
     out = check(run_isolated('''
         import multiprocessing.spawn, sys, threading
-        import numpy as np
         import extsrc
+        from script_helpers import HANG_GUARD_S, eight, epoch
 
-        HANG_GUARD_S = 60  # a start takes well under a second; this only bounds a hang
         prepare = multiprocessing.spawn.get_preparation_data
         first_in, second_in, first_started = threading.Event(), threading.Event(), threading.Event()
         sent = []  # whether each worker was told to import the main script
@@ -420,14 +400,6 @@ def test_overlapping_forkserver_starts_send_no_worker_the_main_script_to_import(
                 data = prepare(name)
             sent.append(any(key.startswith("init_main_from") for key in data))
             return data
-
-        def eight(info):
-            if info.idx_in_epoch >= 8:
-                raise StopIteration
-            return np.full(2, info.idx_in_epoch)
-
-        def epoch(source):
-            return [int(sample[0]) for batch in source for sample in batch]
 
         def start_first(source):
             iter(source)
@@ -461,11 +433,10 @@ def test_an_interrupt_while_forkserver_workers_start_is_raised_once_the_pool_run
     # running with the same workers. The interrupt is sent from inside the worker's start, once
     # the main thread waits for it: no timing decides where it lands.
     out = check(run_isolated('''
-        import multiprocessing.spawn, signal, sys, threading, time
-        import numpy as np
+        import multiprocessing.spawn, signal, threading
         import extsrc
+        from script_helpers import HANG_GUARD_S, eight, epoch, until, waits_in
 
-        HANG_GUARD_S = 60  # a start takes well under a second; this only bounds a hang
         MAIN = threading.get_ident()
         prepare = multiprocessing.spawn.get_preparation_data
         landed = threading.Event()
@@ -474,27 +445,13 @@ def test_an_interrupt_while_forkserver_workers_start_is_raised_once_the_pool_run
             landed.set()
             raise KeyboardInterrupt("while a worker starts")
 
-        def main_waits():
-            frame = sys._current_frames().get(MAIN)
-            return frame is not None and frame.f_code.co_name == "join"
-
         def interrupting_prepare(name):
             if name != "ignore" and not landed.is_set():  # not the fork server's own start
-                deadline = time.monotonic() + HANG_GUARD_S
-                while not main_waits():  # in OwnedThread.join(), waiting for this start
-                    assert time.monotonic() < deadline, "the main thread never waited"
-                    time.sleep(0.001)
+                # In OwnedThread.join(), waiting for this start:
+                until(lambda: waits_in(MAIN, "join"), "the main thread never waited")
                 signal.pthread_kill(MAIN, signal.SIGINT)
                 assert landed.wait(HANG_GUARD_S), "the interrupt never landed"
             return prepare(name)
-
-        def eight(info):
-            if info.idx_in_epoch >= 8:
-                raise StopIteration
-            return np.full(2, info.idx_in_epoch)
-
-        def epoch(source):
-            return [int(sample[0]) for batch in source for sample in batch]
 
         if __name__ == "__main__":
             src = extsrc.ParallelSource(eight, 2, num_workers=2, start_method="forkserver")
@@ -523,54 +480,24 @@ def test_an_interrupt_after_the_hold_ends_the_wait_and_leaves_no_forkserver_work
     # the pool stays NEW, and the workers its start thread goes on to start are stopped by that
     # thread. Then no worker of the fork server may be left, and the source starts again.
     out = check(run_isolated('''
-        import _thread, multiprocessing.forkserver, multiprocessing.spawn, os, signal, sys
-        import threading, time
-        import numpy as np
+        import _thread, multiprocessing.forkserver, multiprocessing.spawn, signal, threading
         import extsrc
         from extsrc.engine import workers
+        from script_helpers import HANG_GUARD_S, children_of, eight, epoch, until, waits_in
 
-        HANG_GUARD_S = 60  # a start takes well under a second; this only bounds a hang
         MAIN = threading.get_ident()
         prepare = multiprocessing.spawn.get_preparation_data
         raised = threading.Event()
 
-        def main_waits():
-            frame = sys._current_frames().get(MAIN)
-            return frame is not None and frame.f_code.co_name == "join"
-
-        def until(condition, what):
-            deadline = time.monotonic() + HANG_GUARD_S
-            while not condition():
-                assert time.monotonic() < deadline, what
-                time.sleep(0.001)
-
         def stuck_prepare(name):
             if name != "ignore" and not raised.is_set():  # not the fork server's own start
-                until(main_waits, "the main thread never waited")
+                until(lambda: waits_in(MAIN, "join"), "the main thread never waited")
                 signal.pthread_kill(MAIN, signal.SIGINT)
                 assert raised.wait(HANG_GUARD_S), "the interrupt was not raised"
             return prepare(name)
 
         def server_children():
-            server = multiprocessing.forkserver._forkserver._forkserver_pid
-            found = []
-            for pid in filter(str.isdigit, os.listdir("/proc")):
-                try:
-                    with open(f"/proc/{pid}/stat") as f:
-                        fields = f.read().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                if int(fields[1]) == server and fields[0] != "Z":
-                    found.append(int(pid))
-            return found
-
-        def eight(info):
-            if info.idx_in_epoch >= 8:
-                raise StopIteration
-            return np.full(2, info.idx_in_epoch)
-
-        def epoch(source):
-            return [int(sample[0]) for batch in source for sample in batch]
+            return children_of(multiprocessing.forkserver._forkserver._forkserver_pid)
 
         if __name__ == "__main__":
             # Python leaves SIGINT ignored when it started so (a test run started in the
@@ -600,3 +527,52 @@ def test_an_interrupt_after_the_hold_ends_the_wait_and_leaves_no_forkserver_work
             print("OK")
     ''', timeout=120))
     assert "OK" in out, out
+
+
+def test_the_dali_run_thread_ends_with_its_owner_even_when_an_interrupt_skipped_its_stop():
+    # The drop-in runs DALI's run() on a thread of the pipeline's (extsrc.dali.run_thread). A
+    # pipeline whose close() an interrupt cut short before it stopped that thread, or whose
+    # construction was interrupted just after the thread started, is dropped without stop():
+    # the thread held its owner and polled for ever, one more thread per such pipeline. It must
+    # end once nothing references its owner; a KeyboardInterrupt at every call or return of the
+    # construction must leave no thread behind.
+    out = check(run_isolated('''
+        import _thread, gc, os, sys
+        import extsrc
+        from extsrc.dali.run_thread import RUN, RunThread
+        from interrupting import interrupt_at_call
+        from script_helpers import until
+
+        EXTSRC = os.path.dirname(extsrc.__file__)
+        base = _thread._count()
+
+        def no_thread_left(case):
+            gc.collect()
+            until(lambda: _thread._count() == base, f"the run thread outlived its owner: {case}")
+
+        runner = RunThread("dropped")
+        runner.start(RUN, lambda: 7)
+        assert runner.collect() == 7
+        del runner  # as a pipeline whose close() was cut short before stop()
+        no_thread_left("dropped after a call")
+
+        k = 0
+        while True:
+            k += 1
+            events = [0]
+            sys.settrace(interrupt_at_call(k, events, EXTSRC, returns=True))
+            try:
+                runner = RunThread(f"interrupted-{k}")
+            except KeyboardInterrupt:
+                runner = None
+            finally:
+                sys.settrace(None)
+            if runner is not None:
+                runner.stop()
+                runner = None
+            no_thread_left(f"construction interrupted at event {k}")
+            if events[0] < k:
+                break
+        print("interrupted", k - 1, "events")
+    ''', timeout=120))
+    assert int(out.split()[out.split().index("interrupted") + 1]) >= 4, out

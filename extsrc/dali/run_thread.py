@@ -24,15 +24,20 @@ The steps, in the caller's thread:
    returned or raised, with no call in between (see :mod:`extsrc.engine.take`
    for why that cannot be split).
 
-Threads: one consumer thread at a time (as DALI's ``run()``); the run thread
-holds no reference to the pipeline between calls.
+Threads: one consumer thread at a time (as DALI's ``run()``). Between calls
+the run thread holds neither the pipeline nor its :class:`RunThread`; it ends
+at :meth:`RunThread.stop`, or once nothing references its ``RunThread`` (a
+pipeline dropped after an interrupt cut its ``close()`` short, a constructor
+interrupted after the start): no thread outlives its owner.
 """
 
 from __future__ import annotations
 
 import _thread
+import functools
 import os
 import threading
+import weakref
 from typing import Any, Callable, Optional
 
 from ..engine.threads import OwnedThread
@@ -78,10 +83,14 @@ class RunThread:
         # Started here, not on first use: a thread started in the middle of an interruptible
         # call could be started twice, or be stored and never run.
         self._pid = os.getpid()
-        self._thread = self._new_thread()
+        self._thread = self._start_thread()
 
-    def _new_thread(self) -> OwnedThread:
-        thread = OwnedThread(self._loop, self.name)
+    def _start_thread(self) -> OwnedThread:
+        # The thread holds this object only by a weak reference: one that nobody else holds
+        # (a constructor cut short by an interrupt after the start, or a pipeline dropped
+        # while an interrupt cut its close() short, before stop()) ends the thread.
+        thread = OwnedThread(functools.partial(RunThread._loop, weakref.ref(self), self._wake),
+                             self.name)
         thread.start()
         return thread
 
@@ -93,7 +102,7 @@ class RunThread:
             raise RuntimeError(f"{self.name}: a {self.pending.kind}() call is still pending")
         if self._pid != os.getpid():  # a forked child: the parent's thread is not here
             self._pid = os.getpid()
-            self._thread = self._new_thread()
+            self._thread = self._start_thread()
         self.pending = Call(kind, fn)  # the commit point: the thread runs it from here on
         if self._wake.locked():
             self._wake.release()
@@ -152,11 +161,18 @@ class RunThread:
 
     # -- the run thread ------------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        while not self._stopping:
-            self._wake.acquire(timeout=POLL_S)
-            call = self.pending
+    @staticmethod
+    def _loop(owner: "weakref.ReferenceType[RunThread]", wake: Any) -> None:
+        # Between calls the thread holds neither its RunThread nor the pipeline: it ends within
+        # POLL_S of the last reference to its RunThread going (or of stop()).
+        while True:
+            wake.acquire(timeout=POLL_S)
+            runner = owner()
+            if runner is None or runner._stopping:
+                return
+            call = runner.pending
             if call is None or call.fn is None:
+                del runner, call
                 continue
             fn, call.fn = call.fn, None  # the pipeline is referenced only while the call runs
             try:
@@ -165,5 +181,6 @@ class RunThread:
                 call.error = exc
             del fn
             call.done = True
-            if self._finished.locked():
-                self._finished.release()
+            if runner._finished.locked():
+                runner._finished.release()
+            del runner, call
