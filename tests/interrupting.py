@@ -30,3 +30,22 @@ def interrupt_at_call(k: int, calls: List[int], watched: Union[str, Tuple[str, .
         return trace if returns else None  # a return event needs the frame traced
 
     return trace
+
+
+def interrupt_at_landing(k: int, landings: List[int],
+                         watched: Union[str, Tuple[str, ...]]) -> Callable[[Any, str, Any], Any]:
+    """A profile function (``sys.setprofile``) that counts in ``landings[0]`` the places where a
+    Ctrl-C can land in code whose file starts with ``watched``: the start of each of its Python
+    functions, and the return of each C function it calls (CPython looks for a pending signal
+    right after a call returns); it raises ``KeyboardInterrupt`` at the ``k``-th. Finer than
+    :func:`interrupt_at_call`: between two C calls of one line too (``os.close(a); os.close(b)``).
+    Walk k = 1, 2, ... until ``landings[0] < k`` after the profiled step."""
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event not in ("call", "c_return") or not frame.f_code.co_filename.startswith(watched):
+            return
+        landings[0] += 1
+        if landings[0] == k:
+            raise KeyboardInterrupt(f"at landing {k}")
+
+    return profile

@@ -10,12 +10,14 @@ of the consumer that happens to exit (see :mod:`extsrc.forking`).
 
 from __future__ import annotations
 
+import _socket
 import _thread
 import contextlib
 import multiprocessing
 import multiprocessing.process
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -40,9 +42,9 @@ EXIT_STATUS_WAIT_S = 1.0
 # out of descriptors half way through a request exits, taking every worker it started along.
 DESCRIPTORS_PER_WORKER = 3
 DESCRIPTORS_TO_START_ONE = 10
-# While forkserver workers start, an interrupt is held until they all started (see
-# launch_on_a_thread); a start takes milliseconds, a second or so on a loaded machine or with
-# a fork server still starting. One landing later than this is raised at once, so that Ctrl-C
+# While workers start, an interrupt is held until they all started (see launch_on_a_thread);
+# a start takes milliseconds, a second or so on a loaded machine or with a fork server still
+# starting. One landing later than this is raised at once, so that Ctrl-C
 # still ends the wait for a fork server that stopped answering.
 INTERRUPT_HOLD_S = 10.0
 
@@ -117,8 +119,8 @@ class WorkerHandle:
 
 
 def launch(context: Any, setup: WorkerSetup, run_main: bool) -> WorkerHandle:
-    """Starts one worker process with ``setup``, in the calling thread (a forkserver worker in
-    the thread of :func:`launch_on_a_thread`).
+    """Starts one worker process with ``setup``, in the calling thread (the pool's start calls
+    it in the thread of :func:`launch_on_a_thread`, where no interrupt lands).
 
     ``run_main=False`` (spawn/forkserver): the worker does not import the
     main script again, as ``multiprocessing`` would (see :func:`_main_hidden`).
@@ -149,28 +151,33 @@ def launch(context: Any, setup: WorkerSetup, run_main: bool) -> WorkerHandle:
 
 def launch_on_a_thread(context: Any, setups: Sequence[WorkerSetup], run_main: bool,
                        workers: List[WorkerHandle]) -> Optional[KeyboardInterrupt]:
-    """Starts a forkserver worker for each of ``setups`` (:func:`launch`) on a thread of its own,
-    adds them to ``workers`` and returns an interrupt that landed meanwhile, for the pool to
-    raise once its start is committed. Caller: the thread starting the pool; ``workers`` is the
-    caller's, changed in that thread only.
+    """Starts a worker for each of ``setups`` (:func:`launch`) on a thread of its own, adds
+    them to ``workers`` and returns an interrupt that landed meanwhile, for the pool to raise
+    once its start is committed. Caller: the thread starting the pool; ``workers`` is the
+    caller's: the thread adds to it once, when it ends, and only while the caller waits for it.
 
-    A start is a request to multiprocessing's fork server, which exits when a request stops
-    half way (a ``KeyboardInterrupt`` in the requesting thread, between sending descriptors
-    and the process data): the next start is refused, and every worker the server started, for
-    any source, looks ended. On a thread of its own no interrupt splits one (interrupts are
-    raised in the main thread only), and the caller only waits. An interrupt in that wait is
-    held, not raised: a pool start takes tens of milliseconds with forkserver, and raised at
-    once, an interrupt made the pool undo its start, with workers that had to be stopped again
-    half started; under a storm of interrupts no start finished then, and the workers undone
-    kept the machine busy. One landing after :data:`INTERRUPT_HOLD_S`, or between the lines
-    here, is raised at once: the workers the thread started are then stopped (by the thread if
-    it still runs, else by the caller, to whom they were added). A failed start is raised with
-    the workers started before it added.
+    Why a thread: a ``KeyboardInterrupt`` lands in the thread that runs Python's signal
+    handlers (the main thread), right after any C call. In ``multiprocessing``'s
+    ``Process.start()`` and in :func:`launch` around it, that is also after the fork or spawn
+    returned and before the new process was recorded: it then ran, or lingered as a zombie
+    once its lifeline closed, with nobody to stop or reap it, and the pipes made for it stayed
+    open (a walk of every such place found ten). With forkserver, a request stopped half way
+    (between sending descriptors and the process data) makes the fork server exit: the next
+    start is refused, and every worker the server started, for any source, looks ended. On a
+    thread of its own no interrupt splits a start, and the caller only waits.
+
+    An interrupt in that wait is held, not raised: raised at once, an interrupt made the pool
+    undo its start, with workers that had to be stopped again half started; under a storm of
+    interrupts no start finished then (forkserver starts take tens of milliseconds), and the
+    workers undone kept the machine busy. One landing after :data:`INTERRUPT_HOLD_S` is raised
+    at once: the workers the thread goes on to start are then stopped by the thread. A failed
+    start is raised with the workers started before it added.
     """
     made: List[WorkerHandle] = []
     failure: List[BaseException] = []
-    # Taken by whichever ends first: run() (its workers are the caller's, to add) or the caller
-    # giving up while run() goes on (run() stops its workers itself). A C call no interrupt splits.
+    # Taken by whichever ends first: run() (it adds its workers to the caller's list itself, in
+    # a thread no interrupt reaches) or the caller giving up while run() goes on (run() then
+    # stops its workers itself). A C call no interrupt splits.
     claim = _thread.allocate_lock()
 
     def run() -> None:
@@ -179,10 +186,12 @@ def launch_on_a_thread(context: Any, setups: Sequence[WorkerSetup], run_main: bo
                 made.append(launch(context, setup, run_main))
         except BaseException as exc:  # raised in the caller's thread
             failure.append(exc)
-        if not claim.acquire(False):
+        if claim.acquire(False):
+            workers.extend(made)
+        else:
             stop(made, ask=False)  # nobody waits for these any more
 
-    thread = OwnedThread(run, "extsrc-forkserver-start")
+    thread = OwnedThread(run, "extsrc-worker-start")
     held: Optional[KeyboardInterrupt] = None
     try:
         began = time.monotonic()
@@ -198,8 +207,13 @@ def launch_on_a_thread(context: Any, setups: Sequence[WorkerSetup], run_main: bo
                     raise
                 held = exc
     finally:
-        if not claim.acquire(False):  # run() ended: its workers are the caller's
-            workers.extend(made)
+        if not claim.acquire(False):
+            # run() took the claim: its workers are in the caller's list, or about to be (given
+            # up past the hold just as run() ended). Waited for before the caller stops what its
+            # list holds; this only runs while an interrupt propagates, so a further one is moot.
+            while thread.started and not thread.ended:
+                with contextlib.suppress(KeyboardInterrupt):
+                    thread.join()
     if failure:
         raise failure[0]
     return held
@@ -370,6 +384,11 @@ class Waker:
     the drain runs is then covered by that look. (Clearing the mark before
     reading would lose wake-ups: a byte written in between would be read with
     the mark left set, and no later wake-up would write again.)
+
+    The "pipe" is a pair of connected sockets: made by one C call that returns
+    them as objects owning their descriptors, so an interrupt right after it,
+    or between the two closes of :meth:`close`, leaves nothing open once the
+    objects go (``os.pipe2`` returns bare numbers, lost to such an interrupt).
     """
 
     def __init__(self) -> None:
@@ -378,7 +397,11 @@ class Waker:
         self._pending = False  # a byte is in the pipe, or a drain has not finished
         self._lock = threading.Lock()
         with forking.lock:
-            self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            ends = _socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            for end in ends:
+                end.setblocking(False)
+            self._ends = ends
+            self._read, self._write = ends[0].fileno(), ends[1].fileno()
             forking.register(self)
 
     def fileno(self) -> int:
@@ -407,10 +430,10 @@ class Waker:
     def close(self) -> None:
         """Closes the pipe (idempotent). Only once nothing polls :meth:`fileno` any more."""
         with self._lock:
-            if self._open and self._pid == os.getpid():
+            if self._pid == os.getpid():
                 self._open = False
-                os.close(self._read)
-                os.close(self._write)
+                for end in self._ends:  # each close() is idempotent: a cut close is finished
+                    end.close()
 
     def __del__(self) -> None:
         try:
@@ -421,13 +444,9 @@ class Waker:
     def forget_after_fork(self) -> None:
         # The lock may have been held by a thread that is not in the child: a fresh one.
         self._lock = threading.Lock()
-        if self._open:
-            self._open = False
-            for fd in (self._read, self._write):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        self._open = False
+        for end in self._ends:
+            end.close()
 
 
 def context_for(start_method: Optional[str]) -> multiprocessing.context.BaseContext:

@@ -1,0 +1,88 @@
+"""A Ctrl-C at any place it can land while a source starts its workers leaves nothing behind.
+
+A KeyboardInterrupt is raised at the k-th such place in extsrc's code of the consumer's thread
+(the start of each function, the return of each C call: where CPython runs a pending signal's
+handler), for every k, or every few with the slower start methods. Started in the consumer's
+thread, an interrupt right after ``multiprocessing`` forked a worker and before the worker was
+recorded left the worker (a zombie once its lifeline closed) and its pipes behind, as did one
+right after the pool's wake-up pipe was made. After each interrupted start the source must start
+again and give its whole epoch, and after ``close()`` the process must have the descriptors,
+threads and child processes it had before. Each case runs in its own interpreter with a time
+limit (a hang fails the test).
+"""
+
+import pytest
+
+from faultkit import run_isolated
+
+WALK = '''
+import _thread, os, sys
+# Before extsrc's own fork hooks: a forked worker must not inherit the profile function.
+os.register_at_fork(after_in_child=lambda: sys.setprofile(None))
+import extsrc
+from interrupting import interrupt_at_landing
+from script_helpers import eight, epoch, until
+
+METHOD, STRIDE = sys.argv[1], int(sys.argv[2])
+EXTSRC = os.path.dirname(extsrc.__file__)
+
+
+def descriptors():
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    return found
+
+
+def children():
+    found = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                found += f.read().split()
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return sorted(found)
+
+
+def held():
+    return descriptors(), _thread._count(), children()
+
+
+if __name__ == "__main__":
+    warm = extsrc.ParallelSource(eight, 2, num_workers=1, start_method=METHOD)
+    assert epoch(warm) == list(range(8))  # the fork server or resource tracker runs from here
+    warm.close()
+    before = held()
+    k, interrupted = 0, 0
+    while True:
+        k += STRIDE
+        landings = [0]
+        src = extsrc.ParallelSource(eight, 2, num_workers=2, start_method=METHOD)
+        sys.setprofile(interrupt_at_landing(k, landings, EXTSRC))
+        try:
+            iter(src)
+        except KeyboardInterrupt:
+            interrupted += 1
+        finally:
+            sys.setprofile(None)
+        assert epoch(src) == list(range(8)), k
+        src.close()
+        del src
+        until(lambda: held() == before, f"left after an interrupt at landing {k}: {held()} "
+              f"against {before}")
+        if landings[0] < k:
+            break
+    print("interrupted", interrupted, "of", k - STRIDE, "landings")
+'''
+
+
+@pytest.mark.parametrize("method, stride", [("fork", 1), ("spawn", 2), ("forkserver", 2)])
+def test_an_interrupt_anywhere_in_the_start_leaves_nothing_after_close(method, stride):
+    result = run_isolated(WALK, timeout=600, argv=[method, str(stride)])
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    words = result.stdout.split()
+    assert int(words[words.index("interrupted") + 1]) >= 50 // stride, result.stdout
