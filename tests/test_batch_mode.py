@@ -47,6 +47,23 @@ def test_iterable_runs_in_one_worker_in_order():
     assert got == [(i, -i) for i in range(5)]
 
 
+class _TellsItsEpoch:
+    """Two batches a pass, each of the epoch the worker was told before the pass began."""
+
+    def extsrc_begin_epoch(self, epoch_idx):
+        self.epoch = epoch_idx
+
+    def __iter__(self):
+        return iter([np.full((2, 1), self.epoch)] * 2)
+
+
+def test_an_iterable_is_told_each_epoch_before_its_pass_begins():
+    with ParallelSource(_TellsItsEpoch(), 2, batch=True, num_workers=1) as src:
+        src.set_state({"epoch_idx": 5, "iteration": 0})
+        got = [[int(b[0][0]) for b in src] for _ in range(2)]
+    assert got == [[5, 5], [6, 6]]
+
+
 def test_a_dense_array_is_accepted_as_a_batch():
     def source(iteration):
         return np.arange(12, dtype=np.float32).reshape(4, 3) + iteration

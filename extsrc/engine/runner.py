@@ -34,6 +34,10 @@ from extsrc.shm.writer import TaskWriter
 from extsrc.sample_info import BatchInfo, SampleInfo, noting_sample_info
 
 SAMPLE, BATCH_CALLABLE, BATCH_ITERABLE, BATCH_GENERATOR = "sample", "callable", "iterable", "generator"
+# An iterable source with a method of this name is told, in its worker, the epoch_idx of each
+# pass just before iter() starts it: what the consumer prepared for that epoch can be read then
+# (the PyTorch layer's per-epoch shuffle seed of a datapipe, extsrc.torch.dataset).
+EPOCH_HOOK = "extsrc_begin_epoch"
 
 
 def classify(source: Any, batch: bool) -> str:
@@ -637,6 +641,9 @@ class SourceRunner:
             else:
                 # Every epoch calls iter() again: an iterable whose __iter__ resets its state and
                 # returns itself starts a new pass (DALI does the same after each reset()).
+                begin = getattr(type(source), EPOCH_HOOK, None)  # the class's: not a proxy's
+                if begin is not None:
+                    begin(source, epoch_idx)
                 self.iterator = iter(source)
                 self.retried_pass = self.one_pass_ended and self.iterator is source
             self.iterator_epoch = epoch_idx

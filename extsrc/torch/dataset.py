@@ -61,6 +61,12 @@ def _usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def draw_seed(generator: Optional[torch.Generator]) -> int:
+    """A seed drawn as DataLoader draws its seeds: from ``generator``, else PyTorch's global
+    generator (so that ``torch.manual_seed()`` decides it)."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
 class WorkerStart:
     """Run once in each worker before its first sample, as a DataLoader worker starts: one
     PyTorch intra-op thread (a forked child does not have its parent's OpenMP threads, and its
@@ -232,7 +238,7 @@ class _DataLoaderAttributes:
         indices. The seed, or None when the workers of the last loop go on."""
         seed = None
         if self._loops_begun and not (self.persistent_workers and self.num_workers > 0):
-            seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+            seed = draw_seed(self.generator)
         object.__setattr__(self, "_loops_begun", self._loops_begun + 1)
         return seed
 
@@ -652,13 +658,19 @@ class IterableBatches:
     flattened for the engine (default collation) or made by ``collate_fn`` and packed whole."""
 
     def __init__(self, batch_size: Optional[int], drop_last: bool,
-                 collate_fn: Optional[Callable[[Any], Any]], shared_seed: int):
+                 collate_fn: Optional[Callable[[Any], Any]], seeds: Optional[IndexTable]):
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.collate_fn = collate_fn  # None: default collation, in shared memory
         self.flatten = Flattener()
-        self.shared_seed = shared_seed
-        self.passes = 0  # epochs begun in this worker (every worker begins the same ones)
+        self.seeds = seeds  # a datapipe's: each epoch's shuffle seed, written by the consumer
+        self.epoch_seed: Optional[int] = None
+
+    def extsrc_begin_epoch(self, epoch_idx: int) -> None:
+        """In the worker, before each pass (see ``extsrc.engine.runner.EPOCH_HOOK``): the seed
+        the loader drew for this epoch at its ``iter()``."""
+        if self.seeds is not None:
+            self.epoch_seed = self.seeds.read(epoch_idx)[0]
 
     def __iter__(self) -> Any:
         from torch.utils.data import get_worker_info, graph_settings
@@ -666,12 +678,11 @@ class IterableBatches:
         info = get_worker_info()
         assert info is not None, "iterated in a worker of the loader"
         dataset = info.dataset
-        if isinstance(dataset, IterDataPipe):
+        if isinstance(dataset, IterDataPipe) and self.epoch_seed is not None:
             # One seed per epoch for every worker, as DataLoader gives a datapipe: shuffled
             # alike in each worker, then sharded, every record comes once.
-            rng = torch.Generator().manual_seed(self.shared_seed + self.passes)
+            rng = torch.Generator().manual_seed(self.epoch_seed)
             graph_settings.apply_random_seed(dataset, rng)
-        self.passes += 1
         samples = iter(dataset)
         size = 1 if self.batch_size is None else self.batch_size
         count = 0
@@ -703,9 +714,10 @@ class IterableLoader(_DataLoaderAttributes):
     each worker in turn, skipping workers that are done. Each ``for`` loop is one pass of every
     worker. ``close()`` (or ``with``) stops the workers."""
 
-    def __init__(self, pool: Any, loaders: list):
+    def __init__(self, pool: Any, loaders: list, seeds: Optional[IndexTable]):
         self._pool = pool
         self._loaders = loaders  # one TorchLoader per worker, its source pinned to that worker
+        self._seeds = seeds  # a datapipe's shuffle seed of each epoch, read by the workers
         self._closed = False
         self._len_asked: Optional[int] = None  # len(dataset) when len() was last asked
 
@@ -716,6 +728,14 @@ class IterableLoader(_DataLoaderAttributes):
     def __iter__(self) -> Any:
         if self._closed:
             raise ValueError("this loader is closed")
+        if self._seeds is not None:
+            # As DataLoader at each iter() of a datapipe: its shuffle seed for this epoch, the
+            # same in every worker, drawn first (torch.manual_seed() before the loop decides it)
+            # and published before any worker can begin the epoch.
+            seed = draw_seed(self.generator)
+            for epoch_idx in sorted({loader.source.next_epoch_idx for loader in self._loaders}):
+                self._seeds.write(epoch_idx, [seed])
+        self._begin_loop()  # then what a DataLoader draws for new workers (these persist)
         epochs = [iter(loader) for loader in self._loaders]  # ends the loops running before
         return _WorkerTurns(self, epochs)
 
@@ -726,6 +746,8 @@ class IterableLoader(_DataLoaderAttributes):
         for loader in self._loaders:
             loader.close()
         self._pool.close()
+        if self._seeds is not None:
+            self._seeds.close()
 
     def __enter__(self) -> "IterableLoader":
         return self
@@ -831,12 +853,12 @@ def _iterable_loader(dataset: Any, batch_size: Optional[int], drop_last: bool, c
     from extsrc.engine.pool import WorkerPool
 
     pool = WorkerPool(num_workers, start_method=start_method, pickler=pickler)
+    seeds = IndexTable() if isinstance(dataset, IterDataPipe) else None
     loaders = []
     try:
         for worker in range(num_workers):
             source = ParallelSource(
-                IterableBatches(batch_size, drop_last, None if default else collate_fn,
-                                worker_init.base_seed),
+                IterableBatches(batch_size, drop_last, None if default else collate_fn, seeds),
                 batch_size if default and batch_size is not None else 1,  # default: it is
                 batch=True,
                 num_outputs=AUTO_OUTPUTS if default else 2,
@@ -855,8 +877,10 @@ def _iterable_loader(dataset: Any, batch_size: Optional[int], drop_last: bool, c
         for loader in loaders:
             loader.close()
         pool.close()
+        if seeds is not None:
+            seeds.close()
         raise
-    return IterableLoader(pool, loaders)
+    return IterableLoader(pool, loaders, seeds)
 
 
 def _sampled_loader(dataset: Any, collate_fn: Callable[[Any], Any], batched: bool, index_sampler: Any,
@@ -1062,7 +1086,7 @@ def _from_dataset(
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     # As DataLoader draws its workers' base seed (from `generator` if given, else PyTorch's global
     # generator); with a generator and no seed=, the shuffled order is drawn from it too.
-    base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+    base_seed = draw_seed(generator)
     # A user's sampler, or a shuffle drawn from a user's generator (RandomSampler's order, as
     # DataLoader's), is iterated in this process at each loop, and the workers get its indices.
     sampled = not iterable and (sampler is not None or batch_sampler is not None

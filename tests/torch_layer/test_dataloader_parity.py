@@ -379,6 +379,33 @@ def test_a_datapipe_is_shuffled_and_sharded_as_a_dataloader_does():
     assert sorted(values) == list(range(20)) and values != list(range(20))
 
 
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_a_datapipe_s_shuffle_follows_torch_manual_seed_at_each_loop_as_in_a_dataloader(num_workers):
+    # DataLoader draws a datapipe's shuffle seed at each iter(): the same torch.manual_seed()
+    # before two loops gives the same order, another seed another order. The workers' seed
+    # was drawn once, when the loader was made, and every loop's order ignored manual_seed().
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    def orders(make):
+        torch.manual_seed(999)
+        pipe = IterableWrapper(range(100)).shuffle(buffer_size=5).sharding_filter()
+        loader = make(pipe, num_workers=num_workers, shuffle=True, multiprocessing_context="fork")
+        try:
+            found = []
+            for seed in (123, 123, 321):
+                torch.manual_seed(seed)
+                found.append([int(x) for x in loader])
+            return found
+        finally:
+            if hasattr(loader, "close"):
+                loader.close()
+
+    ours = orders(from_dataset)
+    assert ours[0] == ours[1] and ours[0] != ours[2]
+    assert sorted(ours[2]) == list(range(100))
+    assert ours == orders(DataLoader)
+
+
 def _refuses(worker_id):
     raise RuntimeError(f"no setup in worker {worker_id}")
 
