@@ -1029,6 +1029,9 @@ def _from_dataset(
         if name in _NOT_MAPPED:
             raise TypeError(f"from_dataset does not take DataLoader's {name}=: {_NOT_MAPPED[name]}")
         raise TypeError(f"from_dataset() got an unexpected keyword argument {name!r}")
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers option should be non-negative: 0 loads in this process, "
+                         f"N > 0 in N worker processes; got num_workers={num_workers!r}")
     iterable = isinstance(dataset, IterableDataset)
     if not iterable and not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise TypeError(

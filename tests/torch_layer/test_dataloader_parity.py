@@ -293,6 +293,13 @@ class _CountsCalls(torch.utils.data.Dataset):
         return {"x": np.full((2,), i), "name": f"n{i}"}
 
 
+@pytest.mark.parametrize("num_workers", [-1, 1.5, True, "2"])
+def test_a_negative_or_non_int_num_workers_is_refused_saying_0_is_allowed(num_workers):
+    # As DataLoader refuses it; the message said "a positive int" though 0 is valid.
+    with pytest.raises(ValueError, match=f"should be non-negative.*num_workers={num_workers!r}"):
+        from_dataset(_CountsCalls(), num_workers=num_workers)
+
+
 @pytest.mark.parametrize("kwargs", [dict(batch_size=3), dict(batch_size=3, drop_last=True),
                                     dict(batch_size=None), dict(batch_size=2, collate_fn=len)])
 def test_num_workers_0_loads_in_this_process_as_a_dataloader(kwargs):
