@@ -297,6 +297,44 @@ def test_an_interrupted_thread_start_leaves_no_thread_stuck_and_join_waits_for_a
     assert int(out.split()[out.split().index("interrupted") + 1]) >= 2, out
 
 
+def test_an_interrupt_in_threading_code_while_forkserver_workers_start_keeps_no_worker_half_started():
+    # A KeyboardInterrupt at the k-th call or return of threading's Python code in the consumer's
+    # thread while a forkserver source starts its two workers, for every k up to the last. Each
+    # worker starts on a thread of its own; threading.Thread.start() interrupted in its wait
+    # raised RuntimeError for the thread it had made, the start was taken for one that never
+    # began, and the pool kept a worker whose process was still being started on that thread:
+    # stopping it failed ("can only join a started process"), as a storm of interrupts found.
+    # After each interrupted start, the source must start again and give its epoch.
+    out = check(run_isolated('''
+        import sys, threading
+        import extsrc
+        from interrupting import interrupt_at_call
+        from script_helpers import eight, epoch
+
+        WATCHED = (threading.__file__,)
+
+        if __name__ == "__main__":
+            k = 0
+            while True:
+                k += 1
+                events = [0]
+                src = extsrc.ParallelSource(eight, 2, num_workers=2, start_method="forkserver")
+                sys.settrace(interrupt_at_call(k, events, WATCHED, returns=True))
+                try:
+                    iter(src)
+                except KeyboardInterrupt:
+                    pass
+                finally:
+                    sys.settrace(None)
+                assert epoch(src) == list(range(8)), k
+                src.close()
+                if events[0] < k:
+                    break
+            print("interrupted", k - 1, "events")
+    ''', timeout=300))
+    assert int(out.split()[out.split().index("interrupted") + 1]) >= 2, out
+
+
 def test_an_interrupt_anywhere_in_hiding_the_main_script_leaves_it_restored_after_the_next_start():
     # A spawn worker starts in the consumer's thread, where a Ctrl-C lands: while it starts,
     # __main__'s __file__ and __spec__ are hidden (the worker must not import the script). An

@@ -47,7 +47,7 @@ def test_samples_made_again_do_not_fault_their_memory_in_again(start_method):
 def test_the_user_s_own_allocator_settings_are_left_alone(monkeypatch):
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000000")
     assert worker_malloc.user_chose()
-    assert worker_malloc.keep_freed_memory(thread_arena=True) is False  # nothing set in this process
+    assert worker_malloc.keep_freed_memory() is False  # nothing set in this process
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1000000")
     assert worker_malloc.user_chose()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import select
+import threading
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
@@ -75,6 +76,9 @@ class ProcessBackend:
         method = self.start_method
         if method == "fork" and cuda_initialized():
             raise RuntimeError(FORK_AFTER_CUDA)
+        # PR_SET_PDEATHSIG follows the thread that forks; the main thread lives as long
+        # as the process, any other may end sooner (then workers use a watchdog).
+        main = threading.current_thread() is threading.main_thread()
         context = worker_processes.context_for(method)
         # The default pickler carries everything of __main__ by value: the workers need not
         # import the main script again (see extsrc.engine.workers._main_hidden).
@@ -88,9 +92,7 @@ class ProcessBackend:
                 index=index,
                 parent_pid=None if method == "forkserver" else os.getpid(),
                 forked=method == "fork",
-                # PR_SET_PDEATHSIG follows the thread that forks: the thread that starts the
-                # workers ends, the fork server's does not (the lifeline covers every method).
-                die_with_parent=method == "forkserver",
+                die_with_parent=main or method == "forkserver",
                 sources=sources,
                 pickler=pickler,
             )
@@ -98,9 +100,13 @@ class ProcessBackend:
         ]
         held: Optional[KeyboardInterrupt] = None
         try:
-            # On a thread of their own; an interrupt meanwhile is held, and returned for the
-            # pool to raise once it started (see worker_processes.launch_on_a_thread).
-            held = worker_processes.launch_on_a_thread(context, setups, run_main, self._workers)
+            if method == "forkserver":
+                # On a thread of their own; an interrupt meanwhile is held, and returned for the
+                # pool to raise once it started (see worker_processes.launch_on_a_thread).
+                held = worker_processes.launch_on_a_thread(context, setups, run_main, self._workers)
+            else:
+                for setup in setups:
+                    self._workers.append(worker_processes.launch(context, setup, run_main))
         except BaseException as exc:
             starting = len(self._workers)
             self.stop(ask=False)

@@ -100,7 +100,7 @@ def worker_main(setup: WorkerSetup, channel: Channel, lifeline: LifelineEnd) -> 
     _raise_descriptor_limit()
     if setup.forked:
         forking.drop_inherited_memory()
-    keep_freed_memory(thread_arena=setup.forked)
+    keep_freed_memory()
     runners: Dict[int, SourceRunner] = {}
     try:
         for source in setup.sources:

@@ -28,7 +28,6 @@ from typing import Any, Optional
 
 # glibc's mallopt() parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
-_M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 
 # Requests up to this size come from the heap, not from mmap: glibc's own upper bound
@@ -38,13 +37,6 @@ MMAP_THRESHOLD_BYTES = 32 << 20
 # Free memory at the heap's top kept rather than given back: room for twice 64 samples of
 # 1 MiB in flight together (concurrency=64) to be freed and made again without faults.
 TRIM_THRESHOLD_BYTES = 128 << 20
-
-# A worker forked from a thread other than the main one (the pool starts its workers on a thread
-# of its own, see extsrc.engine.workers.launch_on_a_thread) allocates from that thread's arena:
-# heaps of at most 64 MiB (glibc's HEAP_MAX_SIZE on 64-bit), each unmapped whole once it is
-# free, whatever the trim threshold, unless the padding asked for at the top is at least a
-# heap. The main arena grows by this much more each time it grows (address space, not memory).
-THREAD_ARENA_TOP_PAD_BYTES = 64 << 20
 
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
@@ -69,10 +61,8 @@ def available() -> bool:
     return _mallopt() is not None
 
 
-def keep_freed_memory(thread_arena: bool) -> bool:
-    """In a worker: has glibc keep freed memory for reuse (see the module docstring);
-    ``thread_arena``: the worker was forked, and so from the pool's start thread (its own main
-    thread only when no thread could be made; the padding is then harmless).
+def keep_freed_memory() -> bool:
+    """In a worker: has glibc keep freed memory for reuse (see the module docstring).
     Returns whether the settings were applied."""
     mallopt = None if user_chose() else _mallopt()
     if mallopt is None:
@@ -80,8 +70,5 @@ def keep_freed_memory(thread_arena: bool) -> bool:
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     # Setting one threshold turns glibc's dynamic adjustment off for both: set both.
-    applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
         mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
-    if applied and thread_arena:
-        applied = bool(mallopt(_M_TOP_PAD, THREAD_ARENA_TOP_PAD_BYTES))
-    return applied

@@ -42,9 +42,9 @@ EXIT_STATUS_WAIT_S = 1.0
 # out of descriptors half way through a request exits, taking every worker it started along.
 DESCRIPTORS_PER_WORKER = 3
 DESCRIPTORS_TO_START_ONE = 10
-# While workers start, an interrupt is held until they all started (see launch_on_a_thread);
-# a start takes milliseconds, a second or so on a loaded machine or with a fork server still
-# starting. One landing later than this is raised at once, so that Ctrl-C
+# While forkserver workers start, an interrupt is held until they all started (see
+# launch_on_a_thread); a start takes milliseconds, a second or so on a loaded machine or with
+# a fork server still starting. One landing later than this is raised at once, so that Ctrl-C
 # still ends the wait for a fork server that stopped answering.
 INTERRUPT_HOLD_S = 10.0
 
@@ -119,8 +119,8 @@ class WorkerHandle:
 
 
 def launch(context: Any, setup: WorkerSetup, run_main: bool) -> WorkerHandle:
-    """Starts one worker process with ``setup``, in the calling thread (the pool's start calls
-    it in the thread of :func:`launch_on_a_thread`, where no interrupt lands).
+    """Starts one worker process with ``setup``, in the calling thread (a forkserver worker in
+    the thread of :func:`launch_on_a_thread`).
 
     ``run_main=False`` (spawn/forkserver): the worker does not import the
     main script again, as ``multiprocessing`` would (see :func:`_main_hidden`).
@@ -151,33 +151,28 @@ def launch(context: Any, setup: WorkerSetup, run_main: bool) -> WorkerHandle:
 
 def launch_on_a_thread(context: Any, setups: Sequence[WorkerSetup], run_main: bool,
                        workers: List[WorkerHandle]) -> Optional[KeyboardInterrupt]:
-    """Starts a worker for each of ``setups`` (:func:`launch`) on a thread of its own, adds
-    them to ``workers`` and returns an interrupt that landed meanwhile, for the pool to raise
-    once its start is committed. Caller: the thread starting the pool; ``workers`` is the
-    caller's: the thread adds to it once, when it ends, and only while the caller waits for it.
+    """Starts a forkserver worker for each of ``setups`` (:func:`launch`) on a thread of its own,
+    adds them to ``workers`` and returns an interrupt that landed meanwhile, for the pool to
+    raise once its start is committed. Caller: the thread starting the pool; ``workers`` is the
+    caller's, changed in that thread only.
 
-    Why a thread: a ``KeyboardInterrupt`` lands in the thread that runs Python's signal
-    handlers (the main thread), right after any C call. In ``multiprocessing``'s
-    ``Process.start()`` and in :func:`launch` around it, that is also after the fork or spawn
-    returned and before the new process was recorded: it then ran, or lingered as a zombie
-    once its lifeline closed, with nobody to stop or reap it, and the pipes made for it stayed
-    open (a walk of every such place found ten). With forkserver, a request stopped half way
-    (between sending descriptors and the process data) makes the fork server exit: the next
-    start is refused, and every worker the server started, for any source, looks ended. On a
-    thread of its own no interrupt splits a start, and the caller only waits.
-
-    An interrupt in that wait is held, not raised: raised at once, an interrupt made the pool
-    undo its start, with workers that had to be stopped again half started; under a storm of
-    interrupts no start finished then (forkserver starts take tens of milliseconds), and the
-    workers undone kept the machine busy. One landing after :data:`INTERRUPT_HOLD_S` is raised
-    at once: the workers the thread goes on to start are then stopped by the thread. A failed
-    start is raised with the workers started before it added.
+    A start is a request to multiprocessing's fork server, which exits when a request stops
+    half way (a ``KeyboardInterrupt`` in the requesting thread, between sending descriptors
+    and the process data): the next start is refused, and every worker the server started, for
+    any source, looks ended. On a thread of its own no interrupt splits one (interrupts are
+    raised in the main thread only), and the caller only waits. An interrupt in that wait is
+    held, not raised: a pool start takes tens of milliseconds with forkserver, and raised at
+    once, an interrupt made the pool undo its start, with workers that had to be stopped again
+    half started; under a storm of interrupts no start finished then, and the workers undone
+    kept the machine busy. One landing after :data:`INTERRUPT_HOLD_S`, or between the lines
+    here, is raised at once: the workers the thread started are then stopped (by the thread if
+    it still runs, else by the caller, to whom they were added). A failed start is raised with
+    the workers started before it added.
     """
     made: List[WorkerHandle] = []
     failure: List[BaseException] = []
-    # Taken by whichever ends first: run() (it adds its workers to the caller's list itself, in
-    # a thread no interrupt reaches) or the caller giving up while run() goes on (run() then
-    # stops its workers itself). A C call no interrupt splits.
+    # Taken by whichever ends first: run() (its workers are the caller's, to add) or the caller
+    # giving up while run() goes on (run() stops its workers itself). A C call no interrupt splits.
     claim = _thread.allocate_lock()
 
     def run() -> None:
@@ -186,12 +181,10 @@ def launch_on_a_thread(context: Any, setups: Sequence[WorkerSetup], run_main: bo
                 made.append(launch(context, setup, run_main))
         except BaseException as exc:  # raised in the caller's thread
             failure.append(exc)
-        if claim.acquire(False):
-            workers.extend(made)
-        else:
+        if not claim.acquire(False):
             stop(made, ask=False)  # nobody waits for these any more
 
-    thread = OwnedThread(run, "extsrc-worker-start")
+    thread = OwnedThread(run, "extsrc-forkserver-start")
     held: Optional[KeyboardInterrupt] = None
     try:
         began = time.monotonic()
@@ -207,13 +200,8 @@ def launch_on_a_thread(context: Any, setups: Sequence[WorkerSetup], run_main: bo
                     raise
                 held = exc
     finally:
-        if not claim.acquire(False):
-            # run() took the claim: its workers are in the caller's list, or about to be (given
-            # up past the hold just as run() ended). Waited for before the caller stops what its
-            # list holds; this only runs while an interrupt propagates, so a further one is moot.
-            while thread.started and not thread.ended:
-                with contextlib.suppress(KeyboardInterrupt):
-                    thread.join()
+        if not claim.acquire(False):  # run() ended: its workers are the caller's
+            workers.extend(made)
     if failure:
         raise failure[0]
     return held
