@@ -128,3 +128,4 @@ def test_an_interrupt_anywhere_in_the_start_leaves_nothing_after_close(method, s
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     words = result.stdout.split()
     assert int(words[words.index("interrupted") + 1]) >= 50 // stride, result.stdout
+

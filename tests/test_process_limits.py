@@ -147,3 +147,44 @@ def test_the_dense_copy_of_a_first_batch_is_checked_against_the_address_space_li
         if seen is not None:
             assert seen[0] == "SharedMemoryError" and "RLIMIT_AS" in seen[1], (mib, seen)
     assert any(seen is not None and "dense copy" in seen[1] for _mib, seen, _right in results)
+
+
+NO_MEMORY = '''
+import extsrc
+from extsrc.engine import pool as pool_module
+from extsrc.engine.processes import ProcessBackend
+from extsrc.errors import InternalError
+from script_helpers import eight
+
+if __name__ == "__main__":
+    src = extsrc.ParallelSource(eight, 2, num_workers=1)
+    stop = ProcessBackend.stop
+
+    def receive(self, events):
+        raise MemoryError()
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError()
+
+    def stop_then_fail(self, ask):
+        stop(self, ask)
+        raise MemoryError()
+
+    # The I/O thread runs out of memory, then again while it describes that and stops the workers.
+    ProcessBackend.receive, ProcessBackend.stop = receive, stop_then_fail
+    pool_module.InternalError = no_memory
+    try:
+        list(src)
+    except InternalError as exc:
+        print("RAISED", "no memory left" in str(exc))
+    ProcessBackend.stop = stop
+    src.close()
+'''
+
+
+def test_an_io_thread_out_of_memory_even_for_its_error_breaks_the_pool_instead_of_hanging():
+    # Under `ulimit -v` the pool's I/O thread may get a MemoryError, and another while it builds
+    # the error for the consumers or stops the workers: it then ended with the pool RUNNING and
+    # nobody told, and next() waited for ever.
+    result = run_isolated(NO_MEMORY, timeout=60)
+    assert "RAISED True" in result.stdout, result.stdout + result.stderr[-3000:]

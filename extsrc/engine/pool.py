@@ -178,6 +178,11 @@ class WorkerPool:
         self._thread: Optional[OwnedThread] = None
         self._io_ident: Optional[int] = None
         self._io_token: Optional[object] = None  # the I/O thread's that start() committed
+        # What consumers get if the I/O thread fails with no memory left to describe why
+        # (made here, while there is: under `ulimit -v` the failure itself may be a MemoryError).
+        self._io_failed = InternalError(
+            "the extsrc pool's I/O thread failed and had no memory left to say why (MemoryError); "
+            "under an address-space limit (ulimit -v) raise it or lower prefetch or batch_size")
         _live_pools.add(self)
         forking.register(self)
 
@@ -492,18 +497,26 @@ class WorkerPool:
         try:
             while self._io_round():
                 pass
-        except BaseException as exc:  # a bug: the pool must not hang its consumers
+        except BaseException as exc:  # a bug, or no memory left: the pool must not hang its consumers
             with self.lock:
-                error = InternalError(f"the extsrc pool's I/O thread failed: {type(exc).__name__}: {exc}")
-                error.__cause__ = exc
+                try:
+                    error: BaseException = InternalError(
+                        f"the extsrc pool's I/O thread failed: {type(exc).__name__}: {exc}")
+                    error.__cause__ = exc
+                except BaseException:  # no memory for the message: the error made in advance
+                    error = self._io_failed
                 self._break(error)
         finally:
-            self._backend.stop(ask=self._state is PoolState.CLOSED)
-            with self.lock:
-                self._loads = []
-                self.notify()
-            if self._waker is not None:
-                self._waker.close()  # the loop polls it no more; a later wake() does nothing
+            try:
+                self._backend.stop(ask=self._state is PoolState.CLOSED)
+            finally:  # whatever stop() raised, the consumers waiting are told
+                with self.lock:
+                    if self._state is PoolState.RUNNING:  # _break() above failed too
+                        self._state, self._error = PoolState.BROKEN, self._io_failed
+                    self._loads = []
+                    self.notify()
+                if self._waker is not None:
+                    self._waker.close()  # the loop polls it no more; a later wake() does nothing
 
     def _service_clients(self) -> Tuple[bool, bool]:
         """I/O thread, lock held: lets every source dispatch and take back memory. Whether any
