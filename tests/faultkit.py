@@ -18,7 +18,7 @@ import tempfile
 import textwrap
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 from procs import own_shm_entries
 
@@ -202,10 +202,8 @@ def memory_cgroup(limit_bytes: int):
                 time.sleep(0.1)
 
 
-def run_isolated(code: str, timeout: float = 120, env: Optional[dict] = None,
-                 argv: Sequence[str] = ()) -> subprocess.CompletedProcess:
-    """Runs ``code`` as a script (with arguments ``argv``) in a fresh interpreter; a hang past
-    ``timeout`` fails the test.
+def run_isolated(code: str, timeout: float = 120, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """Runs ``code`` as a script in a fresh interpreter; a hang past ``timeout`` fails the test.
 
     The script can import the test helpers (``sources``, ...). Returns the
     completed process; the caller checks its output.
@@ -217,7 +215,7 @@ def run_isolated(code: str, timeout: float = 120, env: Optional[dict] = None,
     environment = dict(os.environ, **(env or {}))
     environment["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, environment.get("PYTHONPATH")) if p)
     try:
-        return subprocess.run([sys.executable, path, *argv], capture_output=True, text=True,
+        return subprocess.run([sys.executable, path], capture_output=True, text=True,
                               timeout=timeout, env=environment, cwd=tests_dir)
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"the script hung for {timeout} s:\n{exc.stdout}\n{exc.stderr}") from None

@@ -17,7 +17,6 @@ import multiprocessing
 import multiprocessing.process
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -385,7 +384,7 @@ class Waker:
         self._pending = False  # a byte is in the pipe, or a drain has not finished
         self._lock = threading.Lock()
         with forking.lock:
-            ends = _socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            ends = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
             for end in ends:
                 end.setblocking(False)
             self._ends = ends
