@@ -188,3 +188,41 @@ def test_an_io_thread_out_of_memory_even_for_its_error_breaks_the_pool_instead_o
     # nobody told, and next() waited for ever.
     result = run_isolated(NO_MEMORY, timeout=60)
     assert "RAISED True" in result.stdout, result.stdout + result.stderr[-3000:]
+
+
+SILENT_END = '''
+import os
+import extsrc
+from extsrc.engine.pool import WorkerPool
+from extsrc.errors import InternalError
+from script_helpers import eight
+
+def ends_at_once(self, token):
+    raise MemoryError()  # before it could tell anyone: no state set, no waiter woken
+
+if __name__ == "__main__":
+    WorkerPool._run = ends_at_once
+    src = extsrc.ParallelSource(eight, 2, num_workers=1)
+    try:
+        list(src)
+    except InternalError as exc:
+        print("RAISED", "I/O thread" in str(exc))
+    pids = src.pool.workers_backend.worker_pids()
+    src.close()
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    print("WORKERS", len(pids), "ALIVE", len(alive))
+'''
+
+
+def test_a_consumer_waiting_on_an_io_thread_that_ended_without_a_word_gets_an_error():
+    # Wherever the I/O thread ends (a MemoryError where nothing can be allocated to tell the
+    # waiters), a consumer in next() finds it ended and raises instead of waiting for ever.
+    result = run_isolated(SILENT_END, timeout=60)
+    assert "RAISED True" in result.stdout, result.stdout + result.stderr[-3000:]
+    assert "WORKERS 1 ALIVE 0" in result.stdout, result.stdout  # close() stopped the worker

@@ -16,7 +16,10 @@ Threads and ownership:
   sources) change the pool only through the methods below marked *lock
   held*. To wait, a consumer takes a :meth:`WorkerPool.waiter` with the
   lock held and acquires it after leaving the lock; the I/O thread releases
-  every waiter after each change a consumer may wait for.
+  every waiter after each change a consumer may wait for. A consumer waits
+  at most :data:`IO_WATCH_S` at a time and then looks again: an I/O thread
+  that ended without a word (out of memory even for that) breaks the pool
+  at that look instead of leaving its consumers waiting.
 * One lock (:attr:`WorkerPool.lock`, a C-level ``RLock`` only ever used in
   ``with`` statements) guards the pool and every source attached to it. A
   ``KeyboardInterrupt`` landing anywhere in a consumer therefore never
@@ -78,6 +81,10 @@ if TYPE_CHECKING:
 RETURN_POLL_S = 0.05
 # close() waits this long for the I/O thread, which stops the workers with their graces.
 IO_THREAD_JOIN_S = 4 * worker_processes.STOP_GRACE_S + 2.0
+# A waiting consumer looks this often whether the I/O thread still runs: out of memory
+# (ulimit -v) it can end where it has no memory left to tell anyone. One wake-up a second of
+# a thread that waits anyway costs nothing measurable.
+IO_WATCH_S = 1.0
 
 
 class PoolState(enum.Enum):
@@ -178,8 +185,9 @@ class WorkerPool:
         self._thread: Optional[OwnedThread] = None
         self._io_ident: Optional[int] = None
         self._io_token: Optional[object] = None  # the I/O thread's that start() committed
-        # What consumers get if the I/O thread fails with no memory left to describe why
-        # (made here, while there is: under `ulimit -v` the failure itself may be a MemoryError).
+        # What consumers get if the I/O thread fails with no memory left to describe why, or
+        # ends without telling them (made here, while there is memory: under `ulimit -v` the
+        # failure itself may be a MemoryError).
         self._io_failed = InternalError(
             "the extsrc pool's I/O thread failed and had no memory left to say why (MemoryError); "
             "under an address-space limit (ulimit -v) raise it or lower prefetch or batch_size")
@@ -344,7 +352,11 @@ class WorkerPool:
 
     def check_usable(self, client_id: Optional[int]) -> None:
         """*engine*, lock held: raises the pool's fault (once per client), or
-        :class:`PoolClosedError` if closed or broken."""
+        :class:`PoolClosedError` if closed or broken. A pool whose I/O thread ended while it
+        ran (see :meth:`wait`) breaks here with an :class:`InternalError`."""
+        thread = self._thread
+        if self._state is PoolState.RUNNING and thread is not None and thread.ended:
+            self._break(self._io_failed)
         if self._state is PoolState.BROKEN and client_id is not None and client_id not in self._reported:
             self._reported.add(client_id)
             raise self._error  # type: ignore[misc]
@@ -398,10 +410,18 @@ class WorkerPool:
         self._waiters.append(waiter)
         return waiter
 
+    def wait(self, waiter: Any, timeout: Optional[float]) -> None:
+        """*engine*, consumer thread, lock not held: waits until ``waiter`` (from :meth:`waiter`)
+        is released or ``timeout`` seconds passed (``None``: no limit), at most
+        :data:`IO_WATCH_S` at a time. The caller then looks again (:meth:`check_usable` finds an
+        I/O thread that ended without telling its waiters)."""
+        waiter.acquire(True, IO_WATCH_S if timeout is None else min(max(0.0, timeout), IO_WATCH_S))
+
     def notify(self) -> None:
         """*engine*, lock held: wakes every consumer waiting for a change."""
-        for waiter in self._take_waiters():
-            waiter.release()
+        waiters = self._waiters
+        while waiters:  # in place: waking them allocates nothing (the I/O thread may be out of memory)
+            waiters.pop().release()
 
     def _take_waiters(self) -> List[Any]:
         """Lock held: the waiters to release once the lock is left (a consumer woken while the

@@ -255,8 +255,7 @@ class Taker:
                         lease = producer.slots.lease(pending.slot, pending.overflow_sizes(decision.size))
             if waiter is not None:
                 # Waiting happens outside the lock (see extsrc.engine.pool).
-                remaining = -1 if deadline is None else max(0.0, deadline - time.monotonic())
-                waiter.acquire(True, remaining)
+                pool.wait(waiter, None if deadline is None else deadline - time.monotonic())
                 continue
             if lease is None:
                 # 5. Hand over a record committed before: no call from the swap to the return.

@@ -18,7 +18,11 @@ one C call (``_thread.start_new_thread``), and the thread itself tells what
 happened: it records its ident as its first step, sets ``ended`` as its last
 and then releases a lock that :meth:`OwnedThread.join` waits on. ``started``
 is set just before that C call, and set back only if the call raised: it is
-true whenever the thread exists. An interrupt in ``join()`` leaves at worst
+true whenever the thread exists. ``start()`` returns once the thread runs its
+first line: a thread can die before that line (its first frame needs memory,
+which under ``ulimit -v`` may be gone; CPython then prints "Exception ignored in
+thread started by" and tells nobody), and an owner that took such a thread for
+running would wait for it for ever. An interrupt in ``join()`` leaves at worst
 that lock taken, and ``ended`` answers every later call. Such a thread is not
 in ``threading.enumerate()`` (``_thread._count()`` counts it), and
 ``threading.current_thread()`` in it is a dummy; ``name`` is for messages.
@@ -36,17 +40,23 @@ import _thread
 import sys
 from typing import Any, Callable, Optional
 
+# start() waits this long for the new thread's first line before it takes the thread for dead
+# (no memory for its first frame). A thread the OS made is scheduled within milliseconds even
+# on a saturated machine; the wait ends as soon as it runs.
+THREAD_BEGIN_S = 20.0
+
 
 class OwnedThread:
     """A daemon thread running ``target()``; ``ended`` once ``target`` returned or raised.
 
     ``start()`` raises ``RuntimeError`` if no thread could be made (e.g. under an
-    address-space limit); ``target`` is then never called and ``started`` is false.
+    address-space limit), or the one made did not begin within :data:`THREAD_BEGIN_S`;
+    ``target`` is then never called and ``started`` is false.
     Interrupted (``KeyboardInterrupt``), it raises with ``started`` true if the thread
     was made: the thread runs ``target`` all the same, and :meth:`join` waits for it.
     """
 
-    __slots__ = ("name", "started", "ended", "_ident", "_target", "_done")
+    __slots__ = ("name", "started", "ended", "_ident", "_target", "_done", "_began", "_claim")
 
     def __init__(self, target: Callable[[], Any], name: str):
         self.name = name
@@ -56,6 +66,11 @@ class OwnedThread:
         self._target: Optional[Callable[[], Any]] = target
         self._done = _thread.allocate_lock()  # held until target's end: join() waits on it
         self._done.acquire()
+        self._began = _thread.allocate_lock()  # held until the thread runs: start() waits on it
+        self._began.acquire()
+        # Taken by the thread as it begins, or by a start() that gave up waiting for it: the
+        # one that takes it decides whether target runs.
+        self._claim = _thread.allocate_lock()
 
     def start(self) -> None:
         """Starts the thread (once)."""
@@ -70,6 +85,16 @@ class OwnedThread:
         except Exception:  # raised by the call: no thread was made
             self.started = False
             raise
+        if self._began.acquire(True, THREAD_BEGIN_S):
+            return
+        if not self._claim.acquire(False):  # it began just now, and releases _began next
+            self._began.acquire()
+            return
+        # It never began, and now never runs target. (An interrupt landing before the next
+        # line leaves ``started`` true: join() then waits for its timeout, as for a live thread.)
+        self.started = False
+        raise RuntimeError(f"thread {self.name} did not begin within {THREAD_BEGIN_S:.0f} s: it "
+                           "had no memory for its first frame, or the process is stopped")
 
     @property
     def ident(self) -> Optional[int]:
@@ -93,10 +118,13 @@ class OwnedThread:
         return self.ended
 
     def _main(self) -> None:
-        self._ident = _thread.get_ident()  # before the target: is_current() in it answers True
-        target = self._target
-        assert target is not None, f"thread {self.name} ran its target twice"
-        try:
+        try:  # whatever fails here (a MemoryError, even before the target), ``ended`` is set
+            if not self._claim.acquire(False):
+                return  # start() gave up waiting for this thread: target is not run
+            self._ident = _thread.get_ident()  # before the target: is_current() in it answers True
+            self._began.release()
+            target = self._target
+            assert target is not None, f"thread {self.name} ran its target twice"
             target()
         finally:
             self._target = None  # what the target references is not kept by an ended thread

@@ -14,6 +14,10 @@ import _socket
 import _thread
 import contextlib
 import multiprocessing
+
+# Joining a process with a timeout imports multiprocessing.connection (and maps its C module):
+# imported here, stop() never needs memory for that, which under ulimit -v may be gone then.
+import multiprocessing.connection  # noqa: F401
 import multiprocessing.process
 import os
 import signal

@@ -7,6 +7,7 @@ a Ctrl-C landing anywhere in the wait.
 
 import sys
 import threading
+import time
 
 from extsrc.dali.run_thread import RunThread
 from extsrc.engine.threads import OwnedThread
@@ -70,3 +71,50 @@ def test_join_from_the_thread_itself_returns_at_once():
     thread.start()
     assert thread.join()
     assert seen == [False]  # not ended while its target runs
+
+
+class _Unstarted:
+    """Stands for ``_thread`` whose new thread dies before its first line (no memory for its
+    first frame): the thread is made, its function is not run. ``run_late()`` runs it after all."""
+
+    def __init__(self, real):
+        self._real = real
+        self.pending = []
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def start_new_thread(self, function, args):
+        self.pending.append((function, args))
+        return 1
+
+    def run_late(self):
+        function, args = self.pending.pop()
+        self._real.start_new_thread(function, args)
+
+
+def test_a_thread_that_never_begins_makes_start_raise_and_never_runs_its_target_later(monkeypatch):
+    import _thread
+
+    from extsrc.engine import threads
+
+    unstarted = _Unstarted(_thread)
+    monkeypatch.setattr(threads, "_thread", unstarted)
+    monkeypatch.setattr(threads, "THREAD_BEGIN_S", 0.2)
+    ran = []
+    thread = OwnedThread(lambda: ran.append(1), "never-begins")
+    try:
+        thread.start()
+    except RuntimeError as exc:
+        assert "did not begin" in str(exc) and "never-begins" in str(exc), exc
+    else:
+        raise AssertionError("start() took a thread that never ran for started")
+    assert not thread.started and not thread.join()  # nothing to wait for
+    # Scheduled after all, once start() gave up on it: it must not run the target.
+    monkeypatch.setattr(threads, "_thread", _thread)
+    unstarted.run_late()
+    deadline = time.monotonic() + 60  # a hang guard, not a timing assumption
+    while not thread.ended:  # set by the late thread as it returns
+        assert time.monotonic() < deadline, "the late thread never ended"
+        time.sleep(0.01)
+    assert ran == []  # it returned without running the target
