@@ -287,12 +287,13 @@ class ThreadEngine:
 
     def _ensure_threads(self) -> None:
         """Started in the worker on first use; a thread lost to a hung call is replaced."""
-        alive = [t for t in self._threads if not t.ended]
-        self._threads = alive
+        # Listed before it starts: an interrupt anywhere leaves each thread that exists listed
+        # (``started`` is true whenever it does), and one that never started is dropped here.
+        self._threads = [t for t in self._threads if t.started and not t.ended]
         while len(self._threads) < self.concurrency:
             thread = OwnedThread(self._serve, f"extsrc-sample-{len(self._threads)}")
-            thread.start()
             self._threads.append(thread)
+            thread.start()
 
     def _serve(self) -> None:
         callback, jobs, results, running = self.callback, self._jobs, self._results, self._running

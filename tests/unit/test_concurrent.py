@@ -84,3 +84,43 @@ def test_an_earlier_run_gets_the_freed_room_first():
 
     assert asyncio.run(main()) == [None, None, None]
     assert gate.started == ["first", "second", "third"]
+
+
+def test_an_interrupt_anywhere_in_starting_the_sample_threads_leaves_exactly_concurrency_threads():
+    # A KeyboardInterrupt at every place one can land while the thread engine starts its
+    # threads (in extsrc's code: each function's start, each C call's return). The next
+    # start must leave exactly `concurrency` threads: a thread started but not yet recorded
+    # was started a second time, one recorded but never started was counted for ever.
+    # In its own interpreter: it counts the process's threads.
+    from faultkit import run_isolated
+
+    result = run_isolated('''
+        import _thread, os, sys
+        import extsrc
+        from extsrc.engine.concurrent import ThreadEngine
+        from interrupting import interrupt_at_landing
+        from script_helpers import until
+
+        base, k = _thread._count(), 0
+        while True:
+            k += 1
+            engine = ThreadEngine(lambda argument: argument, 3)
+            landings = [0]
+            sys.setprofile(interrupt_at_landing(k, landings, os.path.dirname(extsrc.__file__)))
+            try:
+                engine._ensure_threads()
+            except KeyboardInterrupt:
+                pass
+            finally:
+                sys.setprofile(None)
+            engine._ensure_threads()
+            # A start interrupted after its C call returned did not wait for its thread to begin.
+            until(lambda: _thread._count() - base == 3, f"{k}: not `concurrency` threads")
+            engine.close()  # one stop per recorded thread: a thread not recorded would not end
+            until(lambda: _thread._count() == base, f"{k}: a sample thread did not end")
+            print(k, flush=True)
+            if landings[0] < k:
+                break
+    ''', timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    assert len(result.stdout.split()) > 5, result.stdout  # so many places were interrupted
