@@ -186,19 +186,21 @@ def _start_method(context: Any, num_workers: int) -> str:
     if context is None:
         return "fork"
     if num_workers == 0:
-        raise ValueError(f"multiprocessing_context={context!r} chooses how worker processes start, "
-                         "and num_workers=0 starts none: give num_workers > 0, or leave it out")
+        raise ValueError(f"multiprocessing_context={context!r} chooses how worker processes start: "
+                         "it is for multi-process loading (num_workers > 0), but got num_workers=0, "
+                         "which loads in this process; give num_workers > 0, or leave it out")
     if isinstance(context, str):
         method = context
     elif isinstance(context, multiprocessing.context.BaseContext):
         method = context.get_start_method()
     else:
-        raise TypeError(f"multiprocessing_context must be a start method's name {START_METHODS} or "
-                        f"a multiprocessing context, got {type(context).__name__} {context!r}")
+        raise TypeError(f"multiprocessing_context option should be a valid context object "
+                        f"(multiprocessing.get_context(...)) or a start method's name "
+                        f"{START_METHODS}, got {type(context).__name__} {context!r}")
     if method not in START_METHODS:
         raise ValueError(
-            f"multiprocessing_context must be one of {START_METHODS} or a multiprocessing context "
-            f"of one of them, got {context!r}"
+            f"multiprocessing_context option should specify a valid start method in "
+            f"{START_METHODS} (or be a multiprocessing context of one), got {context!r}"
         )
     return method
 
@@ -1070,7 +1072,8 @@ def _from_dataset(
     if num_workers == 0 and persistent_workers:
         raise ValueError("persistent_workers option needs num_workers > 0")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
-        raise ValueError(f"timeout must be a number of seconds >= 0 (0: none), got {timeout!r}")
+        raise ValueError(f"timeout option should be non-negative: seconds to wait for a batch "
+                         f"(0: no limit), got timeout={timeout!r}")
     if prefetch_factor is not None and (isinstance(prefetch_factor, bool)
                                         or not isinstance(prefetch_factor, int) or prefetch_factor < 1):
         raise ValueError(f"prefetch_factor must be a positive int or None, got {prefetch_factor!r}")
