@@ -841,10 +841,12 @@ class _WorkerTurns:
             warnings.warn(
                 f"Length of IterableDataset {loader.dataset!r} was reported to be "
                 f"{loader._len_asked} (len(dataset), when len(loader) was asked), but "
-                f"{self._yielded} batches have been fetched: each of the {loader.num_workers} "
-                "workers iterates its own copy of the dataset; shard it by "
-                "torch.utils.data.get_worker_info() (or in worker_init_fn) so that together "
-                "they yield len(dataset) samples", UserWarning, stacklevel=3)
+                f"{self._yielded} samples have been fetched. For multiprocessing data-loading, this "
+                f"usually means that each of the {loader.num_workers} workers iterates its own copy "
+                "of the dataset: shard it by torch.utils.data.get_worker_info() (or in "
+                "worker_init_fn) so that together they yield len(dataset) samples. (What is "
+                "counted is what the loader yielded, as DataLoader counts: batches when "
+                "batch_size is set.)", UserWarning, stacklevel=3)
 
 
 def _iterable_loader(dataset: Any, batch_size: Optional[int], drop_last: bool, collate_fn: Any,
@@ -1083,8 +1085,9 @@ def _from_dataset(
     if isinstance(num_workers, int) and not isinstance(num_workers, bool) and num_workers > _usable_cpus():
         warnings.warn(
             f"from_dataset starts {num_workers} worker processes, and this process may use "
-            f"{_usable_cpus()} CPUs: more workers than CPUs slow loading down (and may exhaust "
-            "memory); give num_workers of at most the CPUs", UserWarning, stacklevel=2)
+            f"{_usable_cpus()} CPUs: excessive worker creation might get DataLoader running slow "
+            "or even freeze, and from_dataset alike (each worker also holds memory); give "
+            "num_workers of at most the CPUs", UserWarning, stacklevel=2)
     if pin_memory and not torch.cuda.is_available():
         warnings.warn("pin_memory=True, and CUDA is not available here: the tensors are not pinned "
                       "(page-locked) memory", UserWarning, stacklevel=2)
