@@ -7,6 +7,7 @@ expected; see the README section "When things go wrong" for real messages.
 from __future__ import annotations
 
 import pickle
+from typing import Optional
 
 
 class ExtsrcError(Exception):
@@ -35,15 +36,27 @@ class WorkerDiedError(ExtsrcError, RuntimeError):
 
     The message names the worker, its pid, the signal or exit code and the
     samples it held. The pool is shut down: the source cannot be used again.
+    ``pid`` is the worker's process id and ``signal`` the number of the signal
+    that killed it (``None`` when it exited, or when the backend cannot tell).
     """
+
+    def __init__(self, message: str, pid: Optional[int] = None, signal: Optional[int] = None):
+        super().__init__(message)
+        self.pid = pid
+        self.signal = signal
 
 
 class SourceTimeoutError(ExtsrcError, TimeoutError, RuntimeError):
-    """A batch took longer than the source's ``timeout``; names the stuck samples. Also a
-    ``RuntimeError``, what a DataLoader raises when its ``timeout`` passes.
+    """A batch took longer than the source's ``timeout`` (seconds, the attribute ``timeout``;
+    ``None`` where not known); names the stuck samples. Also a ``RuntimeError``, what a
+    DataLoader raises when its ``timeout`` passes.
 
     The pool is shut down: the source cannot be used again.
     """
+
+    def __init__(self, message: str, timeout: Optional[float] = None):
+        super().__init__(message)
+        self.timeout = timeout
 
 
 class SharedMemoryError(ExtsrcError, OSError, RuntimeError):

@@ -212,11 +212,14 @@ class ProcessBackend:
 
     def _died(self, worker: WorkerHandle) -> Fault:
         how, hint = worker_processes.describe_exit(worker, self.start_method)
+        code = worker.process.exitcode  # read by describe_exit() already
+        killed_by = -code if code is not None and code < 0 else None
 
         def error(held: HeldBy) -> BaseException:
             return WorkerDiedError(
                 f"extsrc worker {worker.index} (pid {worker.pid}) {how} while it held "
-                f"{held(worker.index)}.{hint} The remaining workers were shut down."
+                f"{held(worker.index)}.{hint} The remaining workers were shut down.",
+                pid=worker.pid, signal=killed_by,
             )
 
         return error

@@ -387,7 +387,7 @@ class SourceRunner:
             f"{self.worker} ran up to concurrency={self.setup.concurrency} samples at once. "
             "The workers were shut down."
         )
-        error = SourceTimeoutError(message)
+        error = SourceTimeoutError(message, timeout=self.setup.timeout)
         return TaskFailed(task.source_id, task.ticket, self.worker, position, info,
                           pickle.dumps(error), type(error).__qualname__, message,
                           f"Where the call was waiting:\n{hung.stack}", True)

@@ -464,7 +464,8 @@ class Taker:
             f"batch {epoch.next_yield} of epoch {epoch.epoch_idx} of source {self.name} was not "
             f"ready after timeout={self.options.timeout} s. Stuck: "
             + ("; ".join(stuck) if stuck else "no task was running")
-            + ". The workers were shut down."
+            + ". The workers were shut down.",
+            timeout=self.options.timeout,
         )
         pool.fail(error)
         pool.check_usable(producer.source_id)  # marks it as reported

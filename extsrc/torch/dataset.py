@@ -18,6 +18,7 @@ import math
 import multiprocessing.context
 import os
 import random
+import signal
 import time
 import warnings
 from typing import Any, Callable, Optional, Tuple, Union
@@ -565,6 +566,25 @@ _ENDS_THE_LOOP = (WorkerDiedError, SourceTimeoutError, SharedMemoryError, PoolCl
                   ForkedChildError, EpochSupersededError, InternalError)
 
 
+def _in_dataloader_words(error: BaseException) -> None:
+    """Puts the phrase a DataLoader's error for a dead worker or a timeout starts with before an
+    engine error's message, for code written against DataLoader's messages. In place: the
+    error keeps its type, attributes and traceback; worded once however often it is raised."""
+    if isinstance(error, WorkerDiedError) and error.pid is not None:
+        if error.signal is not None:
+            name = signal.strsignal(error.signal) or f"signal {error.signal}"
+            phrase = f"DataLoader worker (pid {error.pid}) is killed by signal: {name}. "
+        else:
+            phrase = f"DataLoader worker (pid(s) {error.pid}) exited unexpectedly. "
+    elif isinstance(error, SourceTimeoutError) and error.timeout is not None:
+        phrase = f"DataLoader timed out after {error.timeout:g} seconds. "
+    else:
+        return
+    message = str(error)
+    if not message.startswith(phrase):
+        error.args = (phrase + message,)
+
+
 class _GoesOnAfterErrors:
     """A loop over a :class:`DatasetLoader` that goes on after a batch fails, as a DataLoader's
     does: the error is raised at its batch, and the next ``next()`` gives the batch after it
@@ -597,8 +617,9 @@ class _GoesOnAfterErrors:
             self._done = True
             self._loader._loop_finished(epoch.position)
             raise
-        except _ENDS_THE_LOOP:
+        except _ENDS_THE_LOOP as exc:
             self._done = True
+            _in_dataloader_words(exc)
             raise
         except Exception:
             self._failed = epoch  # first: an interrupt below leaves the next call to finish
@@ -790,6 +811,9 @@ class _WorkerTurns:
             except StopIteration:
                 self._done(epoch)
                 continue
+            except (WorkerDiedError, SourceTimeoutError) as exc:
+                _in_dataloader_words(exc)
+                raise
             self._held = batch  # first: an interrupt below leaves it for the next call
             self._last = epoch
             self._yielded += 1

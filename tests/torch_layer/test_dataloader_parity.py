@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import signal
 import sys
 import time
 import warnings
@@ -148,9 +149,35 @@ class _Slow(torch.utils.data.Dataset):
 
 
 def test_a_timeout_raises_a_runtime_error_as_a_dataloaders():
+    # With the phrase DataLoader's error starts with, then what was stuck.
     with from_dataset(_Slow(), batch_size=2, num_workers=1, timeout=1) as loader:
-        with pytest.raises(RuntimeError, match="timeout=1"):
+        with pytest.raises(RuntimeError, match=r"^DataLoader timed out after 1 seconds\. .*timeout=1") as raised:
             next(iter(loader))
+    assert raised.value.timeout == 1
+
+
+class _Crashes(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+
+class _CrashingStream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        os.kill(os.getpid(), signal.SIGSEGV)
+        yield 0
+
+
+@pytest.mark.parametrize("dataset", [_Crashes, _CrashingStream])
+def test_a_worker_killed_by_a_signal_is_told_as_a_dataloader_tells_it(dataset):
+    # A RuntimeError with the phrase DataLoader's has (code matches it), then extsrc's account.
+    with from_dataset(dataset(), batch_size=2, num_workers=1) as loader:
+        with pytest.raises(RuntimeError, match=r"^DataLoader worker \(pid \d+\) is killed by signal: "
+                                               r"Segmentation fault\. extsrc worker 0 .*SIGSEGV") as raised:
+            next(iter(loader))
+    assert raised.value.signal == signal.SIGSEGV and raised.value.pid > 0
 
 
 def test_more_workers_than_cpus_warn():
