@@ -226,3 +226,36 @@ def test_a_consumer_waiting_on_an_io_thread_that_ended_without_a_word_gets_an_er
     result = run_isolated(SILENT_END, timeout=60)
     assert "RAISED True" in result.stdout, result.stdout + result.stderr[-3000:]
     assert "WORKERS 1 ALIVE 0" in result.stdout, result.stdout  # close() stopped the worker
+
+
+SILENT_END_UNORDERED = '''
+import time
+import torch
+from extsrc.engine.pool import WorkerPool
+from extsrc.errors import InternalError
+from extsrc.torch import from_dataset
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(8))
+
+def ends_soon(self, token):
+    time.sleep(1)  # the consumer waits by then
+    raise MemoryError()
+
+if __name__ == "__main__":
+    WorkerPool._run = ends_soon
+    loader = from_dataset(Stream(), batch_size=2, num_workers=2, in_order=False)
+    try:
+        list(loader)
+    except InternalError as exc:
+        print("RAISED", "I/O thread" in str(exc))
+    loader.close()
+'''
+
+
+def test_an_unordered_iterable_loader_waiting_on_an_io_thread_that_ended_without_a_word_gets_an_error():
+    # from_dataset's IterableDataset loader with in_order=False waits for whichever worker's
+    # batch comes first, on its own wait: it too finds the I/O thread ended (it hung).
+    result = run_isolated(SILENT_END_UNORDERED, timeout=60)
+    assert "RAISED True" in result.stdout, result.stdout + result.stderr[-3000:]

@@ -288,8 +288,9 @@ class ThreadEngine:
     def _ensure_threads(self) -> None:
         """Started in the worker on first use; a thread lost to a hung call is replaced."""
         # Listed before it starts: an interrupt anywhere leaves each thread that exists listed
-        # (``started`` is true whenever it does), and one that never started is dropped here.
-        self._threads = [t for t in self._threads if t.started and not t.ended]
+        # (``started`` is true whenever it does), and one that never started is dropped here
+        # (begun() settles one whose start was interrupted: it may never have begun).
+        self._threads = [t for t in self._threads if t.begun() and not t.ended]
         while len(self._threads) < self.concurrency:
             thread = OwnedThread(self._serve, f"extsrc-sample-{len(self._threads)}")
             self._threads.append(thread)

@@ -354,9 +354,7 @@ class WorkerPool:
         """*engine*, lock held: raises the pool's fault (once per client), or
         :class:`PoolClosedError` if closed or broken. A pool whose I/O thread ended while it
         ran (see :meth:`wait`) breaks here with an :class:`InternalError`."""
-        thread = self._thread
-        if self._state is PoolState.RUNNING and thread is not None and thread.ended:
-            self._break(self._io_failed)
+        self.notice_io_end()
         if self._state is PoolState.BROKEN and client_id is not None and client_id not in self._reported:
             self._reported.add(client_id)
             raise self._error  # type: ignore[misc]
@@ -368,6 +366,14 @@ class WorkerPool:
                 f"the source's workers were shut down after an earlier error: "
                 f"{type(error).__name__}: {error}"
             ) from error
+
+    def notice_io_end(self) -> None:
+        """*engine*, lock held: breaks a RUNNING pool whose I/O thread ended without saying so
+        (with the :class:`InternalError` made in advance); a consumer that waits calls it at
+        least every :data:`IO_WATCH_S` (see :meth:`wait`)."""
+        thread = self._thread
+        if self._state is PoolState.RUNNING and thread is not None and thread.ended:
+            self._break(self._io_failed)
 
     @property
     def broken(self) -> bool:
@@ -415,7 +421,10 @@ class WorkerPool:
         is released or ``timeout`` seconds passed (``None``: no limit), at most
         :data:`IO_WATCH_S` at a time. The caller then looks again (:meth:`check_usable` finds an
         I/O thread that ended without telling its waiters)."""
-        waiter.acquire(True, IO_WATCH_S if timeout is None else min(max(0.0, timeout), IO_WATCH_S))
+        if not waiter.acquire(True, IO_WATCH_S if timeout is None else min(max(0.0, timeout), IO_WATCH_S)):
+            with self.lock:  # not released: the caller takes a new one to wait again
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
 
     def notify(self) -> None:
         """*engine*, lock held: wakes every consumer waiting for a change."""

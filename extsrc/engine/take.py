@@ -151,6 +151,7 @@ class Epoch:
         taker = self.taker
         producer, pool = taker.producer, taker.pool
         with pool.lock:
+            pool.notice_io_end()
             if (self.taken is not None or self.state is not EpochState.RUNNING
                     or self is not taker.current or pool.broken or pool.closed):
                 return True

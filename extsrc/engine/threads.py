@@ -22,7 +22,20 @@ true whenever the thread exists. ``start()`` returns once the thread runs its
 first line: a thread can die before that line (its first frame needs memory,
 which under ``ulimit -v`` may be gone; CPython then prints "Exception ignored in
 thread started by" and tells nobody), and an owner that took such a thread for
-running would wait for it for ever. An interrupt in ``join()`` leaves at worst
+running would wait for it for ever. Whether ``target`` runs is decided once, by
+whoever takes a claim lock first: the thread at its first line, or a
+``start()``/``join()`` that gave up waiting for that line. What was decided is
+read back from the claim and from plain flags the thread alone sets (begun;
+runs; lost the claim), never from a local that an interrupt could have cut
+short, so an interrupted ``start()`` is finished by ``join()``. The thread's
+states, as seen by its owner::
+
+    made ──first line, claim taken──► RUNS ──target returns/raises──► ended
+     │
+     └──no first line within THREAD_BEGIN_S (claim taken by start()/join())──► never runs
+                                                       (``started`` set back to false)
+
+An interrupt in ``join()`` leaves at worst
 that lock taken, and ``ended`` answers every later call. Such a thread is not
 in ``threading.enumerate()`` (``_thread._count()`` counts it), and
 ``threading.current_thread()`` in it is a dummy; ``name`` is for messages.
@@ -37,13 +50,18 @@ is false: owners compare the pid they were made in.
 from __future__ import annotations
 
 import _thread
+import math
 import sys
+import time
 from typing import Any, Callable, Optional
 
 # start() waits this long for the new thread's first line before it takes the thread for dead
 # (no memory for its first frame). A thread the OS made is scheduled within milliseconds even
 # on a saturated machine; the wait ends as soon as it runs.
 THREAD_BEGIN_S = 20.0
+# While the thread's fate is being decided (it reached its first line and tries the claim, or
+# lost it), the waiting side looks again this often; the thread itself wakes it when it runs.
+BEGIN_POLL_S = 0.05
 
 
 class OwnedThread:
@@ -53,10 +71,13 @@ class OwnedThread:
     address-space limit), or the one made did not begin within :data:`THREAD_BEGIN_S`;
     ``target`` is then never called and ``started`` is false.
     Interrupted (``KeyboardInterrupt``), it raises with ``started`` true if the thread
-    was made: the thread runs ``target`` all the same, and :meth:`join` waits for it.
+    was made: the thread runs ``target`` all the same, and :meth:`join` waits for it (or,
+    should it never begin, gives it up as ``start()`` would have and sets ``started`` back
+    to false).
     """
 
-    __slots__ = ("name", "started", "ended", "_ident", "_target", "_done", "_began", "_claim")
+    __slots__ = ("name", "started", "ended", "_ident", "_target", "_done", "_began", "_claim",
+                 "_begun", "_runs", "_lost", "_give_up_at")
 
     def __init__(self, target: Callable[[], Any], name: str):
         self.name = name
@@ -68,33 +89,69 @@ class OwnedThread:
         self._done.acquire()
         self._began = _thread.allocate_lock()  # held until the thread runs: start() waits on it
         self._began.acquire()
-        # Taken by the thread as it begins, or by a start() that gave up waiting for it: the
-        # one that takes it decides whether target runs.
+        # Taken by the thread at its first line, or by a start()/join() that gave up waiting
+        # for that line: the one that takes it decides whether target runs.
         self._claim = _thread.allocate_lock()
+        # Set by the thread alone, in this order, with plain stores (nothing to allocate):
+        self._begun = False  # it reached its first line (and then tries the claim)
+        self._runs = False  # it took the claim: target runs
+        self._lost = False  # the claim was taken already: target never runs
+        self._give_up_at = math.inf  # when a thread that has not begun is given up on
 
     def start(self) -> None:
-        """Starts the thread (once)."""
-        if self.started:
+        """Starts the thread (once); returns once it runs its first line."""
+        if self.started or self._claim.locked():
             raise RuntimeError(f"thread {self.name} was started already")
+        self._give_up_at = time.monotonic() + THREAD_BEGIN_S
         # A plain store, then the C call: no interrupt lands between the two, so a thread
         # never exists with ``started`` false. An interrupt after the call is no Exception:
-        # it leaves ``started`` true, as the thread runs.
+        # it leaves ``started`` true, and join() finishes what this call would have.
         self.started = True
         try:
             _thread.start_new_thread(self._main, ())
         except Exception:  # raised by the call: no thread was made
             self.started = False
             raise
-        if self._began.acquire(True, THREAD_BEGIN_S):
+        if self._settle(math.inf):
             return
-        if not self._claim.acquire(False):  # it began just now, and releases _began next
-            self._began.acquire()
-            return
-        # It never began, and now never runs target. (An interrupt landing before the next
-        # line leaves ``started`` true: join() then waits for its timeout, as for a live thread.)
         self.started = False
         raise RuntimeError(f"thread {self.name} did not begin within {THREAD_BEGIN_S:.0f} s: it "
-                           "had no memory for its first frame, or the process is stopped")
+                           "had no memory for its first frame, or the process was stopped")
+
+    def begun(self) -> bool:
+        """Whether the thread runs (or ran) ``target``: after a ``start()`` that an interrupt cut
+        short, waits (at most until :data:`THREAD_BEGIN_S` after the start) for the thread's
+        first line, and gives it up if it never came (``started`` is then set back to false).
+        At once for a thread that returned from ``start()``."""
+        if not self.started:
+            return False
+        if self._settle(math.inf):
+            return True
+        self.started = False
+        return False
+
+    def _never_runs(self) -> bool:
+        # The claim is taken, not by the thread: it had not begun (it tries the claim only
+        # after setting _begun), or it found the claim taken.
+        return self._claim.locked() and not self._runs and (not self._begun or self._lost)
+
+    def _settle(self, until: float) -> Optional[bool]:
+        """Waits until the thread runs ``target`` (True) or never will (False); ``None`` when
+        ``until`` (``time.monotonic()``) passed first. Past ``_give_up_at`` a thread that has
+        not begun is given up on. Safe to call again after an interrupt."""
+        while True:
+            if self._runs:
+                return True
+            if self._never_runs():
+                return False
+            now = time.monotonic()
+            if now >= self._give_up_at and not self._begun:
+                self._claim.acquire(False)  # who got it is read back above
+                continue
+            if now >= until:
+                return None
+            wait = min(until, self._give_up_at) - now if not self._begun else BEGIN_POLL_S
+            self._began.acquire(True, max(0.0, min(wait, THREAD_BEGIN_S)))
 
     @property
     def ident(self) -> Optional[int]:
@@ -113,16 +170,28 @@ class OwnedThread:
             # While the interpreter shuts down (an owner's __del__ at exit) daemon threads no
             # longer run: waiting for one would never end.
             return self.ended
-        if self._done.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+        deadline = math.inf if timeout is None else time.monotonic() + max(0.0, timeout)
+        settled = self._settle(deadline)  # after an interrupted start(): did the thread begin?
+        if settled is False:
+            self.started = False  # it never ran, and never will
+        if not settled:
+            return self.ended
+        left = -1 if timeout is None else max(0.0, deadline - time.monotonic())
+        if self._done.acquire(timeout=left):
             self._done.release()
         return self.ended
 
     def _main(self) -> None:
+        # Up to the release of _began nothing allocates: no MemoryError can leave start() or
+        # join() waiting for a decision.
+        self._begun = True
+        if not self._claim.acquire(False):
+            self._lost = True
+            return  # start() or join() gave up waiting for this thread: target is not run
+        self._runs = True
+        self._began.release()
         try:  # whatever fails here (a MemoryError, even before the target), ``ended`` is set
-            if not self._claim.acquire(False):
-                return  # start() gave up waiting for this thread: target is not run
             self._ident = _thread.get_ident()  # before the target: is_current() in it answers True
-            self._began.release()
             target = self._target
             assert target is not None, f"thread {self.name} ran its target twice"
             target()

@@ -193,8 +193,8 @@ def launch_on_a_thread(context: Any, setups: Sequence[WorkerSetup], run_main: bo
         began = time.monotonic()
         try:
             thread.start()
-        except RuntimeError:  # no thread could be made: the starts are made here, interruptible
-            run()
+        except RuntimeError:  # no thread could be made, or it never began: see below
+            pass
         while not thread.ended and thread.started:
             try:
                 thread.join()
@@ -202,6 +202,8 @@ def launch_on_a_thread(context: Any, setups: Sequence[WorkerSetup], run_main: bo
                 if time.monotonic() - began > INTERRUPT_HOLD_S:
                     raise
                 held = exc
+        if not thread.ended:  # run() never ran on the thread: the starts are made here, interruptible
+            run()
     finally:
         if not claim.acquire(False):  # run() ended: its workers are the caller's
             workers.extend(made)

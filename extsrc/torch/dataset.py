@@ -853,7 +853,7 @@ class _WorkerTurns:
             if loader.timeout and waited >= loader.timeout:
                 return self._active[0]
             started = time.monotonic()
-            waiter.acquire(True, -1 if not loader.timeout else loader.timeout - waited)
+            pool.wait(waiter, None if not loader.timeout else loader.timeout - waited)
             waited += time.monotonic() - started
 
     def _warn_past_length(self) -> None:

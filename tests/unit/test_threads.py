@@ -7,7 +7,6 @@ a Ctrl-C landing anywhere in the wait.
 
 import sys
 import threading
-import time
 
 from extsrc.dali.run_thread import RunThread
 from extsrc.engine.threads import OwnedThread
@@ -73,48 +72,111 @@ def test_join_from_the_thread_itself_returns_at_once():
     assert seen == [False]  # not ended while its target runs
 
 
-class _Unstarted:
-    """Stands for ``_thread`` whose new thread dies before its first line (no memory for its
-    first frame): the thread is made, its function is not run. ``run_late()`` runs it after all."""
 
-    def __init__(self, real):
-        self._real = real
+# Threads that die before their first line (no memory for their first frame under ulimit -v),
+# stood for by a `_thread` whose start_new_thread makes no thread, or whose get_ident() raises
+# in the new thread. Each case in its own interpreter with a time limit: a hang fails it.
+_BEGIN_CASES = '''
+import _thread, sys, time
+from extsrc.engine import threads
+from extsrc.engine.concurrent import ThreadEngine
+from extsrc.engine.threads import OwnedThread
+from script_helpers import until
+
+MAIN = _thread.get_ident()
+
+
+class Unstarted:
+    """start_new_thread makes a thread that never runs; run_late() runs it after all."""
+    def __init__(self):
         self.pending = []
-
     def __getattr__(self, name):
-        return getattr(self._real, name)
-
+        return getattr(_thread, name)
     def start_new_thread(self, function, args):
         self.pending.append((function, args))
         return 1
-
     def run_late(self):
         function, args = self.pending.pop()
-        self._real.start_new_thread(function, args)
+        _thread.start_new_thread(function, args)
 
 
-def test_a_thread_that_never_begins_makes_start_raise_and_never_runs_its_target_later(monkeypatch):
-    import _thread
+class NoMemoryForIdent:
+    """The new thread runs, and fails on its first allocation (its ident's int)."""
+    def __getattr__(self, name):
+        return getattr(_thread, name)
+    def get_ident(self):
+        if _thread.get_ident() != MAIN:
+            raise MemoryError()
+        return MAIN
 
-    from extsrc.engine import threads
 
-    unstarted = _Unstarted(_thread)
-    monkeypatch.setattr(threads, "_thread", unstarted)
-    monkeypatch.setattr(threads, "THREAD_BEGIN_S", 0.2)
-    ran = []
+threads.THREAD_BEGIN_S = 0.3
+case = sys.argv[1] if len(sys.argv) > 1 else "{case}"
+ran = []
+if case == "never-begins":
+    unstarted = threads._thread = Unstarted()
     thread = OwnedThread(lambda: ran.append(1), "never-begins")
     try:
         thread.start()
     except RuntimeError as exc:
-        assert "did not begin" in str(exc) and "never-begins" in str(exc), exc
-    else:
-        raise AssertionError("start() took a thread that never ran for started")
-    assert not thread.started and not thread.join()  # nothing to wait for
-    # Scheduled after all, once start() gave up on it: it must not run the target.
-    monkeypatch.setattr(threads, "_thread", _thread)
-    unstarted.run_late()
-    deadline = time.monotonic() + 60  # a hang guard, not a timing assumption
-    while not thread.ended:  # set by the late thread as it returns
-        assert time.monotonic() < deadline, "the late thread never ended"
-        time.sleep(0.01)
-    assert ran == []  # it returned without running the target
+        print("RAISED", "did not begin" in str(exc) and "never-begins" in str(exc))
+    print("STARTED", thread.started, "JOINED", thread.join())
+    try:
+        thread.start()  # waited for ever before
+    except RuntimeError as exc:
+        print("AGAIN", "started already" in str(exc))
+    threads._thread = _thread
+    unstarted.run_late()  # scheduled after all, once start() gave up on it
+    until(lambda: _thread._count() == 0, "the late thread never ended")
+    print("TARGET RAN", ran)
+elif case == "no-memory-after-first-line":
+    threads._thread = NoMemoryForIdent()
+    thread = OwnedThread(lambda: ran.append(1), "no-memory")
+    thread.start()  # waited for ever before: the thread died before telling start()
+    print("JOINED", thread.join(), "TARGET RAN", ran)
+elif case == "interrupted-start":
+    unstarted = threads._thread = Unstarted()
+    engine = ThreadEngine(lambda x: x * 10, 1)
+    def profile(frame, event, arg):  # lands as start()'s first wait for the thread returns
+        if event == "c_return" and getattr(arg, "__name__", "") == "acquire" and frame.f_code.co_name == "_settle":
+            sys.setprofile(None)
+            raise KeyboardInterrupt
+    sys.setprofile(profile)
+    try:
+        engine._ensure_threads()
+    except KeyboardInterrupt:
+        print("INTERRUPTED")
+    finally:
+        sys.setprofile(None)
+    threads._thread = _thread  # memory is back
+    engine._ensure_threads()  # the thread that never began is given up on and replaced
+    got = []
+    engine.run([(0, 1)], lambda position, value: got.append(value), None)
+    print("RUN", got)
+    engine.close()
+'''
+
+
+def _begin_case(case):
+    from faultkit import run_isolated
+
+    result = run_isolated(_BEGIN_CASES.replace("{case}", case), timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    return result.stdout
+
+
+def test_a_thread_that_never_begins_makes_start_raise_and_never_runs_its_target_later():
+    out = _begin_case("never-begins")
+    assert "RAISED True" in out, out  # start() returned before, as if the thread ran
+    assert "STARTED False JOINED False" in out, out  # nothing to wait for
+    assert "AGAIN True" in out, out  # a second start() is refused (it waited for ever)
+    assert "TARGET RAN []" in out, out
+
+
+def test_a_thread_that_dies_right_after_its_first_line_neither_hangs_start_nor_join():
+    assert "JOINED True TARGET RAN []" in _begin_case("no-memory-after-first-line")
+
+
+def test_an_interrupted_start_of_a_thread_that_never_begins_is_given_up_by_the_next_look():
+    out = _begin_case("interrupted-start")
+    assert "INTERRUPTED" in out and "RUN [10]" in out, out
