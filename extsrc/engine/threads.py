@@ -114,7 +114,6 @@ class OwnedThread:
             raise
         if self._settle(math.inf):
             return
-        self.started = False
         raise RuntimeError(f"thread {self.name} did not begin within {THREAD_BEGIN_S:.0f} s: it "
                            "had no memory for its first frame, or the process was stopped")
 
@@ -123,12 +122,7 @@ class OwnedThread:
         short, waits (at most until :data:`THREAD_BEGIN_S` after the start) for the thread's
         first line, and gives it up if it never came (``started`` is then set back to false).
         At once for a thread that returned from ``start()``."""
-        if not self.started:
-            return False
-        if self._settle(math.inf):
-            return True
-        self.started = False
-        return False
+        return self.started and bool(self._settle(math.inf))
 
     def _never_runs(self) -> bool:
         # The claim is taken, not by the thread: it had not begun (it tries the claim only
@@ -136,13 +130,15 @@ class OwnedThread:
         return self._claim.locked() and not self._runs and (not self._begun or self._lost)
 
     def _settle(self, until: float) -> Optional[bool]:
-        """Waits until the thread runs ``target`` (True) or never will (False); ``None`` when
-        ``until`` (``time.monotonic()``) passed first. Past ``_give_up_at`` a thread that has
-        not begun is given up on. Safe to call again after an interrupt."""
+        """Waits until the thread runs ``target`` (True) or never will (False: ``started`` is
+        set back to false); ``None`` when ``until`` (``time.monotonic()``) passed first. Past
+        ``_give_up_at`` a thread that has not begun is given up on. Safe to call again after an
+        interrupt."""
         while True:
             if self._runs:
                 return True
             if self._never_runs():
+                self.started = False
                 return False
             now = time.monotonic()
             if now >= self._give_up_at and not self._begun:
@@ -171,10 +167,7 @@ class OwnedThread:
             # longer run: waiting for one would never end.
             return self.ended
         deadline = math.inf if timeout is None else time.monotonic() + max(0.0, timeout)
-        settled = self._settle(deadline)  # after an interrupted start(): did the thread begin?
-        if settled is False:
-            self.started = False  # it never ran, and never will
-        if not settled:
+        if not self._settle(deadline):  # after an interrupted start(): did the thread begin?
             return self.ended
         left = -1 if timeout is None else max(0.0, deadline - time.monotonic())
         if self._done.acquire(timeout=left):
