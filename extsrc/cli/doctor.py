@@ -13,7 +13,7 @@ from typing import List, Optional
 import numpy as np
 
 import extsrc
-from extsrc.shm import limits
+from extsrc.shm import limits, streaming
 from extsrc.shm.segment import Segment, backend as shm_backend
 from extsrc.engine.cuda_state import gpu_visible
 from extsrc.options import START_METHODS, default_prefetch
@@ -111,6 +111,10 @@ def main(argv: List[str]) -> int:
     print(f"memfd: {_check_memfd()}")
     backend = shm_backend()
     print(f"shared-memory backend in force: {backend}")
+    if streaming.available():
+        print(f"large samples (>= {fmt(streaming.STREAM_MIN_BYTES)}): copied past the caches")
+    else:
+        print(f"large samples: copied with NumPy ({streaming.why_not()})")
     found = limits.memory_limits()
     for limit in found:
         print(f"memory limit: {limit.describe()}, {fmt(limit.room)} left")

@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 import numpy as np
 
 from extsrc.errors import SampleError, SharedMemoryError
-from extsrc.shm import limits
+from extsrc.shm import limits, streaming
 from extsrc.shm.layout import Region, Spilled, align
 from extsrc.shm.mapping import Mapping
 from extsrc.shm.segment import Segment
@@ -298,7 +298,10 @@ class TaskWrite:
                 if given[1] is None and rows is not None and array.shape == rows.shape[1:]:
                     continue  # written by the callback in place
             if rows is not None and array.dtype == rows.dtype and array.shape == rows.shape[1:]:
-                rows[sample_position - self.start] = array
+                if array.nbytes >= streaming.STREAM_MIN_BYTES:
+                    streaming.copy(rows[sample_position - self.start], array)
+                else:
+                    rows[sample_position - self.start] = array
             else:
                 offset = self.slot.overflow.put(array)
                 self.spilled[j].append(Spilled(sample_position, array.dtype.str, array.shape, offset))
@@ -346,12 +349,12 @@ def _write_dense(column, destination: np.ndarray) -> bool:
     if isinstance(column, np.ndarray):
         if column.dtype != destination.dtype or column.shape != destination.shape:
             return False
-        destination[...] = column
+        streaming.copy(destination, column)
         return True
     shape, dtype = destination.shape[1:], destination.dtype
     first = column[0] if len(column) else None
-    if (first.__class__ is np.ndarray and first.shape == shape and first.dtype == dtype
-            and all(sample is first for sample in column)):
+    if (len(column) > 1 and first.__class__ is np.ndarray and first.shape == shape
+            and first.dtype == dtype and all(sample is first for sample in column)):
         destination[...] = first  # one array for every sample (a constant output): broadcast
         return True
     ndarray = np.ndarray
@@ -362,6 +365,10 @@ def _write_dense(column, destination: np.ndarray) -> bool:
             return False
     if not shape:  # 0-d samples cannot be concatenated
         destination[...] = column
+        return True
+    if first is not None and destination.itemsize * first.size >= streaming.STREAM_MIN_BYTES:
+        for k, sample in enumerate(column):  # large samples: each past the caches
+            streaming.copy(destination[k], sample)
         return True
     # Samples of equal shape, one after the other along axis 0: the batch's memory layout.
     np.concatenate(column, axis=0, out=destination.reshape((-1,) + shape[1:]))

@@ -84,3 +84,34 @@ def test_samples_of_one_output_must_share_dtype_and_ndim():
     first = checker.check(np.zeros((2, 2)), 0, 0, "sample 0", None, "")
     with pytest.raises(SampleError, match="2 dimensions like sample 0, got dtype float64 with shape \\(2,\\)"):
         checker.check(np.zeros(2), 0, 1, "sample 1", first, "sample 0")
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_large_samples_arrive_whole_in_place_one_or_several_at_a_time(count):
+    # Samples of 1 MiB and more take the copy past the caches (extsrc.shm.streaming): their
+    # bytes, odd lengths included, must land exactly in their rows and nowhere else.
+    region, overflow = Segment.create("region"), Segment.create("overflow")
+    writer = TaskWriter("source 'unit'", SampleChecker(None, (None,), (None,)), batch_size=4)
+    try:
+        plan = LayoutPlan(1, 4)
+        plan.learn(0, ("|u1", ((1 << 20) + 3,)))
+        regions, size = plan.regions()
+        region.reserve(size)
+        writer.add_slot(7, os.dup(region.fd), os.dup(overflow.fd), "memfd", worker=0)
+        view = region.map().array(0, np.dtype("u1"), (size,))
+        view[:] = 0xEE
+        rng = np.random.default_rng(count)
+        samples = [rng.integers(0, 256, (1 << 20) + 3, dtype=np.uint8) for _ in range(4)]
+        for start in range(0, 4, count):
+            chunk = samples[start:start + count]
+            spilled, _ = writer.write(7, 0, start, 4, size, regions, [chunk], len(chunk), describe)
+            assert spilled == ((),)
+        rows = region.map().array(regions[0].offset, np.dtype("u1"), (4, (1 << 20) + 3))
+        for k in range(4):
+            assert np.array_equal(rows[k], samples[k]), f"row {k}"
+        after = regions[0].offset + 4 * regions[0].stride
+        assert (view[after:] == 0xEE).all()  # the padding after the last row is untouched
+    finally:
+        writer.close()
+        region.close()
+        overflow.close()

@@ -1,0 +1,3 @@
+STREAMING: int
+
+def copy(destination: object, source: object, /) -> None: ...
