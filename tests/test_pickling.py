@@ -1,5 +1,6 @@
 """How sources travel to spawn/forkserver workers: default pickler, pickle_by_value, dill."""
 
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from extsrc import ParallelSource, SourcePicklingError, pickle_by_value
+from extsrc.engine.pickling import DefaultPickler, Pickler
 
 
 def first_value(src):
@@ -109,3 +111,26 @@ def test_core_import_loads_numpy_only():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+class _RefusingMore(DefaultPickler):
+    """A default pickler that refuses more when pickling (as the DALI drop-in's does)."""
+
+    @staticmethod
+    def dumps(obj):
+        return DefaultPickler.dumps(obj)
+
+
+class _LoadingItsOwnWay(DefaultPickler):
+    @staticmethod
+    def loads(data):
+        return ("loaded", pickle.loads(data))
+
+
+def test_a_worker_gets_the_default_pickler_when_a_subclass_changes_only_dumps():
+    # Workers only load: a subclass changing dumps alone need not be imported there (the
+    # drop-in's pickler module would import DALI in every spawned worker).
+    assert pickle.loads(pickle.dumps(Pickler(_RefusingMore))).impl is DefaultPickler
+    rebuilt = pickle.loads(pickle.dumps(Pickler(_LoadingItsOwnWay)))
+    assert rebuilt.impl is _LoadingItsOwnWay
+    assert rebuilt.loads(pickle.dumps(3)) == ("loaded", 3)
