@@ -21,3 +21,14 @@ def test_help_is_plain_and_every_option_documented(command):
         described = re.search(r"\S\s{2,}\S", lines[i].strip()) is not None
         continued = i + 1 < len(lines) and re.match(r"^\s{8,}\S", lines[i + 1]) is not None
         assert described or continued, f"undocumented option in {command} --help: {lines[i]!r}"
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    # `python -m extsrc doctor | head -3`: the pipe closes before doctor has written; that
+    # ends the command with the shell's code for SIGPIPE, not with a traceback.
+    proc = subprocess.Popen([sys.executable, "-m", "extsrc", "doctor"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert "Traceback" not in err.decode() and "BrokenPipeError" not in err.decode(), err.decode()
+    assert proc.returncode == 141

@@ -1,6 +1,8 @@
 """Unit tests: the framed channel between pool and worker, descriptors included."""
 
 import os
+import select
+import threading
 
 import pytest
 
@@ -19,6 +21,30 @@ def test_messages_arrive_whole_in_order_and_several_at_a_time():
         assert [m.ticket for m in got] == list(range(50)) and all(isinstance(m, TaskDone) for m in got)
         assert pool_end.recv_available() == []  # nothing waiting: no block
     finally:
+        pool_end.close()
+        worker_end.close()
+
+
+def test_messages_longer_than_a_read_arrive_whole_between_short_ones():
+    # The pool end reads into a buffer of its own: a message longer than it, or cut between
+    # two reads, must come out whole, and the short ones around it in their order.
+    pool_end, worker_end = Channel.pair()
+    sizes = [10, 100_000, 5, 300_000, 70_000, 1, 65_530, 2]
+    payloads = [bytes([k]) * n for k, n in enumerate(sizes)]
+    sender = threading.Thread(target=lambda: [worker_end.send(p) for p in payloads])
+    sender.start()
+    try:
+        got = []
+        while len(got) < len(payloads):
+            select.select([pool_end], [], [], 5.0)
+            got += pool_end.recv_available()
+        assert [len(m) for m in got] == sizes and got == payloads
+        worker_end.send(b"after")  # and the buffer serves the next message as before
+        while not (more := pool_end.recv_available()):
+            select.select([pool_end], [], [], 5.0)
+        assert more == [b"after"]
+    finally:
+        sender.join(10)
         pool_end.close()
         worker_end.close()
 
