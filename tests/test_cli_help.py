@@ -32,3 +32,19 @@ def test_a_reader_that_stops_early_ends_the_command_quietly():
     _, err = proc.communicate(timeout=120)
     assert "Traceback" not in err.decode() and "BrokenPipeError" not in err.decode(), err.decode()
     assert proc.returncode == 141
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_still_an_error(tmp_path):
+    # Only a closed stdout ends a command quietly; a BrokenPipeError from another pipe (a
+    # socket, a subprocess) is the command's error and keeps its traceback and exit code.
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import runpy, socket, sys\n"
+        "import extsrc.cli.doctor as doctor\n"
+        "def broken(argv):\n"
+        "    a, b = socket.socketpair(); b.close(); a.send(b'x' * 100000); a.send(b'x')\n"
+        "doctor.main = broken\n"
+        "sys.argv = ['extsrc', 'doctor']\n"
+        "runpy.run_module('extsrc', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert "BrokenPipeError" in done.stderr and done.returncode == 1, (done.returncode, done.stderr)

@@ -8,8 +8,6 @@ nothing heavy.
 from __future__ import annotations
 
 import importlib
-import os
-import signal
 import sys
 
 COMMANDS = {
@@ -37,12 +35,4 @@ def main(argv: list[str] | None = None) -> int:
         print(f"extsrc: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
-    try:
-        code = int(module.main(rest) or 0)
-        sys.stdout.flush()
-        return code
-    except BrokenPipeError:
-        # The output's reader went away (`python -m extsrc doctor | head`): stop quietly, as
-        # Unix tools do; stdout goes to /dev/null so that the flush at exit raises nothing.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + signal.SIGPIPE
+    return int(module.main(rest) or 0)

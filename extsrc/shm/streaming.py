@@ -71,7 +71,8 @@ def copy(destination: np.ndarray, source: np.ndarray) -> None:
     if (_stream is not None and destination.nbytes >= STREAM_MIN_BYTES
             and destination.shape == source.shape and destination.dtype == source.dtype
             and not destination.dtype.hasobject
-            and destination.flags.c_contiguous and source.flags.c_contiguous):
+            and destination.flags.c_contiguous and source.flags.c_contiguous
+            and not np.may_share_memory(destination, source)):  # an overlap needs NumPy's care
         _stream.copy(destination, source)
     else:
         destination[...] = source

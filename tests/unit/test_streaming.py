@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 import numpy as np
 import pytest
@@ -21,6 +22,8 @@ def test_the_streaming_copy_is_built_where_a_compiler_was_there():
         pytest.skip("turned off in this environment")
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler here: the optional build is expected to be missing")
+    if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        pytest.skip("no Python headers here: the optional build is expected to be missing")
     assert streaming.available(), streaming.why_not()
 
 
@@ -45,6 +48,14 @@ def test_typed_arrays_of_one_shape_are_copied_as_numpy_would():
     destination = np.zeros_like(source)
     streaming.copy(destination, source)
     assert np.array_equal(destination, source)
+
+
+def test_overlapping_arrays_are_copied_as_numpy_copies_them():
+    data = np.arange(3 * MIB, dtype=np.uint8)
+    expected = data.copy()
+    expected[100:] = expected[:-100].copy()
+    streaming.copy(data[100:], data[:-100])
+    assert np.array_equal(data, expected)
 
 
 def test_small_strided_or_mismatched_arrays_fall_back_to_numpys_assignment():
