@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -30,17 +30,21 @@ STREAM_MIN_BYTES = 1 << 20
 ENV_SWITCH = "EXTSRC_STREAMING_COPY"  # "0": always NumPy's copy (to compare, or to rule it out)
 
 
-def _load() -> Optional[ModuleType]:
+def _load() -> Tuple[Optional[ModuleType], str]:
+    """The compiled copy, or ``None`` and why not (decided once, at import)."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None
+        return None, f"turned off by {ENV_SWITCH}=0"
     try:
         from extsrc.shm import _stream
     except ImportError:
-        return None
-    return _stream if _stream.STREAMING else None
+        return None, ("extsrc.shm._stream was not built (no C compiler or Python headers when "
+                      "extsrc was installed); reinstall with them to copy large samples faster")
+    if not _stream.STREAMING:
+        return None, "this processor architecture has no streaming stores in extsrc's build"
+    return _stream, ""
 
 
-_stream = _load()
+_stream, _why_not = _load()
 
 
 def available() -> bool:
@@ -50,18 +54,7 @@ def available() -> bool:
 
 def why_not() -> str:
     """Why :func:`available` is false ("" when it is true), for ``extsrc doctor``."""
-    if _stream is not None:
-        return ""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return f"turned off by {ENV_SWITCH}=0"
-    try:
-        from extsrc.shm import _stream as module
-    except ImportError:
-        return ("extsrc.shm._stream was not built (no C compiler or Python headers when extsrc "
-                "was installed); reinstall with them to copy large samples faster")
-    if not module.STREAMING:
-        return "this processor architecture has no streaming stores in extsrc's build"
-    return ""
+    return _why_not
 
 
 def copy(destination: np.ndarray, source: np.ndarray) -> None:
