@@ -9,19 +9,22 @@ pool's I/O thread; the worker's end only by the worker's main thread.
 
 from __future__ import annotations
 
+import array
 import os
 import pickle
 import select
 import socket
 import struct
 import time
-from typing import Any, List, Sequence, Tuple
+from collections import deque
+from typing import Any, Deque, List, Sequence, Tuple
 
 from extsrc import forking
 
 _HEADER = struct.Struct("<IB")  # payload bytes, descriptors attached
 MAX_FDS = 8  # per message; AddSlot sends 2
 _READ_CHUNK = 1 << 16  # bytes the pool end reads at a time (many results fit in one read)
+_ANCILLARY_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 
 # The pool's end never blocks longer than this on one frame: a worker writes
 # each frame in one go, and a peer stuck for this long is broken anyway.
@@ -35,11 +38,17 @@ class Channel:
         self.sock = sock
         self._pid = os.getpid()
         self._pool_end = pool_end
-        # Pool end: bytes received [0, _filled) and not yet parsed into messages. Received into
-        # in place: a recv() of _READ_CHUNK made a 64 KiB bytes object per call, and each such
-        # allocation made glibc consolidate its free lists (~4,000 times a second).
-        self._inbox = bytearray(_READ_CHUNK if pool_end else 0)
+        # Bytes received [0, _filled) and not yet parsed into messages. Received into in place:
+        # a recv() of _READ_CHUNK made a 64 KiB bytes object per call, and each such allocation
+        # made glibc consolidate its free lists (~4,000 times a second). One read takes every
+        # message there is: a worker reads the tasks sent together in one system call.
+        self._inbox = bytearray(_READ_CHUNK)
         self._filled = 0
+        # Worker end: descriptors received and not yet handed out with their message, in the
+        # order sent. The kernel hands a message's descriptors to the read that takes its first
+        # byte (and ends that read there), so they come no later than the message's header.
+        self._fds: Deque[int] = deque()
+        self._eof = False  # worker end: the peer closed, seen by a read that did not wait
         if pool_end:
             sock.setblocking(False)  # reads take what is there; sends wait in _wait_writable
             forking.register(self)
@@ -57,8 +66,15 @@ class Channel:
     def send(self, message: Any, fds: Sequence[int] = ()) -> None:
         """Sends ``message`` (and ``fds``, duplicated into the peer). Raises ``OSError`` if
         the peer is gone."""
-        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        frame = memoryview(_HEADER.pack(len(payload), len(fds)) + payload)
+        self._send_frame(_frame(message, len(fds)), fds)
+
+    def send_many(self, messages: Sequence[Any]) -> None:
+        """Sends ``messages`` (none with descriptors) in one write, in order: the peer is woken
+        once for all of them. Raises ``OSError`` if the peer is gone."""
+        self._send_frame(b"".join([_frame(message, 0) for message in messages]), ())
+
+    def _send_frame(self, data: bytes, fds: Sequence[int]) -> None:
+        frame = memoryview(data)
         if not self._pool_end:
             if fds:
                 sent = socket.send_fds(self.sock, [frame], list(fds))
@@ -85,28 +101,81 @@ class Channel:
         if remaining <= 0 or not poller.poll(remaining * 1000):
             raise OSError(f"the worker read nothing for {POOL_END_TIMEOUT_S:g} s; it is stuck")
 
-    def recv(self) -> Tuple[Any, List[int]]:
-        """The next message and the descriptors that came with it (now owned by the caller).
+    def waiting(self) -> int:
+        """Worker end: how many whole messages are there to read now (0, 1 or 2: it counts no
+        further), without waiting; they stay to be read by :meth:`recv`."""
+        whole = self._whole(2)
+        if whole < 2 and not self._eof:
+            self._read(wait=False)
+            whole = self._whole(2)
+        return whole
 
-        Raises ``EOFError`` when the peer closed its end.
-        """
-        header, fds, _flags, _addr = socket.recv_fds(
-            self.sock, _HEADER.size, MAX_FDS, socket.MSG_CMSG_CLOEXEC
-        )
-        if not header:
-            raise EOFError("the channel was closed by its peer")
-        header += self._recv_exactly(_HEADER.size - len(header))
-        length, count = _HEADER.unpack(header)
-        if count != len(fds):
-            for fd in fds:
-                os.close(fd)
-            raise OSError(f"expected {count} descriptors with the message, got {len(fds)}")
-        try:
-            return pickle.loads(self._recv_exactly(length)), list(fds)
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
+    def buffered(self) -> bool:
+        """Worker end: whether :meth:`recv` has a message without reading the socket (an event
+        loop watching the socket is not told of messages that came with an earlier read)."""
+        return self._whole(1) > 0
+
+    def recv(self) -> Tuple[Any, List[int]]:
+        """Worker end: the next message and the descriptors that came with it (now owned by
+        the caller); waits for it. Raises ``EOFError`` when the peer closed its end."""
+        while not self._whole(1):
+            if self._eof:
+                raise EOFError("the channel was closed in the middle of a message" if self._filled
+                               else "the channel was closed by its peer")
+            self._read(wait=True)
+        with memoryview(self._inbox) as view:
+            length, count = _HEADER.unpack_from(view, 0)
+            end = _HEADER.size + length
+            if count > len(self._fds):
+                raise OSError(f"expected {count} descriptors with the message, got {len(self._fds)}")
+            fds = [self._fds.popleft() for _ in range(count)]
+            try:
+                message = pickle.loads(view[_HEADER.size:end])
+            except BaseException:
+                for fd in fds:
+                    os.close(fd)
+                raise
+            finally:
+                view[:self._filled - end] = view[end:self._filled]
+                self._filled -= end
+        if not self._filled and len(self._inbox) > _READ_CHUNK:
+            del self._inbox[_READ_CHUNK:]  # back to its size after a long message
+        return message, fds
+
+    def _whole(self, limit: int) -> int:
+        """How many whole messages the inbox holds, counting up to ``limit``."""
+        whole, offset, filled = 0, 0, self._filled
+        while whole < limit and filled - offset >= _HEADER.size:
+            length, _count = _HEADER.unpack_from(self._inbox, offset)
+            offset += _HEADER.size + length
+            if offset > filled:
+                break
+            whole += 1
+        return whole
+
+    def _read(self, wait: bool) -> None:
+        """Worker end: reads what is there into the inbox (waiting for something if ``wait``),
+        with the descriptors that came with it; notes the peer's end."""
+        inbox = self._inbox
+        if self._filled == len(inbox):
+            inbox.extend(bytes(len(inbox)))  # a message longer than the buffer: twice as long
+        flags = socket.MSG_CMSG_CLOEXEC | (0 if wait else socket.MSG_DONTWAIT)
+        with memoryview(inbox) as view:
+            try:
+                got, ancillary, msg_flags, _addr = self.sock.recvmsg_into(
+                    [view[self._filled:]], _ANCILLARY_SPACE, flags)
+            except (BlockingIOError, InterruptedError):
+                return
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+                self._fds.extend(fds)
+        if msg_flags & socket.MSG_CTRUNC:
+            raise OSError(f"a message came with more than {MAX_FDS} descriptors; some were lost")
+        if not got:
+            self._eof = True
+        self._filled += got
 
     def recv_available(self) -> List[Any]:
         """Pool end: every message that has arrived whole, without waiting (may be none).
@@ -150,22 +219,11 @@ class Channel:
             del inbox[_READ_CHUNK:]  # back to its size after a long message
         return messages
 
-    def _recv_exactly(self, size: int) -> bytes:
-        if size == 0:
-            return b""
-        buffer = bytearray(size)
-        view = memoryview(buffer)
-        got = 0
-        while got < size:
-            n = self.sock.recv_into(view[got:])
-            if n == 0:
-                raise EOFError("the channel was closed in the middle of a message")
-            got += n
-        return bytes(buffer)
-
     def close(self) -> None:
         if not self._pool_end or self._pid == os.getpid():
             self.sock.close()
+            while self._fds:  # received with a message never read
+                os.close(self._fds.popleft())
 
     def forget_after_fork(self) -> None:
         # A child holding a worker's socket would keep that worker from seeing its parent die.
@@ -217,6 +275,11 @@ class OwnedFds:
             self.close()
         except Exception:
             pass
+
+
+def _frame(message: Any, fd_count: int) -> bytes:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(payload), fd_count) + payload
 
 
 def _rebuild_worker_end(dup) -> Channel:

@@ -16,7 +16,9 @@ Threads and ownership:
   sources) change the pool only through the methods below marked *lock
   held*. To wait, a consumer takes a :meth:`WorkerPool.waiter` with the
   lock held and acquires it after leaving the lock; the I/O thread releases
-  every waiter after each change a consumer may wait for. A consumer waits
+  every waiter after each change a consumer may wait for (what a round
+  delivered, right before it next waits itself, where it lets go of the GIL
+  the woken consumer needs). A consumer waits
   at most :data:`IO_WATCH_S` at a time and then looks again: an I/O thread
   that ended without a word (out of memory even for that) breaks the pool
   at that look instead of leaving its consumers waiting.
@@ -39,8 +41,9 @@ the workers and refuses further use (each source raises the error itself
 once, then :class:`~extsrc.errors.PoolClosedError`).
 
 Scheduling: every worker holds up to its backend's ``max_outstanding``
-tasks (for worker processes two: one running, one queued, so it never waits
-for the parent); tasks go to the least loaded worker in the order they were
+tasks (for worker processes three: one running, one queued, so it never
+waits for the parent, and one whose answer the worker may hold back to send
+it with the next, see :mod:`extsrc.engine.sender`); tasks go to the least loaded worker in the order they were
 submitted, except tasks pinned to a worker (iterable sources, whose state
 lives in one worker).
 
@@ -185,6 +188,7 @@ class WorkerPool:
         self._thread: Optional[OwnedThread] = None
         self._io_ident: Optional[int] = None
         self._io_token: Optional[object] = None  # the I/O thread's that start() committed
+        self._delivered = False  # I/O thread: the last round delivered what a consumer waits for
         # What consumers get if the I/O thread fails with no memory left to describe why, or
         # ends without telling them (made here, while there is memory: under `ulimit -v` the
         # failure itself may be a MemoryError).
@@ -219,6 +223,12 @@ class WorkerPool:
     def max_outstanding(self) -> int:
         """Tasks a worker holds at most (the backend's figure)."""
         return self._backend.max_outstanding
+
+    @property
+    def prefetch_per_worker(self) -> int:
+        """Batches a source of this pool keeps ahead per worker by default (the backend's
+        figure; its ``max_outstanding`` if it names none)."""
+        return getattr(self._backend, "prefetch_per_worker", self._backend.max_outstanding)
 
     @property
     def pickler(self) -> "Pickler":
@@ -567,6 +577,9 @@ class WorkerPool:
             if self._state is not PoolState.RUNNING:
                 return False
             changed, lending = self._service_clients()
+            # Consumers are woken for what the last round delivered only now, right before this
+            # thread lets go of the GIL in wait(): woken sooner, they would wait for it.
+            changed, self._delivered = changed or self._delivered, False
             self._assign()
             fault = backend.flush()
             if fault is not None:
@@ -595,9 +608,7 @@ class WorkerPool:
                 if fault is not None:
                     self._fault(fault)
                     return False
-            woken = self._take_waiters() if changed else []
-        for waiter in woken:
-            waiter.release()
+            self._delivered = changed  # its consumers are woken at the next round's wait
         return True
 
     def _deliver(self, arrival: Arrival) -> bool:

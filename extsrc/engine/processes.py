@@ -28,7 +28,12 @@ from extsrc.errors import WorkerDiedError
 from extsrc.options import START_METHODS
 from extsrc.shm.limits import DESCRIPTOR_ERRNOS, check_descriptors, out_of_descriptors
 
-MAX_OUTSTANDING = 2  # tasks per worker: one running, one waiting, so a worker never idles
+# Tasks per worker: one running and one waiting, so that a worker never idles, and one more
+# whose place an answer held back by the worker takes (see extsrc.engine.sender).
+MAX_OUTSTANDING = 3
+# Batches a source keeps ahead per worker by default (as PyTorch's DataLoader): a task
+# running and one waiting; small batches get more (see extsrc.engine.producer).
+PREFETCH_PER_WORKER = 2
 
 
 def setup_failed(message: SetupFailed, kind: str = "extsrc worker") -> Fault:
@@ -44,6 +49,7 @@ class ProcessBackend:
 
     name = "processes"
     max_outstanding = MAX_OUTSTANDING
+    prefetch_per_worker = PREFETCH_PER_WORKER
     local_processes = True
     concurrent_samples = True
 
@@ -162,17 +168,29 @@ class ProcessBackend:
 
     def flush(self) -> Optional[Fault]:
         for worker in self._workers:
-            while worker.outbox:
-                message, fds = worker.outbox[0]
+            outbox = worker.outbox
+            while outbox:
+                message, fds = outbox[0]
+                plain = 1  # messages without descriptors from the front: one write for them all
+                while fds is None and plain < len(outbox) and outbox[plain][1] is None:
+                    plain += 1
                 try:
-                    worker.channel.send(message, fds.fds if fds is not None else ())
+                    if fds is not None:
+                        worker.channel.send(message, fds.fds)
+                    elif plain == 1:
+                        worker.channel.send(message)
+                    else:
+                        worker.channel.send_many([outbox[k][0] for k in range(plain)])
                 except OSError:
                     # A worker that could not load the sources says why, then exits: its
                     # reason must win over the broken pipe it leaves.
                     return self._receive(worker, []) or self._died(worker)
-                worker.outbox.popleft()
                 if fds is not None:
+                    outbox.popleft()
                     fds.close()
+                else:
+                    for _ in range(plain):
+                        outbox.popleft()
         return None
 
     # -- the I/O thread, no lock --------------------------------------------------------------

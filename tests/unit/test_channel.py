@@ -78,3 +78,92 @@ def test_a_closed_peer_is_an_eof():
     with pytest.raises(EOFError):
         pool_end.recv_available()
     pool_end.close()
+
+
+def _task(ticket):
+    return Task(0, ticket, 0, ticket, 0, ticket, 0, 4, 64, ())
+
+
+def test_several_messages_sent_in_one_write_arrive_whole_and_in_order():
+    pool_end, worker_end = Channel.pair()
+    try:
+        pool_end.send_many([_task(t) for t in range(5)])
+        assert [worker_end.recv()[0].ticket for _ in range(5)] == list(range(5))
+        worker_end.send_many([TaskDone(0, t, 0, 4, False, ((),), 0) for t in (7, 8)])
+        got = []
+        while len(got) < 2:
+            select.select([pool_end], [], [], 5.0)
+            got += pool_end.recv_available()
+        assert [m.ticket for m in got] == [7, 8]
+    finally:
+        pool_end.close()
+        worker_end.close()
+
+
+def test_the_worker_end_counts_whole_messages_waiting_without_reading_them():
+    pool_end, worker_end = Channel.pair()
+    try:
+        assert worker_end.waiting() == 0
+        pool_end.send(_task(0))
+        select.select([worker_end], [], [], 5.0)
+        assert worker_end.waiting() == 1
+        pool_end.send_many([_task(1), _task(2)])
+        deadline = 50
+        while worker_end.waiting() < 2 and deadline:
+            select.select([], [], [], 0.1)
+            deadline -= 1
+        assert worker_end.waiting() == 2  # it looks no further than two
+        assert [worker_end.recv()[0].ticket for _ in range(3)] == [0, 1, 2]  # nothing was read
+        assert worker_end.waiting() == 0
+        # Part of a message is not a message.
+        payload = b"x" * 10
+        pool_end.sock.sendall(len(payload).to_bytes(4, "little") + b"\0" + payload[:4])
+        select.select([worker_end], [], [], 5.0)
+        assert worker_end.waiting() == 0
+    finally:
+        pool_end.close()
+        worker_end.close()
+
+
+def test_descriptors_keep_to_their_message_among_messages_read_together():
+    # The worker end reads whatever is there at once: each message's descriptors must still
+    # come out with that message, whichever read brought them.
+    pool_end, worker_end = Channel.pair()
+    pipes = [os.pipe() for _ in range(3)]
+    try:
+        for k, (read, write) in enumerate(pipes):
+            pool_end.send_many([_task(10 * k), _task(10 * k + 1)])
+            fds = OwnedFds((read, write))
+            pool_end.send(AddSlot(0, k, "memfd"), fds.fds)
+            fds.close()
+        pool_end.send(_task(99))
+        select.select([worker_end], [], [], 5.0)
+        for k, (read, _write) in enumerate(pipes):
+            for ticket in (10 * k, 10 * k + 1):
+                message, received = worker_end.recv()
+                assert message.ticket == ticket and received == []
+            message, received = worker_end.recv()
+            assert message == AddSlot(0, k, "memfd") and len(received) == 2
+            os.write(received[1], bytes([k]))
+            assert os.read(read, 1) == bytes([k])  # the duplicate of this message's pipe
+            for fd in received:
+                os.close(fd)
+        message, received = worker_end.recv()
+        assert message.ticket == 99 and received == [] and not worker_end.buffered()
+    finally:
+        for pair in pipes:
+            for fd in pair:
+                os.close(fd)
+        pool_end.close()
+        worker_end.close()
+
+
+def test_the_worker_end_sees_the_pool_end_close():
+    pool_end, worker_end = Channel.pair()
+    pool_end.send(_task(1))
+    pool_end.close()
+    assert worker_end.recv()[0].ticket == 1  # what came before the end is read first
+    assert worker_end.waiting() == 0
+    with pytest.raises(EOFError):
+        worker_end.recv()
+    worker_end.close()
