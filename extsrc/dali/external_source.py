@@ -287,7 +287,7 @@ def _parallel_source(pipe: Any, engine_source: Any, *, prefetch: Optional[int], 
     pool = pipe._extsrc_pool_for_new_source()
     if prefetch is None:
         concurrency = options.get("concurrency", 1)  # checked by the engine
-        prefetch = max(default_prefetch(pool.num_workers, pool.prefetch_per_worker,
+        prefetch = max(default_prefetch(pool.num_workers, pool.max_outstanding,
                                         concurrency if isinstance(concurrency, int) else 1),
                        pipe._extsrc_depth())
     return ParallelSource(engine_source, batch_size, prefetch=prefetch,

@@ -107,8 +107,6 @@ class WorkerBackend(Protocol):
 
     name: str  # the name the backend is registered under
     max_outstanding: int  # tasks a worker holds at most (running, queued, answered in transit)
-    # Batches a source keeps ahead per worker by default (optional: max_outstanding if absent).
-    prefetch_per_worker: int
     local_processes: bool  # the workers are processes of this host (their /proc can be read)
     concurrent_samples: bool  # a worker runs a task's samples concurrently (concurrency > 1,
     # async def callbacks); without it, sources that ask for that are refused when made

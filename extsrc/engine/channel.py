@@ -48,7 +48,6 @@ class Channel:
         # order sent. The kernel hands a message's descriptors to the read that takes its first
         # byte (and ends that read there), so they come no later than the message's header.
         self._fds: Deque[int] = deque()
-        self._eof = False  # worker end: the peer closed, seen by a read that did not wait
         if pool_end:
             sock.setblocking(False)  # reads take what is there; sends wait in _wait_writable
             forking.register(self)
@@ -101,28 +100,22 @@ class Channel:
         if remaining <= 0 or not poller.poll(remaining * 1000):
             raise OSError(f"the worker read nothing for {POOL_END_TIMEOUT_S:g} s; it is stuck")
 
-    def waiting(self) -> int:
-        """Worker end: how many whole messages are there to read now (0, 1 or 2: it counts no
-        further), without waiting; they stay to be read by :meth:`recv`."""
-        whole = self._whole(2)
-        if whole < 2 and not self._eof:
-            self._read(wait=False)
-            whole = self._whole(2)
-        return whole
-
     def buffered(self) -> bool:
         """Worker end: whether :meth:`recv` has a message without reading the socket (an event
         loop watching the socket is not told of messages that came with an earlier read)."""
-        return self._whole(1) > 0
+        filled = self._filled
+        if filled < _HEADER.size:
+            return False
+        length, _count = _HEADER.unpack_from(self._inbox, 0)
+        return _HEADER.size + length <= filled
 
     def recv(self) -> Tuple[Any, List[int]]:
         """Worker end: the next message and the descriptors that came with it (now owned by
         the caller); waits for it. Raises ``EOFError`` when the peer closed its end."""
-        while not self._whole(1):
-            if self._eof:
+        while not self.buffered():
+            if not self._read():
                 raise EOFError("the channel was closed in the middle of a message" if self._filled
                                else "the channel was closed by its peer")
-            self._read(wait=True)
         with memoryview(self._inbox) as view:
             length, count = _HEADER.unpack_from(view, 0)
             end = _HEADER.size + length
@@ -135,37 +128,22 @@ class Channel:
                 for fd in fds:
                     os.close(fd)
                 raise
-            finally:
+            finally:  # the message is consumed either way: the next one comes out whole
                 view[:self._filled - end] = view[end:self._filled]
                 self._filled -= end
         if not self._filled and len(self._inbox) > _READ_CHUNK:
             del self._inbox[_READ_CHUNK:]  # back to its size after a long message
         return message, fds
 
-    def _whole(self, limit: int) -> int:
-        """How many whole messages the inbox holds, counting up to ``limit``."""
-        whole, offset, filled = 0, 0, self._filled
-        while whole < limit and filled - offset >= _HEADER.size:
-            length, _count = _HEADER.unpack_from(self._inbox, offset)
-            offset += _HEADER.size + length
-            if offset > filled:
-                break
-            whole += 1
-        return whole
-
-    def _read(self, wait: bool) -> None:
-        """Worker end: reads what is there into the inbox (waiting for something if ``wait``),
-        with the descriptors that came with it; notes the peer's end."""
+    def _read(self) -> int:
+        """Worker end: waits for bytes and reads all there are into the inbox, with the
+        descriptors that came with them; the bytes read (0: the peer closed its end)."""
         inbox = self._inbox
         if self._filled == len(inbox):
             inbox.extend(bytes(len(inbox)))  # a message longer than the buffer: twice as long
-        flags = socket.MSG_CMSG_CLOEXEC | (0 if wait else socket.MSG_DONTWAIT)
         with memoryview(inbox) as view:
-            try:
-                got, ancillary, msg_flags, _addr = self.sock.recvmsg_into(
-                    [view[self._filled:]], _ANCILLARY_SPACE, flags)
-            except (BlockingIOError, InterruptedError):
-                return
+            got, ancillary, msg_flags, _addr = self.sock.recvmsg_into(
+                [view[self._filled:]], _ANCILLARY_SPACE, socket.MSG_CMSG_CLOEXEC)
         for level, kind, data in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds = array.array("i")
@@ -173,9 +151,8 @@ class Channel:
                 self._fds.extend(fds)
         if msg_flags & socket.MSG_CTRUNC:
             raise OSError(f"a message came with more than {MAX_FDS} descriptors; some were lost")
-        if not got:
-            self._eof = True
         self._filled += got
+        return got
 
     def recv_available(self) -> List[Any]:
         """Pool end: every message that has arrived whole, without waiting (may be none).

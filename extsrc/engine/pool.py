@@ -41,9 +41,8 @@ the workers and refuses further use (each source raises the error itself
 once, then :class:`~extsrc.errors.PoolClosedError`).
 
 Scheduling: every worker holds up to its backend's ``max_outstanding``
-tasks (for worker processes three: one running, one queued, so it never
-waits for the parent, and one whose answer the worker may hold back to send
-it with the next, see :mod:`extsrc.engine.sender`); tasks go to the least loaded worker in the order they were
+tasks (for worker processes two: one running, one queued, so it never waits
+for the parent); tasks go to the least loaded worker in the order they were
 submitted, except tasks pinned to a worker (iterable sources, whose state
 lives in one worker).
 
@@ -223,12 +222,6 @@ class WorkerPool:
     def max_outstanding(self) -> int:
         """Tasks a worker holds at most (the backend's figure)."""
         return self._backend.max_outstanding
-
-    @property
-    def prefetch_per_worker(self) -> int:
-        """Batches a source of this pool keeps ahead per worker by default (the backend's
-        figure; its ``max_outstanding`` if it names none)."""
-        return getattr(self._backend, "prefetch_per_worker", self._backend.max_outstanding)
 
     @property
     def pickler(self) -> "Pickler":

@@ -28,12 +28,7 @@ from extsrc.errors import WorkerDiedError
 from extsrc.options import START_METHODS
 from extsrc.shm.limits import DESCRIPTOR_ERRNOS, check_descriptors, out_of_descriptors
 
-# Tasks per worker: one running and one waiting, so that a worker never idles, and one more
-# whose place an answer held back by the worker takes (see extsrc.engine.sender).
-MAX_OUTSTANDING = 3
-# Batches a source keeps ahead per worker by default (as PyTorch's DataLoader): a task
-# running and one waiting; small batches get more (see extsrc.engine.producer).
-PREFETCH_PER_WORKER = 2
+MAX_OUTSTANDING = 2  # tasks per worker: one running, one waiting, so a worker never idles
 
 
 def setup_failed(message: SetupFailed, kind: str = "extsrc worker") -> Fault:
@@ -49,7 +44,6 @@ class ProcessBackend:
 
     name = "processes"
     max_outstanding = MAX_OUTSTANDING
-    prefetch_per_worker = PREFETCH_PER_WORKER
     local_processes = True
     concurrent_samples = True
 

@@ -224,7 +224,7 @@ class ParallelSource:
             self._owns_pool = False
         self.options = SourceOptions.create(
             batch_size, num_outputs=num_outputs, batch=batch, batch_info=batch_info,
-            prefetch=prefetch, num_workers=pool.num_workers, tasks_per_worker=pool.prefetch_per_worker,
+            prefetch=prefetch, num_workers=pool.num_workers, tasks_per_worker=pool.max_outstanding,
             last_batch=last_batch, dtype=dtype, ndim=ndim, timeout=timeout, batches_held=batches_held,
             order=order, in_place=in_place, stats=stats, stats_every=stats_every,
             concurrency=concurrency, round_robin=round_robin, dense_arrays=dense_arrays,

@@ -26,7 +26,6 @@ import os
 import resource
 import select
 import signal
-import time
 import traceback
 from typing import Any, Dict, List, Mapping, Optional, Set
 
@@ -35,7 +34,6 @@ from extsrc.engine.channel import Channel
 from extsrc.engine.concurrent import AsyncEngine, worker_loop
 from extsrc.engine.protocol import AddSlot, DropSlot, SetupFailed, Stop, Task, WorkerSetup
 from extsrc.engine.runner import SourceRunner, load_source
-from extsrc.engine.sender import ResultSender
 from extsrc.engine.worker_malloc import keep_freed_memory
 
 _PR_SET_PDEATHSIG = 1
@@ -125,39 +123,27 @@ def worker_main(setup: WorkerSetup, channel: Channel, lifeline: LifelineEnd) -> 
 
 def serve(channel: Channel, runners: Mapping[int, SourceRunner], index: int) -> None:
     """The worker's loop, in the thread that calls it: each task is run where it arrives and
-    answered when done (after a short task with two more waiting, together with the next
-    task's answer, see :mod:`extsrc.engine.sender`); slots are added (with the descriptors that came with them) and
+    answered when done; slots are added (with the descriptors that came with them) and
     dropped in the order sent. Returns when the pool says :class:`Stop` or the channel closes
     (also a Ray actor on the consumer's node serves its pool with it, ``index`` its worker)."""
-    sender = ResultSender(channel)
-    try:
-        while True:
+    while True:
+        try:
+            message, fds = channel.recv()
+        except (EOFError, OSError):
+            return
+        if isinstance(message, Task):
+            result = runners[message.source_id].run(message)
             try:
-                if sender.holding and not channel.waiting():
-                    sender.flush()  # nothing to do until the pool answers: it must see this first
-                message, fds = channel.recv()
-            except (EOFError, OSError):
+                channel.send(result)
+            except OSError:
                 return
-            if isinstance(message, Task):
-                began = time.monotonic()
-                result = runners[message.source_id].run(message)
-                try:
-                    sender.deliver(result, time.monotonic() - began)
-                except OSError:
-                    return
-            elif isinstance(message, AddSlot):
-                runners[message.source_id].writer.add_slot(message.slot_id, fds[0], fds[1],
-                                                           message.kind, index)
-            elif isinstance(message, DropSlot):
-                runners[message.source_id].writer.drop_slot(message.slot_id)
-            elif isinstance(message, Stop):
-                try:
-                    sender.flush()
-                except OSError:
-                    pass
-                return
-    finally:
-        sender.close()
+        elif isinstance(message, AddSlot):
+            runners[message.source_id].writer.add_slot(message.slot_id, fds[0], fds[1],
+                                                       message.kind, index)
+        elif isinstance(message, DropSlot):
+            runners[message.source_id].writer.drop_slot(message.slot_id)
+        elif isinstance(message, Stop):
+            return
 
 
 def _serve_overlapping(channel: Channel, runners: Dict[int, SourceRunner], index: int) -> None:

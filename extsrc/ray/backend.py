@@ -248,7 +248,6 @@ class RayBackend:
 
     name = "ray"
     max_outstanding = TASKS_PER_ACTOR
-    prefetch_per_worker = TASKS_PER_ACTOR
     local_processes = False  # the actors may run on other hosts: no /proc of theirs
     concurrent_samples = False  # an actor runs its samples one at a time
     check_options = staticmethod(check_options)
