@@ -5,6 +5,11 @@ pickled message; descriptors ride on the header as ``SCM_RIGHTS``, so they
 arrive with the message they belong to (an :class:`~extsrc.engine.protocol.AddSlot`
 carries the segments of a new slot). The pool's end is used only by the
 pool's I/O thread; the worker's end only by the worker's main thread.
+
+Each end reads all there is at once into a buffer of its own and hands
+messages out one by one, and the pool writes the messages it has for a
+worker in one write (:meth:`Channel.send_many`): a system call and a
+wake-up per batch of messages rather than per message.
 """
 
 from __future__ import annotations
