@@ -119,8 +119,7 @@ class Channel:
         the caller); waits for it. Raises ``EOFError`` when the peer closed its end."""
         while not self.buffered():
             if not self._read():
-                raise EOFError("the channel was closed in the middle of a message" if self._filled
-                               else "the channel was closed by its peer")
+                raise self._closed()
         with memoryview(self._inbox) as view:
             length, count = _HEADER.unpack_from(view, 0)
             end = _HEADER.size + length
@@ -136,17 +135,14 @@ class Channel:
             finally:  # the message is consumed either way: the next one comes out whole
                 view[:self._filled - end] = view[end:self._filled]
                 self._filled -= end
-        if not self._filled and len(self._inbox) > _READ_CHUNK:
-            del self._inbox[_READ_CHUNK:]  # back to its size after a long message
+        self._shrink()
         return message, fds
 
     def _read(self) -> int:
         """Worker end: waits for bytes and reads all there are into the inbox, with the
         descriptors that came with them; the bytes read (0: the peer closed its end)."""
-        inbox = self._inbox
-        if self._filled == len(inbox):
-            inbox.extend(bytes(len(inbox)))  # a message longer than the buffer: twice as long
-        with memoryview(inbox) as view:
+        self._make_room()
+        with memoryview(self._inbox) as view:
             got, ancillary, msg_flags, _addr = self.sock.recvmsg_into(
                 [view[self._filled:]], _ANCILLARY_SPACE, socket.MSG_CMSG_CLOEXEC)
         for level, kind, data in ancillary:
@@ -168,17 +164,14 @@ class Channel:
         """
         inbox = self._inbox
         while True:
-            if self._filled == len(inbox):
-                inbox.extend(bytes(len(inbox)))  # a message longer than the buffer: twice as long
+            self._make_room()
             with memoryview(inbox) as view:
                 try:
                     got = self.sock.recv_into(view[self._filled:])
                 except BlockingIOError:
                     break
             if not got:
-                if self._filled:
-                    raise EOFError("the channel was closed in the middle of a message")
-                raise EOFError("the channel was closed by its peer")
+                raise self._closed()
             self._filled += got
             if self._filled < len(inbox):
                 break  # it took all there was
@@ -197,9 +190,23 @@ class Channel:
             if offset:
                 view[:filled - offset] = view[offset:filled]  # a partial message to the front
         self._filled = filled - offset
-        if not self._filled and len(inbox) > _READ_CHUNK:
-            del inbox[_READ_CHUNK:]  # back to its size after a long message
+        self._shrink()
         return messages
+
+    def _make_room(self) -> None:
+        """Doubles the inbox when it is full (a message longer than it), so a read has room."""
+        if self._filled == len(self._inbox):
+            self._inbox.extend(bytes(len(self._inbox)))
+
+    def _shrink(self) -> None:
+        """Back to its size after a long message, once the inbox is empty."""
+        if not self._filled and len(self._inbox) > _READ_CHUNK:
+            del self._inbox[_READ_CHUNK:]
+
+    def _closed(self) -> EOFError:
+        """The error for a peer that closed its end (read returned nothing)."""
+        return EOFError("the channel was closed in the middle of a message" if self._filled
+                        else "the channel was closed by its peer")
 
     def close(self) -> None:
         if not self._pool_end or self._pid == os.getpid():

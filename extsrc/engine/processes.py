@@ -171,8 +171,6 @@ class ProcessBackend:
                 try:
                     if fds is not None:
                         worker.channel.send(message, fds.fds)
-                    elif plain == 1:
-                        worker.channel.send(message)
                     else:
                         worker.channel.send_many([outbox[k][0] for k in range(plain)])
                 except OSError:
