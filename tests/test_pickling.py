@@ -134,3 +134,14 @@ def test_a_worker_gets_the_default_pickler_when_a_subclass_changes_only_dumps():
     rebuilt = pickle.loads(pickle.dumps(Pickler(_LoadingItsOwnWay)))
     assert rebuilt.impl is _LoadingItsOwnWay
     assert rebuilt.loads(pickle.dumps(3)) == ("loaded", 3)
+
+
+def test_a_copy_of_a_pickler_pickles_as_the_original():
+    # A copy is no worker's: it keeps the subclass that changes dumps, and its own arguments.
+    import copy
+
+    original = Pickler((_RefusingMore, {"protocol": 4}))
+    for copied in (copy.copy(original), copy.deepcopy(original)):
+        assert copied.impl is _RefusingMore and copied.dumps_kwargs == {"protocol": 4}
+        copied.dumps_kwargs["protocol"] = 2
+        assert original.dumps_kwargs == {"protocol": 4}

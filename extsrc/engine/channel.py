@@ -25,6 +25,7 @@ from collections import deque
 from typing import Any, Deque, List, Sequence, Tuple
 
 from extsrc import forking
+from extsrc.engine.protocol import from_wire, to_wire
 
 _HEADER = struct.Struct("<IB")  # payload bytes, descriptors attached
 MAX_FDS = 8  # per message; AddSlot sends 2
@@ -127,7 +128,7 @@ class Channel:
                 raise OSError(f"expected {count} descriptors with the message, got {len(self._fds)}")
             fds = [self._fds.popleft() for _ in range(count)]
             try:
-                message = pickle.loads(view[_HEADER.size:end])
+                message = from_wire(pickle.loads(view[_HEADER.size:end]))
             except BaseException:
                 for fd in fds:
                     os.close(fd)
@@ -160,9 +161,11 @@ class Channel:
 
         Workers never send descriptors, so this reads plain bytes, as many as
         are there, and keeps a partial message for the next call. Raises
-        ``EOFError`` when the worker closed its end.
+        ``EOFError`` when the worker closed its end and every whole message it
+        sent was handed out.
         """
         inbox = self._inbox
+        closed = False
         while True:
             self._make_room()
             with memoryview(inbox) as view:
@@ -171,7 +174,8 @@ class Channel:
                 except BlockingIOError:
                     break
             if not got:
-                raise self._closed()
+                closed = True  # the messages read before the end still count: EOF comes after
+                break
             self._filled += got
             if self._filled < len(inbox):
                 break  # it took all there was
@@ -185,12 +189,14 @@ class Channel:
                     break
                 if count:
                     raise OSError("a worker sent descriptors, which the protocol does not allow")
-                messages.append(pickle.loads(view[offset + _HEADER.size:end]))
+                messages.append(from_wire(pickle.loads(view[offset + _HEADER.size:end])))
                 offset = end
             if offset:
                 view[:filled - offset] = view[offset:filled]  # a partial message to the front
         self._filled = filled - offset
         self._shrink()
+        if closed and not messages:
+            raise self._closed()
         return messages
 
     def _make_room(self) -> None:
@@ -267,7 +273,7 @@ class OwnedFds:
 
 
 def _frame(message: Any, fd_count: int) -> bytes:
-    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    payload = pickle.dumps(to_wire(message), protocol=pickle.HIGHEST_PROTOCOL)
     return _HEADER.pack(len(payload), fd_count) + payload
 
 

@@ -12,6 +12,7 @@ worker. Everything importable travels by reference.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import io
@@ -179,6 +180,20 @@ class Pickler:
 
     def loads(self, data: bytes) -> Any:
         return self.impl.loads(data, **self.loads_kwargs)
+
+    def __copy__(self) -> "Pickler":
+        # Not through __reduce__, which gives what a worker needs: a copy here must pickle too.
+        copied = type(self).__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        copied.dumps_kwargs, copied.loads_kwargs = dict(self.dumps_kwargs), dict(self.loads_kwargs)
+        return copied
+
+    def __deepcopy__(self, memo: dict) -> "Pickler":
+        copied = self.__copy__()
+        memo[id(self)] = copied
+        copied.dumps_kwargs = copy.deepcopy(self.dumps_kwargs, memo)
+        copied.loads_kwargs = copy.deepcopy(self.loads_kwargs, memo)
+        return copied
 
     def __reduce__(self):
         # What a worker gets: it only loads. A subclass of DefaultPickler that changes only

@@ -57,7 +57,7 @@ REPLY_HOLD_S = 0.005
 class PackedWrite:
     """The samples of one task, checked and kept to be returned (what a worker process would
     write into shared memory). Same methods as :class:`extsrc.shm.writer.TaskWrite` that the
-    runner calls: ``add`` a chunk of samples, ``alloc`` room for an ``in_place`` callback (here a
+    runner calls: ``add`` a chunk of samples, ``direct_rows`` (none here), ``alloc`` room for an ``in_place`` callback (here a
     fresh array, returned with the others), ``describe`` a position."""
 
     def __init__(self, checker: Any, describe: Callable[[int], str]):
@@ -71,6 +71,10 @@ class PackedWrite:
         self.checker.check(np.empty((0,) * len(shape), dtype), output, position, self.describe(position),
                            None, "")
         return np.empty(shape, dtype)
+
+    def direct_rows(self, sample: object, position: int) -> None:
+        """No rows to write into: every sample goes through :meth:`add`."""
+        return None
 
     def add(self, columns: List[Sequence[Any]], position: int, count: int) -> None:
         """Keeps samples ``position .. position + count - 1``, made independent of the callback's

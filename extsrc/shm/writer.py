@@ -231,6 +231,28 @@ class TaskWrite:
         self._given[(output, position)] = (array.__array_interface__["data"][0], placed)
         return array
 
+    def direct_rows(self, sample: object, position: int) -> Optional[np.ndarray]:
+        """Rows the runner may write small samples into itself, one by one as they come.
+
+        Given when the task has one output whose region is known, the source's
+        need was checked, nothing was handed out by :meth:`alloc`, and
+        ``sample`` (for ``position``, not written yet) is a plain ndarray of
+        the region's dtype and shape under ``STREAM_MIN_BYTES``: row ``k``
+        is sample ``start + k``. The runner then writes there exactly the
+        samples :meth:`add` would have written in one copy (same checks: class,
+        shape, dtype) and hands any other to :meth:`add`. ``sample`` is
+        noted as the task's first (what later samples' errors compare with).
+        ``None`` otherwise: everything goes through :meth:`add`.
+        """
+        if len(self.regions) != 1 or self._given or not self.writer.need_checked:
+            return None
+        rows = self._region_rows(0)
+        if (rows is None or type(sample) is not np.ndarray or sample.shape != rows.shape[1:]
+                or sample.dtype != rows.dtype or sample.nbytes >= streaming.STREAM_MIN_BYTES):
+            return None
+        self._note_first(0, rows[position - self.start], position)
+        return rows
+
     def widen(self, outputs: int) -> None:
         """Makes room for ``outputs`` outputs; those beyond the task's regions spill (a source
         whose number of outputs the consumer had not learnt when it sent the task)."""

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from extsrc.engine.channel import Channel, OwnedFds
-from extsrc.engine.protocol import AddSlot, Task, TaskDone
+from extsrc.engine.protocol import AddSlot, Task, TaskDone, from_wire, to_wire
 
 
 def test_messages_arrive_whole_in_order_and_several_at_a_time():
@@ -171,3 +171,54 @@ def test_the_worker_end_sees_the_pool_end_close():
     with pytest.raises(EOFError):
         worker_end.recv()
     worker_end.close()
+
+
+def test_tasks_and_their_answers_cross_whole_with_their_types():
+    # They travel as plain tuples (see extsrc.engine.protocol.to_wire); they must come out as
+    # the records that went in, nested regions and spilled samples included.
+    from extsrc.shm.layout import Region, Spilled
+
+    task = Task(3, 77, 5, 9, 1, 12, 0, 256, 4096, (Region(0, "|u1", (16,)), None))
+    done = TaskDone(3, 77, 1, 256, True, ((Spilled(4, "<f4", (2, 3), 64),), ()), 128, 5,
+                    ((256, 9),), 6, 7, 8, ("a note",))
+    pool_end, worker_end = Channel.pair()
+    try:
+        pool_end.send_many([task, AddSlot(3, 5, "memfd")])
+        first, _ = worker_end.recv()
+        second, _ = worker_end.recv()
+        worker_end.send(done)
+        got = []
+        while not got:
+            select.select([pool_end], [], [], 5.0)
+            got = pool_end.recv_available()
+    finally:
+        pool_end.close()
+        worker_end.close()
+    assert (first, second, got) == (task, AddSlot(3, 5, "memfd"), [done])
+    assert type(first) is Task and type(first.regions[0]) is Region and type(got[0]) is TaskDone
+    assert type(got[0].spilled[0][0]) is Spilled
+    assert len(pickle.dumps(task, protocol=pickle.HIGHEST_PROTOCOL)) > len(
+        pickle.dumps(to_wire(task), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def test_a_message_of_unknown_kind_is_refused_by_name():
+    with pytest.raises(ValueError, match="unknown kind.*tag 99"):
+        from_wire((99, 1, 2))
+
+
+def test_messages_that_fill_a_read_exactly_are_handed_out_before_the_end():
+    # A read that fills the pool end's buffer is followed by another; when that one finds the
+    # worker gone, the whole messages of the first still count (a worker's last answers).
+    from extsrc.engine import channel as channel_module
+
+    payload = b"x" * (channel_module._READ_CHUNK - len(channel_module._frame(b"x" * 1000, 0)) + 1000)
+    assert len(channel_module._frame(payload, 0)) == channel_module._READ_CHUNK
+    pool_end, worker_end = Channel.pair()
+    try:
+        worker_end.send(payload)
+        worker_end.close()
+        assert pool_end.recv_available() == [payload]
+        with pytest.raises(EOFError, match="closed by its peer"):
+            pool_end.recv_available()
+    finally:
+        pool_end.close()
