@@ -40,8 +40,10 @@ def test_samples_made_again_do_not_fault_their_memory_in_again(start_method):
         for _ in range(WARM_UP_BATCHES):
             next(batches)
         faults = [int(sample[0]) for _ in range(3) for sample in next(batches)]
-    # glibc's defaults fault every page in again on each call (PAGES or more)
-    assert max(faults) < PAGES // 10, (faults, PAGES)
+    # glibc's defaults fault every page in again on each call (PAGES or more). The median:
+    # the machine's own memory reclaim may take back some kept pages of one call (seen once:
+    # 4,066 faults in one sample of six).
+    assert sorted(faults)[len(faults) // 2] < PAGES // 10, (faults, PAGES)
 
 
 def test_the_user_s_own_allocator_settings_are_left_alone(monkeypatch):
