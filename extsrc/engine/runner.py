@@ -470,6 +470,8 @@ class SourceRunner:
                 for position, record in positions:
                     value = produce(make(info_class, (base + position, position, iteration, epoch_idx,
                                                       record, seed)))
+                    # The test extsrc.shm.writer._write_dense makes of each sample, written
+                    # out here rather than called: it runs once per sample.
                     if (value.__class__ is ndarray and value.shape == shape
                             and (value.dtype is dtype or value.dtype == dtype)):
                         rows[position - start] = value

@@ -57,8 +57,9 @@ REPLY_HOLD_S = 0.005
 class PackedWrite:
     """The samples of one task, checked and kept to be returned (what a worker process would
     write into shared memory). Same methods as :class:`extsrc.shm.writer.TaskWrite` that the
-    runner calls: ``add`` a chunk of samples, ``direct_rows`` (none here), ``alloc`` room for an ``in_place`` callback (here a
-    fresh array, returned with the others), ``describe`` a position."""
+    runner calls: ``add`` a chunk of samples, ``direct_rows`` (none here), ``alloc`` room for
+    an ``in_place`` callback (here a fresh array, returned with the others), ``describe`` a
+    position."""
 
     def __init__(self, checker: Any, describe: Callable[[int], str]):
         self.checker = checker
