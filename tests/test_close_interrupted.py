@@ -1,10 +1,12 @@
 """A close() cut short by a KeyboardInterrupt (Ctrl-C at any line of it) is finished by the next
 close(): workers, the I/O thread and descriptors are gone after it. (Before, the second close()
-returned at once and left them all until the interpreter's exit.) Runs in its own interpreter."""
+returned at once and left them all until the interpreter's exit.) The same for a source that is
+dropped and whose close() from the garbage collector an interrupt cuts short. Each runs in its own
+interpreter."""
 
 from faultkit import run_fault
 
-INTERRUPTED_CLOSES = '''
+_PRELUDE = '''
 import _thread, asyncio, os, sys, threading
 import numpy as np
 import extsrc
@@ -31,7 +33,9 @@ def interrupt_at_call(k):
 
 def fds():
     return sorted(os.listdir("/proc/self/fd"))
+'''
 
+INTERRUPTED_CLOSES = _PRELUDE + '''
 def run(report):
     before_fds, before_threads = len(fds()), _thread._count()
     pids, interrupted = [], 0
@@ -58,6 +62,47 @@ def run(report):
 
 def test_a_close_interrupted_anywhere_is_finished_by_the_next_close():
     result = run_fault(INTERRUPTED_CLOSES, timeout=120)
+    assert result.type is None, result.traceback or result.stderr[-3000:]
+    assert result.leftover_pids == [], f"workers outlived their source: {result.leftover_pids}"
+    assert result.new_shm == []
+
+
+# Nobody calls close(): the source is dropped, and the close() its collection makes is cut short.
+# Python drops an exception raised in __del__ ("Exception ignored in"): the close is finished
+# there, or (cut short before its first step) by the pool's I/O thread once the source is gone.
+INTERRUPTED_COLLECTIONS = _PRELUDE + '''
+import gc, time
+
+def until(condition, what, limit_s=60.0):  # a hang fails; a slow machine only waits longer
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        gc.collect()  # as the collector runs in any program: the loop's epoch and its source refer to each other
+        time.sleep(0.01)
+
+def run(report):
+    before_fds, before_threads = len(fds()), _thread._count()
+    pids, interrupted = [], 0
+    for k in range(1, 40):
+        src = ParallelSource(Slow(), 4, num_workers=2, concurrency=8, prefetch=2, timeout=60)
+        it = iter(src)
+        next(it)
+        pids += src.worker_pids()
+        report.pids(pids)
+        sys.settrace(interrupt_at_call(k))
+        try:
+            del it, src  # the source's __del__ closes it
+        finally:
+            interrupted += sys.gettrace() is None  # the trace took itself off: it raised
+            sys.settrace(None)
+        until(lambda: _thread._count() == before_threads and len(fds()) == before_fds,
+              f"threads or descriptors left after a close cut short at call {k}")
+    assert interrupted > 5, interrupted  # the interrupts landed inside the collection's close()
+'''
+
+
+def test_a_close_from_the_garbage_collector_that_an_interrupt_cut_short_is_finished_there():
+    result = run_fault(INTERRUPTED_COLLECTIONS, timeout=120)
     assert result.type is None, result.traceback or result.stderr[-3000:]
     assert result.leftover_pids == [], f"workers outlived their source: {result.leftover_pids}"
     assert result.new_shm == []

@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from nvidia.dali import pipeline as _dali_pipeline
 
+from extsrc.closing import close_when_collected
 from extsrc.dali.pickling import DaliDefaultPickler
 from extsrc.dali.reader_meta import source_reader_meta
 from extsrc.dali.run_thread import RESET, RUN, RunThread
@@ -372,11 +373,11 @@ class Pipeline(_dali_pipeline.Pipeline):
             self.close()
 
     def __del__(self):
-        for finish in (self.close, super().__del__):
-            try:
-                finish()
-            except Exception:
-                pass
+        close_when_collected(self.close)
+        try:
+            super().__del__()
+        except Exception:
+            pass
 
 
 def pipeline_def(

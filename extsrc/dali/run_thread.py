@@ -101,8 +101,10 @@ class RunThread:
         if self.pending is not None:
             raise RuntimeError(f"{self.name}: a {self.pending.kind}() call is still pending")
         if self._pid != os.getpid():  # a forked child: the parent's thread is not here
-            self._pid = os.getpid()
+            # The pid is stored last: an interrupt before it makes the next call start a thread
+            # again (a thread started and not stored serves calls too, and ends with this object).
             self._thread = self._start_thread()
+            self._pid = os.getpid()
         self.pending = Call(kind, fn)  # the commit point: the thread runs it from here on
         if self._wake.locked():
             self._wake.release()

@@ -26,6 +26,7 @@ from typing import Any, Deque, List, Sequence, Tuple
 
 from extsrc import forking
 from extsrc.engine.protocol import from_wire, to_wire
+from extsrc.closing import close_when_collected
 
 _HEADER = struct.Struct("<IB")  # payload bytes, descriptors attached
 MAX_FDS = 8  # per message; AddSlot sends 2
@@ -266,10 +267,7 @@ class OwnedFds:
         forking.close_inherited(fds)
 
     def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+        close_when_collected(self.close)
 
 
 def _frame(message: Any, fd_count: int) -> bytes:

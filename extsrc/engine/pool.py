@@ -30,10 +30,15 @@ Threads and ownership:
 
 Pool states::
 
-    NEW ──start()──► RUNNING ──close()──► CLOSED
-     │                  │                   ▲
-     │                  └─fault─► BROKEN ───┤ close()
-     └──────────────close()─────────────────┘
+    NEW ──start()──► RUNNING ──close(), or every source collected──► CLOSED
+     │                  │                                              ▲
+     │                  └─fault─► BROKEN ──────────────────────────────┤ close()
+     └──────────────close()────────────────────────────────────────────┘
+
+Sources are attached before the start, so a running pool whose sources were
+all collected (dropped without ``close()``, or their ``close()`` cut short by
+an interrupt) serves nobody any more: its I/O thread, woken by the collection,
+stops the workers and ends (a later ``close()`` finishes the rest).
 
 A fault is a worker that died, a worker that could not load the sources, a
 source's timeout, or an internal error: the pool keeps the error, stops
@@ -63,7 +68,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from extsrc.engine import workers as worker_processes
 from extsrc.engine.backend import Arrival, Fault, WorkerBackend, backend_class
@@ -74,6 +79,7 @@ from extsrc.errors import ForkedChildError, InternalError, PoolClosedError
 from extsrc import forking
 from extsrc.shm.limits import DESCRIPTOR_ERRNOS, out_of_descriptors, thread_start_error
 from extsrc.options import UNSET, PoolOptions
+from extsrc.closing import close_when_collected
 
 if TYPE_CHECKING:
     from extsrc.engine.pickling import Pickler, PicklerSpec
@@ -178,6 +184,7 @@ class WorkerPool:
         self._error: Optional[BaseException] = None
         self._reported: set = set()  # clients that raised the fault already
         self._clients: List["weakref.ReferenceType[PoolClient]"] = []
+        self._client_gone = _waking(weakref.ref(self))  # the callback of those references
         self._loads: List[_Load] = []
         self._queue: Deque[Task] = deque()
         self._pinned: Dict[int, Deque[Task]] = {}
@@ -246,10 +253,7 @@ class WorkerPool:
         self.close()
 
     def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+        close_when_collected(self.close)
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -394,7 +398,7 @@ class WorkerPool:
             self.check_owner()
             if self._state is not PoolState.NEW:
                 raise RuntimeError("sources must be added to a WorkerPool before it starts")
-            self._clients.append(weakref.ref(client))
+            self._clients.append(weakref.ref(client, self._client_gone))
             return len(self._clients) - 1
 
     def new_ticket(self) -> int:
@@ -550,17 +554,18 @@ class WorkerPool:
                 if self._waker is not None:
                     self._waker.close()  # the loop polls it no more; a later wake() does nothing
 
-    def _service_clients(self) -> Tuple[bool, bool]:
+    def _service_clients(self) -> Tuple[bool, bool, bool]:
         """I/O thread, lock held: lets every source dispatch and take back memory. Whether any
-        changed what its consumers wait for, and whether any lends batches out (then returned
-        memory must be looked for every RETURN_POLL_S)."""
-        changed = lending = False
+        changed what its consumers wait for, whether any lends batches out (then returned
+        memory must be looked for every RETURN_POLL_S), and whether any source is left."""
+        changed = lending = left = False
         for ref in self._clients:
             client = ref()
             if client is not None:
+                left = True
                 changed = client.service() or changed
                 lending = lending or client.lends()
-        return changed, lending
+        return changed, lending, left
 
     def _io_round(self) -> bool:
         """One round: service, assign, send, wait, receive, deliver. False when the pool stops
@@ -569,7 +574,14 @@ class WorkerPool:
         with self.lock:
             if self._state is not PoolState.RUNNING:
                 return False
-            changed, lending = self._service_clients()
+            changed, lending, left = self._service_clients()
+            if self._clients and not left:
+                # Every source was collected: nobody can use the workers again (see the module
+                # doc). _run stops them as for close().
+                self._state = PoolState.CLOSED
+                self._error = PoolClosedError("every source of the pool was collected")
+                self.notify()
+                return False
             # Consumers are woken for what the last round delivered only now, right before this
             # thread lets go of the GIL in wait(): woken sooner, they would wait for it.
             changed, self._delivered = changed or self._delivered, False
@@ -653,6 +665,16 @@ class WorkerPool:
         self._error = error
         self.notify()
         self.wake()
+
+
+def _waking(pool: "weakref.ReferenceType[WorkerPool]") -> Callable[[Any], None]:
+    """The callback of a pool's references to its sources: a source collected wakes the I/O
+    thread, which then looks whether any is left. It holds the pool weakly (no cycle)."""
+    def client_gone(_reference: Any) -> None:
+        live = pool()
+        if live is not None:
+            live.wake()
+    return client_gone
 
 
 _live_pools: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()

@@ -129,9 +129,9 @@ class CpuClock:
         return time.process_time_ns(), runq
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        fd, self.fd = self.fd, None  # forgotten first, as in extsrc.shm.segment.Segment.close
+        if fd is not None:
+            os.close(fd)
 
 
 def _no_cpu_clock() -> Tuple[int, int]:

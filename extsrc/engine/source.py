@@ -34,6 +34,7 @@ from extsrc.engine.take import EpochState, Taker
 from extsrc.errors import EmptyEpochError, StateMismatchError
 from extsrc.options import UNSET, SourceOptions
 from extsrc.order import Order
+from extsrc.closing import close_when_collected
 
 if TYPE_CHECKING:
     from extsrc.engine.pickling import PicklerSpec
@@ -368,10 +369,7 @@ class ParallelSource:
         self.close()
 
     def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+        close_when_collected(self.close)
 
     def _check_open(self) -> None:
         self._pool.check_owner()

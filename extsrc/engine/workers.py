@@ -32,6 +32,7 @@ from extsrc.engine.channel import Channel, OwnedFds
 from extsrc.engine.protocol import Stop, Task, WorkerSetup
 from extsrc.engine.threads import OwnedThread
 from extsrc.engine.worker import LifelineEnd, worker_main
+from extsrc.closing import close_when_collected
 
 # A worker asked to stop finishes its current callback first; most are done in
 # milliseconds, and one second covers a loaded machine. After that: SIGTERM,
@@ -91,10 +92,7 @@ class Lifeline:
             forking.close_inherited((fd,))
 
     def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+        close_when_collected(self.close)
 
 
 class WorkerHandle:
@@ -429,10 +427,7 @@ class Waker:
                     end.close()
 
     def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+        close_when_collected(self.close)
 
     def forget_after_fork(self) -> None:
         # The lock may have been held by a thread that is not in the child: a fresh one.

@@ -26,6 +26,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from extsrc import forking
+from extsrc.closing import close_when_collected
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -142,10 +143,7 @@ class Mapping:
             self.close()
 
     def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # at interpreter exit libc may already be gone; so is the process
-            pass
+        close_when_collected(self.close)
 
     def __repr__(self) -> str:
         return f"<Mapping {self.size} bytes at {self.address:#x}>"

@@ -30,6 +30,7 @@ from extsrc.errors import SharedMemoryError
 from extsrc.shm import limits
 from extsrc.shm.layout import align
 from extsrc.shm.mapping import PAGE, Mapping, MapError
+from extsrc.closing import close_when_collected
 
 BACKENDS = ("memfd", "devshm")
 
@@ -131,25 +132,24 @@ class Segment:
             ) from None
 
     def close(self) -> None:
-        if self.fd >= 0 and self._pid == os.getpid():
-            os.close(self.fd)
-        self.fd = -1
+        # Forgotten before the close, with no call in between: a close() interrupted as os.close
+        # returns and called again must not close whatever has been opened under that number.
+        fd, self.fd = self.fd, -1
+        if fd >= 0 and self._pid == os.getpid():
+            os.close(fd)
 
     def forget_after_fork(self) -> None:
         # In a forked child: the descriptor is a copy the child must not keep (it would keep
         # the memory alive) and must never close later under a number reused by then.
-        if self.fd >= 0:
+        fd, self.fd = self.fd, -1  # forgotten first, as in close()
+        if fd >= 0:
             try:
-                os.close(self.fd)
+                os.close(fd)
             except OSError:
                 pass
-        self.fd = -1
 
     def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+        close_when_collected(self.close)
 
     def __repr__(self) -> str:
         return f"<Segment {self.label!r} fd={self.fd} ({self.kind})>"

@@ -106,3 +106,31 @@ def test_a_closed_mapping_is_no_base_for_arrays():
         array_base(mapping, mapping)
     segment.close()
     assert isinstance(mapping, Mapping)
+
+
+def test_a_close_interrupted_right_after_the_descriptor_went_does_not_close_a_reused_number():
+    import sys
+
+    segment = Segment.create("test-interrupted-close")
+    fd = segment.fd
+
+    def interrupt_after_close(frame, event, arg):  # a Ctrl-C landing as os.close() returns
+        if event == "c_return" and getattr(arg, "__name__", "") == "close":
+            sys.setprofile(None)
+            raise KeyboardInterrupt
+
+    sys.setprofile(interrupt_after_close)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            segment.close()
+    finally:
+        sys.setprofile(None)
+    read_end, write_end = os.pipe()  # takes the lowest free numbers: the one just closed
+    try:
+        assert fd in (read_end, write_end)
+        segment.close()  # the close called again (as by __del__, or a second close())
+        os.fstat(read_end)  # closed by the second close() before: OSError EBADF
+        os.fstat(write_end)
+    finally:
+        os.close(read_end)
+        os.close(write_end)

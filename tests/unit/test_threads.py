@@ -180,3 +180,77 @@ def test_a_thread_that_dies_right_after_its_first_line_neither_hangs_start_nor_j
 def test_an_interrupted_start_of_a_thread_that_never_begins_is_given_up_by_the_next_look():
     out = _begin_case("interrupted-start")
     assert "INTERRUPTED" in out and "RUN [10]" in out, out
+
+
+# A DALI run() started in a process forked from one that used the pipeline: the parent's run
+# thread is not there, and the first start() in the child makes one. An interrupt at each line
+# of that start(), then the call made again: it must run (a hang fails the script's time limit).
+_FORKED_START = '''
+import os, sys, time
+from extsrc.dali.run_thread import RunThread
+
+CHILD_LIMIT_S = 20.0  # a call that runs takes milliseconds; one that never runs takes for ever
+
+
+def interrupted_at_line(k, fn):
+    count = [0]
+    def trace(frame, event, arg):
+        if event == "line":
+            count[0] += 1
+            if count[0] == k:
+                sys.settrace(None)
+                raise KeyboardInterrupt
+        return trace
+    sys.settrace(trace)
+    try:
+        fn()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+    return False
+
+
+runner = RunThread("extsrc-test-run")
+runner.start("run", lambda: "parent")
+assert runner.collect() == "parent"
+interrupted = hung = 0
+for k in range(1, 120):
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            cut = interrupted_at_line(k, lambda: runner.start("run", lambda: k))
+            if runner.pending is None:  # cut before its commit: the caller calls again
+                runner.start("run", lambda: k)
+            code = (0 if runner.collect() == k else 1) + (10 if cut else 0)
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + CHILD_LIMIT_S
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            hung += 1
+            print("HUNG at line", k)
+            status = None
+            break
+        time.sleep(0.01)
+    if status is not None:
+        code = os.waitstatus_to_exitcode(status)
+        assert code in (0, 10), (k, code)
+        interrupted += code == 10
+runner.stop()
+print("INTERRUPTED", interrupted > 20, "HUNG", hung)
+'''
+
+
+def test_a_dali_run_started_in_a_forked_child_runs_whatever_line_of_its_start_was_interrupted():
+    from faultkit import run_isolated
+
+    result = run_isolated(_FORKED_START, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    assert "INTERRUPTED True HUNG 0" in result.stdout, result.stdout
