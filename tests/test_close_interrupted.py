@@ -33,6 +33,15 @@ def interrupt_at_call(k):
 
 def fds():
     return sorted(os.listdir("/proc/self/fd"))
+
+def iterated(pids, report):
+    """A source with tasks in flight, and its loop after one batch; its workers recorded."""
+    src = ParallelSource(Slow(), 4, num_workers=2, concurrency=8, prefetch=2, timeout=60)
+    it = iter(src)
+    next(it)
+    pids += src.worker_pids()
+    report.pids(pids)
+    return src, it
 '''
 
 INTERRUPTED_CLOSES = _PRELUDE + '''
@@ -40,11 +49,7 @@ def run(report):
     before_fds, before_threads = len(fds()), _thread._count()
     pids, interrupted = [], 0
     for k in range(1, 40):
-        src = ParallelSource(Slow(), 4, num_workers=2, concurrency=8, prefetch=2, timeout=60)
-        it = iter(src)
-        next(it)
-        pids += src.worker_pids()
-        report.pids(pids)
+        src, it = iterated(pids, report)
         sys.settrace(interrupt_at_call(k))
         try:
             src.close()
@@ -84,11 +89,7 @@ def run(report):
     before_fds, before_threads = len(fds()), _thread._count()
     pids, interrupted = [], 0
     for k in range(1, 40):
-        src = ParallelSource(Slow(), 4, num_workers=2, concurrency=8, prefetch=2, timeout=60)
-        it = iter(src)
-        next(it)
-        pids += src.worker_pids()
-        report.pids(pids)
+        src, it = iterated(pids, report)
         sys.settrace(interrupt_at_call(k))
         try:
             del it, src  # the source's __del__ closes it

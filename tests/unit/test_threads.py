@@ -183,47 +183,40 @@ def test_an_interrupted_start_of_a_thread_that_never_begins_is_given_up_by_the_n
 
 
 # A DALI run() started in a process forked from one that used the pipeline: the parent's run
-# thread is not there, and the first start() in the child makes one. An interrupt at each line
-# of that start(), then the call made again: it must run (a hang fails the script's time limit).
+# thread is not there, and the first start() in the child makes one. An interrupt at each place
+# one can land in that start(), then the call made again: it must run (a hang fails the child's
+# time limit). Each child exits with 0 (the call ran) + 10 (the interrupt landed) + 20 (no place
+# was left: the walk is over), or 1 for a wrong value.
 _FORKED_START = '''
 import os, sys, time
+import extsrc
 from extsrc.dali.run_thread import RunThread
+from interrupting import interrupt_at_landing
 
+EXTSRC = os.path.dirname(extsrc.__file__)
 CHILD_LIMIT_S = 20.0  # a call that runs takes milliseconds; one that never runs takes for ever
-
-
-def interrupted_at_line(k, fn):
-    count = [0]
-    def trace(frame, event, arg):
-        if event == "line":
-            count[0] += 1
-            if count[0] == k:
-                sys.settrace(None)
-                raise KeyboardInterrupt
-        return trace
-    sys.settrace(trace)
-    try:
-        fn()
-    except KeyboardInterrupt:
-        return True
-    finally:
-        sys.settrace(None)
-    return False
-
 
 runner = RunThread("extsrc-test-run")
 runner.start("run", lambda: "parent")
 assert runner.collect() == "parent"
-interrupted = hung = 0
-for k in range(1, 120):
+interrupted = hung = k = 0
+while True:
+    k += 1
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            cut = interrupted_at_line(k, lambda: runner.start("run", lambda: k))
+            landings, cut = [0], False
+            sys.setprofile(interrupt_at_landing(k, landings, EXTSRC))
+            try:
+                runner.start("run", lambda: k)
+            except KeyboardInterrupt:
+                cut = True
+            finally:
+                sys.setprofile(None)
             if runner.pending is None:  # cut before its commit: the caller calls again
                 runner.start("run", lambda: k)
-            code = (0 if runner.collect() == k else 1) + (10 if cut else 0)
+            code = (0 if runner.collect() == k else 1) + (10 if cut else 0) + (20 if landings[0] < k else 0)
         finally:
             os._exit(code)
     deadline = time.monotonic() + CHILD_LIMIT_S
@@ -234,21 +227,25 @@ for k in range(1, 120):
         if time.monotonic() > deadline:
             os.kill(pid, 9)
             os.waitpid(pid, 0)
-            hung += 1
-            print("HUNG at line", k)
             status = None
             break
         time.sleep(0.01)
-    if status is not None:
-        code = os.waitstatus_to_exitcode(status)
-        assert code in (0, 10), (k, code)
-        interrupted += code == 10
+    if status is None:
+        hung += 1
+        print("HUNG at landing", k)
+        assert k < 1000, "the walk over the landings does not end"
+        continue
+    code = os.waitstatus_to_exitcode(status)
+    assert code in (0, 10, 20, 30), (k, code)
+    interrupted += code in (10, 30)
+    if code >= 20:
+        break
 runner.stop()
-print("INTERRUPTED", interrupted > 20, "HUNG", hung)
+print("INTERRUPTED", interrupted > 20, "HUNG", hung, "LANDINGS", k - 1)
 '''
 
 
-def test_a_dali_run_started_in_a_forked_child_runs_whatever_line_of_its_start_was_interrupted():
+def test_a_dali_run_started_in_a_forked_child_runs_wherever_its_start_was_interrupted():
     from faultkit import run_isolated
 
     result = run_isolated(_FORKED_START, timeout=600)
