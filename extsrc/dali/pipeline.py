@@ -73,7 +73,8 @@ class Pipeline(_dali_pipeline.Pipeline):
                 "py_start_method='fork' the callbacks are inherited, not pickled"
             )
         self._extsrc_runner = RunThread("extsrc-dali-run")
-        self._extsrc_closed = False
+        self._extsrc_closed = False  # for users: run() and the rest refuse once close() began
+        self._extsrc_closed_fully = False  # close() ran to its end
         self._extsrc_pool: Optional[WorkerPool] = None
         self._extsrc_feeders: List[Any] = []
         self._extsrc_exits_close: List[bool] = []
@@ -346,8 +347,10 @@ class Pipeline(_dali_pipeline.Pipeline):
         Outputs already returned by ``run()`` stay readable (the default
         executor gives you copies). The pipeline cannot run again.
         """
-        if getattr(self, "_extsrc_closed", True):
+        if getattr(self, "_extsrc_closed_fully", True):  # True too if __init__ did not get there
             return
+        # A close() interrupted (KeyboardInterrupt) after this point is finished by the next call
+        # (close_when_collected makes it from __del__): each step below may be repeated.
         self._extsrc_closed = True
         self._extsrc_runner.stop()  # after a run() an interrupt left running
         self._extsrc_runner.drop()
@@ -357,6 +360,7 @@ class Pipeline(_dali_pipeline.Pipeline):
             feeder.release()
         if self._extsrc_pool is not None:
             self._extsrc_pool.close()
+        self._extsrc_closed_fully = True
 
     def __enter__(self) -> "Pipeline":
         defined = (

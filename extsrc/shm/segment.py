@@ -132,10 +132,14 @@ class Segment:
             ) from None
 
     def close(self) -> None:
-        # Forgotten before the close, with no call in between: a close() interrupted as os.close
-        # returns and called again must not close whatever has been opened under that number.
+        if self._pid != os.getpid():
+            self.fd = -1  # a forked child's copy, closed by forget_after_fork
+            return
+        # Forgotten right before the close, with no call in between: a close() interrupted as
+        # os.close returns and called again must not close whatever has been opened under that
+        # number, and one interrupted before (at the call above) still has it to close.
         fd, self.fd = self.fd, -1
-        if fd >= 0 and self._pid == os.getpid():
+        if fd >= 0:
             os.close(fd)
 
     def forget_after_fork(self) -> None:

@@ -338,3 +338,58 @@ def test_a_pipeline_whose_source_ended_is_freed_with_its_last_reference(cycle):
         assert extsrc_workers() == []
     finally:
         gc.enable()
+
+
+# close() cut short by a Ctrl-C at each place one can land in the pipeline's close steps (its
+# run thread, DALI's shutdown, the feeders), then called again with the pipeline still held: the
+# second call finishes the job. Before, the first call marked the pipeline closed on entry and the
+# second returned at once, leaving the workers and the run thread. In its own interpreter.
+_INTERRUPTED_CLOSES = '''
+import _thread, os, sys
+import numpy as np
+import extsrc
+from extsrc import fn, pipeline_def
+from interrupting import interrupt_at_landing
+from procs import live_children
+
+DALI_LAYER = os.path.join(os.path.dirname(extsrc.__file__), "dali")
+
+
+def sample(info):
+    return np.full(4, info.idx_in_epoch, np.int32)
+
+
+@pipeline_def(batch_size=2, py_num_workers=2, num_threads=1, device_id=None)
+def pipeline():
+    return fn.external_source(sample, parallel=True, batch=False)
+
+
+threads = _thread._count()
+walked = interrupted = 0
+while True:
+    walked += 1
+    p = pipeline()
+    p.build()
+    p.run()
+    landings = [0]
+    sys.setprofile(interrupt_at_landing(walked, landings, DALI_LAYER))
+    try:
+        p.close()
+    except KeyboardInterrupt:
+        interrupted += 1
+    finally:
+        sys.setprofile(None)
+    p.close()
+    assert live_children() == [], (walked, live_children())
+    assert _thread._count() == threads, (walked, _thread._count())
+    del p
+    if landings[0] < walked:
+        break
+print("WALKED", walked > 3, "INTERRUPTED", interrupted == walked - 1)
+'''
+
+
+def test_a_close_interrupted_wherever_a_ctrl_c_can_land_is_finished_by_the_next_close():
+    result = run_isolated(_INTERRUPTED_CLOSES, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "WALKED True INTERRUPTED True" in result.stdout, result.stdout

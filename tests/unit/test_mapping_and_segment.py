@@ -9,6 +9,7 @@ import pytest
 from extsrc.errors import SharedMemoryError
 from extsrc.shm import limits
 from extsrc.shm.mapping import Mapping, array_base, owner_of, view
+from extsrc.shm import segment as segment_module
 from extsrc.shm.segment import Segment
 
 from procs import named_shm_in_use, own_shm_entries
@@ -108,29 +109,35 @@ def test_a_closed_mapping_is_no_base_for_arrays():
     assert isinstance(mapping, Mapping)
 
 
-def test_a_close_interrupted_right_after_the_descriptor_went_does_not_close_a_reused_number():
+def test_a_close_interrupted_wherever_a_ctrl_c_can_land_closes_its_descriptor_once():
     import sys
 
-    segment = Segment.create("test-interrupted-close")
-    fd = segment.fd
+    from interrupting import interrupt_at_landing
 
-    def interrupt_after_close(frame, event, arg):  # a Ctrl-C landing as os.close() returns
-        if event == "c_return" and getattr(arg, "__name__", "") == "close":
-            sys.setprofile(None)
-            raise KeyboardInterrupt
-
-    sys.setprofile(interrupt_after_close)
-    try:
-        with pytest.raises(KeyboardInterrupt):
+    walked = 0
+    while True:  # k-th place in Segment.close where a Ctrl-C can land, for every k
+        walked += 1
+        segment = Segment.create("test-interrupted-close")
+        fd = segment.fd
+        landings = [0]
+        sys.setprofile(interrupt_at_landing(walked, landings, segment_module.__file__))
+        try:
             segment.close()
-    finally:
-        sys.setprofile(None)
-    read_end, write_end = os.pipe()  # takes the lowest free numbers: the one just closed
-    try:
-        assert fd in (read_end, write_end)
-        segment.close()  # the close called again (as by __del__, or a second close())
-        os.fstat(read_end)  # closed by the second close() before: OSError EBADF
-        os.fstat(write_end)
-    finally:
-        os.close(read_end)
-        os.close(write_end)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.setprofile(None)
+        read_end, write_end = os.pipe()  # the lowest free numbers: the one just closed, if it was
+        try:
+            segment.close()  # called again (as by __del__, or a second close())
+            os.fstat(read_end)  # a reused number closed by the second close(): OSError EBADF
+            os.fstat(write_end)
+            if fd not in (read_end, write_end):  # not closed by the first: by the second, then
+                with pytest.raises(OSError):
+                    os.fstat(fd)
+        finally:
+            os.close(read_end)
+            os.close(write_end)
+        if landings[0] < walked:
+            break
+    assert walked > 3
