@@ -741,7 +741,8 @@ class IterableLoader(_DataLoaderAttributes):
         self._pool = pool
         self._loaders = loaders  # one TorchLoader per worker, its source pinned to that worker
         self._seeds = seeds  # a datapipe's shuffle seed of each epoch, read by the workers
-        self._closed = False
+        self._closed = False  # close() began: iter() refuses
+        self._closed_fully = False  # close() ran to its end
         self._len_asked: Optional[int] = None  # len(dataset) when len() was last asked
 
     def __len__(self) -> int:
@@ -763,14 +764,16 @@ class IterableLoader(_DataLoaderAttributes):
         return _WorkerTurns(self, epochs)
 
     def close(self) -> None:
-        if self._closed:
+        if self._closed_fully:
             return
+        # As TorchLoader.close: an interrupted close() is finished by the next one.
         self._closed = True
         for loader in self._loaders:
             loader.close()
         self._pool.close()
         if self._seeds is not None:
             self._seeds.close()
+        self._closed_fully = True
 
     def __enter__(self) -> "IterableLoader":
         return self

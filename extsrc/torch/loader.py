@@ -149,7 +149,8 @@ class TorchLoader:
         self._page_lock: Optional[PageLock] = None
         self._stream: Any = None
         self._position: Optional[LoopPosition] = None  # of the running epoch (not the epoch: no cycle)
-        self._closed = False
+        self._closed = False  # close() began: iter() refuses
+        self._closed_fully = False  # close() ran to its end
         self._in_flight = InFlight()
         self._handed = _Handed()
         self._finalizer = weakref.finalize(self, _wait_quietly, self._in_flight, self._handed)
@@ -235,14 +236,17 @@ class TorchLoader:
 
     def close(self) -> None:
         """Waits for the copies in flight; closes the source if the loader made it. Idempotent."""
-        if self._closed:
+        if self._closed_fully:
             return
+        # A close() interrupted (KeyboardInterrupt) after this point is finished by the next
+        # call: each step below may be repeated.
         self._closed = True
         self._end_loop("close()")
         self._position = None
         self._finalizer()
         if self._owns_source:
             self._source.close()
+        self._closed_fully = True
 
     def __enter__(self) -> "TorchLoader":
         return self

@@ -241,3 +241,66 @@ def test_a_state_dict_of_another_batch_size_resumes_exactly_or_is_refused():
     with ParallelSource(stamped, 8, num_outputs=2, num_workers=2, order=Order(40)) as source:
         with pytest.raises(ValueError, match="not a batch boundary"):
             TorchLoader(source).load_state_dict(state)
+
+
+# close() cut short by a Ctrl-C at each place one can land in the PyTorch layer's close steps,
+# then called again with the loader still held: the second call finishes the job (before, the
+# first marked the loader closed on entry and the second returned at once, leaving the workers).
+# A map-style dataset's loader and an IterableDataset's. In its own interpreter.
+_INTERRUPTED_CLOSES = '''
+import _thread, os, sys
+import torch
+import extsrc
+from extsrc.torch import from_dataset
+from interrupting import interrupt_at_landing
+from procs import live_children
+
+TORCH_LAYER = os.path.join(os.path.dirname(extsrc.__file__), "torch")
+
+
+class Squares(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, index):
+        return torch.tensor([index * index])
+
+
+class Counting(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        return iter(range(info.id, 16, info.num_workers))
+
+
+threads = _thread._count()
+for dataset in (Squares(), Counting()):
+    walked = interrupted = 0
+    while True:
+        walked += 1
+        loader = from_dataset(dataset, batch_size=4, num_workers=2)
+        next(iter(loader))
+        landings = [0]
+        sys.setprofile(interrupt_at_landing(walked, landings, TORCH_LAYER))
+        try:
+            loader.close()
+        except KeyboardInterrupt:
+            interrupted += 1
+        finally:
+            sys.setprofile(None)
+        loader.close()
+        assert live_children() == [], (type(dataset).__name__, walked, live_children())
+        assert _thread._count() == threads, (type(dataset).__name__, walked, _thread._count())
+        del loader
+        if landings[0] < walked:
+            break
+    print(type(dataset).__name__, "WALKED", walked > 3, "INTERRUPTED", interrupted == walked - 1)
+'''
+
+
+def test_a_close_interrupted_wherever_a_ctrl_c_can_land_is_finished_by_the_next_close():
+    from faultkit import run_isolated
+
+    result = run_isolated(_INTERRUPTED_CLOSES, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    for kind in ("Squares", "Counting"):
+        assert f"{kind} WALKED True INTERRUPTED True" in result.stdout, result.stdout
