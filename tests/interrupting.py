@@ -8,6 +8,7 @@ Ctrl-C could. Counting calls, not lines: a line event also fires where no signal
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, List, Tuple, Union
 
 
@@ -49,3 +50,20 @@ def interrupt_at_landing(k: int, landings: List[int],
             raise KeyboardInterrupt(f"at landing {k}")
 
     return profile
+
+
+def cut_at_landing(k: int, watched: Union[str, Tuple[str, ...]], step: Callable[[], Any]
+                   ) -> Tuple[bool, bool]:
+    """Runs ``step()`` with a ``KeyboardInterrupt`` at the ``k``-th place one can land in
+    ``watched`` (:func:`interrupt_at_landing`). Whether the interrupt landed (``step`` was cut
+    short), and whether ``step`` has no ``k``-th place (the walk k = 1, 2, ... is over)."""
+    landings = [0]
+    sys.setprofile(interrupt_at_landing(k, landings, watched))
+    try:
+        step()
+        cut = False
+    except KeyboardInterrupt:
+        cut = True
+    finally:
+        sys.setprofile(None)
+    return cut, landings[0] < k

@@ -147,10 +147,7 @@ class Segment:
         # the memory alive) and must never close later under a number reused by then.
         fd, self.fd = self.fd, -1  # forgotten first, as in close()
         if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+            forking.close_inherited((fd,))
 
     def __del__(self) -> None:
         close_when_collected(self.close)

@@ -345,11 +345,11 @@ def test_a_pipeline_whose_source_ended_is_freed_with_its_last_reference(cycle):
 # second call finishes the job. Before, the first call marked the pipeline closed on entry and the
 # second returned at once, leaving the workers and the run thread. In its own interpreter.
 _INTERRUPTED_CLOSES = '''
-import _thread, os, sys
+import _thread, os
 import numpy as np
 import extsrc
 from extsrc import fn, pipeline_def
-from interrupting import interrupt_at_landing
+from interrupting import cut_at_landing
 from procs import live_children
 
 DALI_LAYER = os.path.join(os.path.dirname(extsrc.__file__), "dali")
@@ -371,19 +371,13 @@ while True:
     p = pipeline()
     p.build()
     p.run()
-    landings = [0]
-    sys.setprofile(interrupt_at_landing(walked, landings, DALI_LAYER))
-    try:
-        p.close()
-    except KeyboardInterrupt:
-        interrupted += 1
-    finally:
-        sys.setprofile(None)
+    cut, over = cut_at_landing(walked, DALI_LAYER, p.close)
+    interrupted += cut
     p.close()
     assert live_children() == [], (walked, live_children())
     assert _thread._count() == threads, (walked, _thread._count())
     del p
-    if landings[0] < walked:
+    if over:
         break
 print("WALKED", walked > 3, "INTERRUPTED", interrupted == walked - 1)
 '''

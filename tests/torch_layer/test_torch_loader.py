@@ -248,11 +248,11 @@ def test_a_state_dict_of_another_batch_size_resumes_exactly_or_is_refused():
 # first marked the loader closed on entry and the second returned at once, leaving the workers).
 # A map-style dataset's loader and an IterableDataset's. In its own interpreter.
 _INTERRUPTED_CLOSES = '''
-import _thread, os, sys
+import _thread, os
 import torch
 import extsrc
 from extsrc.torch import from_dataset
-from interrupting import interrupt_at_landing
+from interrupting import cut_at_landing
 from procs import live_children
 
 TORCH_LAYER = os.path.join(os.path.dirname(extsrc.__file__), "torch")
@@ -279,19 +279,13 @@ for dataset in (Squares(), Counting()):
         walked += 1
         loader = from_dataset(dataset, batch_size=4, num_workers=2)
         next(iter(loader))
-        landings = [0]
-        sys.setprofile(interrupt_at_landing(walked, landings, TORCH_LAYER))
-        try:
-            loader.close()
-        except KeyboardInterrupt:
-            interrupted += 1
-        finally:
-            sys.setprofile(None)
+        cut, over = cut_at_landing(walked, TORCH_LAYER, loader.close)
+        interrupted += cut
         loader.close()
         assert live_children() == [], (type(dataset).__name__, walked, live_children())
         assert _thread._count() == threads, (type(dataset).__name__, walked, _thread._count())
         del loader
-        if landings[0] < walked:
+        if over:
             break
     print(type(dataset).__name__, "WALKED", walked > 3, "INTERRUPTED", interrupted == walked - 1)
 '''

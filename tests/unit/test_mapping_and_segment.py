@@ -110,23 +110,14 @@ def test_a_closed_mapping_is_no_base_for_arrays():
 
 
 def test_a_close_interrupted_wherever_a_ctrl_c_can_land_closes_its_descriptor_once():
-    import sys
-
-    from interrupting import interrupt_at_landing
+    from interrupting import cut_at_landing
 
     walked = 0
     while True:  # k-th place in Segment.close where a Ctrl-C can land, for every k
         walked += 1
         segment = Segment.create("test-interrupted-close")
         fd = segment.fd
-        landings = [0]
-        sys.setprofile(interrupt_at_landing(walked, landings, segment_module.__file__))
-        try:
-            segment.close()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.setprofile(None)
+        _, over = cut_at_landing(walked, segment_module.__file__, segment.close)
         read_end, write_end = os.pipe()  # the lowest free numbers: the one just closed, if it was
         try:
             segment.close()  # called again (as by __del__, or a second close())
@@ -138,6 +129,6 @@ def test_a_close_interrupted_wherever_a_ctrl_c_can_land_closes_its_descriptor_on
         finally:
             os.close(read_end)
             os.close(write_end)
-        if landings[0] < walked:
+        if over:
             break
     assert walked > 3

@@ -188,10 +188,10 @@ def test_an_interrupted_start_of_a_thread_that_never_begins_is_given_up_by_the_n
 # time limit). Each child exits with 0 (the call ran) + 10 (the interrupt landed) + 20 (no place
 # was left: the walk is over), or 1 for a wrong value.
 _FORKED_START = '''
-import os, sys, time
+import os, time
 import extsrc
 from extsrc.dali.run_thread import RunThread
-from interrupting import interrupt_at_landing
+from interrupting import cut_at_landing
 
 EXTSRC = os.path.dirname(extsrc.__file__)
 CHILD_LIMIT_S = 20.0  # a call that runs takes milliseconds; one that never runs takes for ever
@@ -206,17 +206,10 @@ while True:
     if pid == 0:
         code = 1
         try:
-            landings, cut = [0], False
-            sys.setprofile(interrupt_at_landing(k, landings, EXTSRC))
-            try:
-                runner.start("run", lambda: k)
-            except KeyboardInterrupt:
-                cut = True
-            finally:
-                sys.setprofile(None)
+            cut, over = cut_at_landing(k, EXTSRC, lambda: runner.start("run", lambda: k))
             if runner.pending is None:  # cut before its commit: the caller calls again
                 runner.start("run", lambda: k)
-            code = (0 if runner.collect() == k else 1) + (10 if cut else 0) + (20 if landings[0] < k else 0)
+            code = (0 if runner.collect() == k else 1) + (10 if cut else 0) + (20 if over else 0)
         finally:
             os._exit(code)
     deadline = time.monotonic() + CHILD_LIMIT_S
