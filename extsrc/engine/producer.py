@@ -42,12 +42,21 @@ if TYPE_CHECKING:
 
 # With the default prefetch, batches of at most this many bytes go ahead
 # SMALL_BATCH_PREFETCH_FACTOR times as many: such a batch takes a worker well under a
-# scheduler's time slice (a few ms) to make, so a consumer that waits that long for a CPU
-# would otherwise find every slot taken and the workers idle (measured: 1 KiB samples,
-# batch 256, 2 workers on 2 cores: ~30% of tasks found a worker idle, 5-8% more samples/s
-# with twice as many ahead). The extra slots cost at most prefetch * SMALL_BATCH_BYTES.
+# scheduler's time slice (a few ms) to make, so a consumer or an I/O thread that waits that
+# long for a CPU would otherwise find every slot taken and the workers idle; the pool lets a
+# worker hold that many short tasks (extsrc.engine.pool.SHORT_TASK_DEPTH). Measured (1 KiB
+# samples, batch 256, 2 workers on 2 cores): 2 times as many ahead gave 5-8% more samples/s
+# than 1, 6 times about 10% more than 2. The extra slots cost at most
+# SMALL_AHEAD_BYTES, whatever the number of workers, and at most 1/SMALL_AHEAD_FD_SHARE of
+# the descriptors the process may open (each slot holds 1 + num_workers of them while it
+# is in the pool; a consumer that keeps every batch keeps that many slots), and of the
+# memory and address space left under the process's limits (the consumer maps each slot).
+# Should a slot still find no memory, the prefetch stays where it got (see _fill).
 SMALL_BATCH_BYTES = 1 << 20
-SMALL_BATCH_PREFETCH_FACTOR = 2
+SMALL_BATCH_PREFETCH_FACTOR = 6
+SMALL_AHEAD_BYTES = 32 << 20
+SMALL_AHEAD_FD_SHARE = 4
+SMALL_AHEAD_ROOM_SHARE = 4
 
 
 class Run(NamedTuple):
@@ -74,6 +83,7 @@ class Producer:
         self.name = name if name is not None else f"#{self.source_id}"
         self.pinned_worker = pool.pin_worker() if kind in (BATCH_ITERABLE, BATCH_GENERATOR) else None
         self.prefetch = options.prefetch  # more once the batches turn out small (prefetch_auto)
+        self.widening_decided = False  # the small-batch prefetch was set (once: see _fill)
         self.slots = SlotPool(self.source_id, f"source {self.name}", pool.num_workers,
                               options.prefetch + options.batches_held, pool)
         self.layout = LayoutPlan(options.outputs, options.batch_size)
@@ -281,7 +291,7 @@ class Producer:
             if limit is not None and iteration >= limit:
                 return  # an order knows where the epoch ends
             regions, region_bytes = self.layout.regions()
-            if self.prefetch == o.prefetch and o.prefetch_auto:
+            if o.prefetch_auto and not self.widening_decided:
                 self._widen_for_small(regions, region_bytes)
             seq = next(self._batch_seq)
             try:
@@ -289,6 +299,11 @@ class Producer:
             except SharedMemoryError as exc:
                 if exc.errno in limits.DESCRIPTOR_ERRNOS and self.pending:
                     return  # out of descriptors: go on with the slots there are, try again later
+                if self.prefetch > o.prefetch and len(self.pending) >= o.prefetch:
+                    # No memory for a batch beyond the prefetch asked for (the small-batch
+                    # widening, a convenience): the prefetch stays where it got, nothing fails.
+                    self.prefetch = max(o.prefetch, len(self.pending))
+                    return
                 self.error = (iteration, limits.with_advice(exc, backend(),
                                                             self._total_need(region_bytes)))
                 return
@@ -309,10 +324,24 @@ class Producer:
 
     def _widen_for_small(self, regions: Any, region_bytes: int) -> None:
         """With the default prefetch, once every output's layout is known and a batch is at
-        most SMALL_BATCH_BYTES, keeps SMALL_BATCH_PREFETCH_FACTOR times as many ahead."""
-        if regions and all(r is not None for r in regions) and region_bytes <= SMALL_BATCH_BYTES:
-            self.prefetch = self.options.prefetch * SMALL_BATCH_PREFETCH_FACTOR
-            self.slots.keep_at_least(self.prefetch + self.options.batches_held)
+        most SMALL_BATCH_BYTES, keeps SMALL_BATCH_PREFETCH_FACTOR times as many ahead (no
+        more than SMALL_AHEAD_BYTES of them, 1/SMALL_AHEAD_FD_SHARE of the descriptor
+        limit or 1/SMALL_AHEAD_ROOM_SHARE of the memory and address space left, and never
+        fewer than the default). Decided once, when the layout is first known."""
+        if not regions or any(r is None for r in regions) or region_bytes > SMALL_BATCH_BYTES:
+            return
+        self.widening_decided = True
+        o, nbytes = self.options, max(region_bytes, 1)
+        widened = min(o.prefetch * SMALL_BATCH_PREFETCH_FACTOR, SMALL_AHEAD_BYTES // nbytes)
+        descriptors = limits.descriptor_limit()
+        if descriptors is not None:
+            per_slot = 1 + self.pool.num_workers
+            widened = min(widened, descriptors // (SMALL_AHEAD_FD_SHARE * per_slot) - o.batches_held)
+        room = limits.room_left()
+        if room is not None:
+            widened = min(widened, o.prefetch + room // (SMALL_AHEAD_ROOM_SHARE * nbytes))
+        self.prefetch = max(o.prefetch, widened)
+        self.slots.keep_at_least(self.prefetch + o.batches_held)
 
     def _room_ahead(self) -> bool:
         """Whether another batch may be dispatched: fewer than ``prefetch`` are being made, and

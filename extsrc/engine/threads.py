@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import _thread
 import math
+import os
 import sys
 import time
 from typing import Any, Callable, Optional
@@ -192,3 +193,35 @@ class OwnedThread:
             self._target = None  # what the target references is not kept by an ended thread
             self.ended = True  # before the release: a join() that woke reads True
             self._done.release()
+
+
+
+def defer_on_wake_up(defer: bool) -> bool:
+    """Makes the calling thread defer to running threads when it wakes up (``defer``), or
+    preempt them again (not ``defer``); returns whether it defers now. Linux only, through
+    ``SCHED_BATCH``: the thread keeps its share of the CPU (same weight), but a wake-up waits
+    for a free CPU or the end of the running thread's time slice instead of cutting that
+    slice short.
+
+    For the pool's I/O thread while the workers' tasks are short: woken by every answer, it
+    preempted a worker each time (two context switches, the worker's caches cooled) to
+    handle one answer; deferring, it handles the answers of a time slice together, and the
+    workers hold enough tasks to run meanwhile (see :data:`extsrc.engine.pool.QUEUE_COVER_S`).
+    With long tasks it preempts: wake-ups are then rare, and a batch is handed on at once.
+    Only the default policy and ``SCHED_BATCH`` are switched: a thread under a real-time
+    policy (``chrt``) stays so (as ``SCHED_BATCH`` it would starve behind its own workers).
+    Without the call (other systems), or refused (a sandbox), nothing changes."""
+    if not hasattr(os, "sched_setscheduler") or not hasattr(os, "SCHED_BATCH"):
+        return False
+    wanted = os.SCHED_BATCH if defer else os.SCHED_OTHER
+    try:
+        policy = os.sched_getscheduler(0)  # 0: the calling thread
+    except OSError:
+        return False
+    if policy != wanted and policy in (os.SCHED_OTHER, os.SCHED_BATCH):
+        try:
+            os.sched_setscheduler(0, wanted, os.sched_param(0))
+        except OSError:
+            return policy == os.SCHED_BATCH
+        policy = wanted
+    return policy == os.SCHED_BATCH

@@ -208,6 +208,17 @@ def memory_limits() -> List[Limit]:
     return limits
 
 
+def room_left() -> Optional[int]:
+    """Bytes left under the tightest limit on this process's memory (:func:`memory_limits`)
+    and address space (RLIMIT_AS); ``None`` when none is known."""
+    limits = memory_limits()
+    address_space = _address_space()
+    if address_space is not None:
+        limits.append(address_space)
+    limit = tightest(limits)
+    return None if limit is None else limit.room
+
+
 def tightest(limits: List[Limit]) -> Optional[Limit]:
     return min(limits, key=lambda limit: limit.room, default=None)
 
@@ -386,6 +397,13 @@ def out_of_descriptors(exc: OSError, what: str, error_type: type = SharedMemoryE
         "(1 + num_workers) descriptors per batch it keeps ready, and a pool a few per worker: "
         f"close the sources no longer used, lower prefetch or batches_held, or {advice}.",
     )
+
+
+def descriptor_limit() -> Optional[int]:
+    """The descriptors this process may have open (RLIMIT_NOFILE's soft limit); ``None``
+    for no limit."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def check_descriptors(needed: int, what: str, error_type: type = OSError) -> None:

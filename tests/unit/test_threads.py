@@ -244,3 +244,26 @@ def test_a_dali_run_started_in_a_forked_child_runs_wherever_its_start_was_interr
     result = run_isolated(_FORKED_START, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     assert "INTERRUPTED True HUNG 0" in result.stdout, result.stdout
+
+
+def test_a_thread_defers_on_wake_up_and_back_and_no_other_thread_changes():
+    import os
+
+    import pytest
+
+    from extsrc.engine.threads import defer_on_wake_up
+
+    if not hasattr(os, "SCHED_BATCH"):
+        pytest.skip("thread scheduling policies are Linux's")
+    seen = []
+
+    def body():
+        seen.append((defer_on_wake_up(True), os.sched_getscheduler(0)))
+        seen.append((defer_on_wake_up(True), os.sched_getscheduler(0)))  # again: no change
+        seen.append((defer_on_wake_up(False), os.sched_getscheduler(0)))
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert seen == [(True, os.SCHED_BATCH), (True, os.SCHED_BATCH), (False, os.SCHED_OTHER)]
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER

@@ -1,0 +1,163 @@
+"""Short tasks: workers hold more of them, and the pool's I/O thread stops preempting them.
+
+Seen from outside the engine: the scheduling policy of the process's threads (what
+``ps -eLo tid,cls`` shows: ``B`` for ``SCHED_BATCH``), the default prefetch, and the
+batches themselves. No timing is asserted: each test waits for what it expects, with a
+deadline that only a broken feature reaches.
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from extsrc import ParallelSource
+from faultkit import run_isolated
+from extsrc.engine.producer import SMALL_AHEAD_BYTES, SMALL_AHEAD_FD_SHARE, SMALL_BATCH_PREFETCH_FACTOR
+from extsrc.shm import limits
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(os, "SCHED_BATCH"),
+                                reason="thread scheduling policies are Linux's")
+
+DEADLINE_S = 120.0  # generous: only a broken feature waits this long
+LONG_TASK_S = 0.05  # a task this long is long on any machine (the pool's cover is 4 ms)
+
+
+def deferring_threads() -> int:
+    """How many threads of this process run under ``SCHED_BATCH``."""
+    count = 0
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        try:
+            if os.sched_getscheduler(int(task)) == os.SCHED_BATCH:
+                count += 1
+        except OSError:
+            continue  # the thread ended meanwhile
+    return count
+
+
+def tiny(info):
+    return np.full(8, info.idx_in_epoch & 0xFF, np.uint8)
+
+
+def slow(info):
+    time.sleep(LONG_TASK_S)
+    return np.full(8, info.idx_in_epoch & 0xFF, np.uint8)
+
+
+def consume_until(batches, expected_first, condition):
+    """Takes batches (checking each one's first sample) until ``condition()``; how many."""
+    deadline = time.monotonic() + DEADLINE_S
+    taken = 0
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        batch = next(batches)
+        assert int(batch[0][0]) == expected_first(taken) & 0xFF, f"batch {taken} is not in its place"
+        taken += 1
+    return taken
+
+
+def check_policies() -> None:
+    """In a fresh interpreter (no thread of another test): the pool's I/O thread defers
+    while its tasks are short, and no thread does with long tasks or after the close."""
+    assert deferring_threads() == 0
+    with ParallelSource(tiny, 4, num_workers=2, start_method="fork") as fast:
+        batches = iter(fast)
+        taken = consume_until(batches, lambda k: 4 * k, lambda: deferring_threads() == 1)
+        # Batches keep coming, each once and in order, while it defers.
+        for k in range(taken, taken + 200):
+            assert int(next(batches)[0][0]) == (4 * k) & 0xFF
+    assert deferring_threads() == 0  # the I/O thread ended with the source's pool
+    # A source whose tasks take long never makes its I/O thread defer.
+    with ParallelSource(slow, 1, num_workers=2, start_method="fork") as long_tasks:
+        batches = iter(long_tasks)
+        for k in range(12):
+            assert int(next(batches)[0][0]) == k
+            assert deferring_threads() == 0
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread never changes
+
+
+def check_real_time_caller() -> None:
+    """A program under chrt: its threads are real-time, and the I/O thread stays so (as
+    SCHED_BATCH it would starve behind real-time workers)."""
+    assert os.sched_getscheduler(0) == os.SCHED_RR
+    with ParallelSource(tiny, 4, num_workers=1, start_method="fork") as source:
+        batches = iter(source)
+        for k in range(300):
+            assert int(next(batches)[0][0]) == (4 * k) & 0xFF
+        assert deferring_threads() == 0
+
+
+def run_check(name: str) -> None:
+    done = run_isolated(f"""
+        import test_short_tasks
+        test_short_tasks.{name}()
+        print("checked")
+    """, timeout=DEADLINE_S + 60)
+    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-3000:]
+
+
+def test_the_io_thread_defers_while_tasks_are_short_and_not_with_long_ones():
+    run_check("check_policies")
+
+
+def test_a_real_time_caller_keeps_its_policy_for_the_io_thread():
+    try:
+        os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))  # inherited by the script
+    except PermissionError:
+        pytest.skip("setting a real-time policy needs CAP_SYS_NICE")
+    try:
+        run_check("check_real_time_caller")
+    finally:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+
+
+def test_small_batches_go_ahead_within_the_memory_bound():
+    # Four workers, batches of exactly 1 MiB: the widened prefetch (four workers, two each,
+    # times the factor) would be 48 MiB of batches ahead; it stops at the bound.
+    descriptors = limits.descriptor_limit()
+    if descriptors is not None and descriptors < SMALL_AHEAD_FD_SHARE * 5 * (32 + 2):
+        pytest.skip("a descriptor limit this low bounds the prefetch first")
+    sample = np.zeros(256 << 10, np.uint8)
+    with ParallelSource(lambda info: sample, 4, num_workers=4, start_method="fork") as source:
+        next(iter(source))
+        assert 2 * 4 * SMALL_BATCH_PREFETCH_FACTOR > SMALL_AHEAD_BYTES >> 20
+        assert source.prefetch == SMALL_AHEAD_BYTES // (1 << 20)
+
+
+ADDRESS_SPACE_SCRIPT = '''
+import os, resource, time
+import numpy as np
+import extsrc
+
+SAMPLE = 256 << 10  # four make a batch of 1 MiB: a small one
+ROOM = 24 << 20  # room for the default prefetch's slots (and the first batches' mappings)
+
+def sample(info):
+    if info.idx_in_epoch < 8:
+        time.sleep(0.5)  # the first two batches: the limit is set before the layout is known
+    return np.full(SAMPLE, info.idx_in_epoch & 0xFF, np.uint8)
+
+def vm_size():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) << 10 for l in f if l.startswith("VmSize:"))
+
+with extsrc.ParallelSource(sample, 4, num_workers=2, start_method="fork",
+                           order=extsrc.Order(4 * 300)) as source:
+    batches = iter(source)  # the workers and the pool's thread run: set the limit now (ulimit -v)
+    resource.setrlimit(resource.RLIMIT_AS, (vm_size() + ROOM, resource.RLIM_INFINITY))
+    for k, batch in enumerate(batches):
+        assert int(batch[0][0]) == (4 * k) & 0xFF and int(batch[3][-1]) == (4 * k + 3) & 0xFF, k
+    assert k == 299, k
+    print("PREFETCH", source.prefetch, flush=True)
+'''
+
+
+def test_small_batches_go_ahead_only_as_far_as_the_address_space_allows():
+    # Under ulimit -v with room for the default prefetch only, the widened prefetch would map
+    # more slots than the room holds, and the consumer's own next batch would find none left.
+    done = run_isolated(ADDRESS_SPACE_SCRIPT, timeout=DEADLINE_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    prefetch = int(done.stdout.split()[-1])
+    assert 2 * 2 <= prefetch < 2 * 2 * SMALL_BATCH_PREFETCH_FACTOR
