@@ -161,3 +161,26 @@ def test_small_batches_go_ahead_only_as_far_as_the_address_space_allows():
     assert done.returncode == 0, done.stderr[-3000:]
     prefetch = int(done.stdout.split()[-1])
     assert 2 * 2 <= prefetch < 2 * 2 * SMALL_BATCH_PREFETCH_FACTOR
+
+
+def test_on_a_shared_pool_only_the_source_with_short_tasks_goes_further_ahead():
+    # Both sources' batches are small; one's tasks take long. Were it widened too (or its
+    # tasks queued 8 deep in a worker because the other's are short), the short source's next
+    # batch would wait behind a worker's queue of long tasks.
+    from extsrc import WorkerPool
+
+    pool = WorkerPool(2, start_method="fork")
+    short_source = ParallelSource(tiny, 4, pool=pool)
+    long_source = ParallelSource(slow, 1, pool=pool)
+    try:
+        fast_batches, slow_batches = iter(short_source), iter(long_source)
+        for k in range(8):
+            assert int(next(slow_batches)[0][0]) == k
+            for j in range(50):
+                assert int(next(fast_batches)[0][0]) == (4 * (50 * k + j)) & 0xFF
+        assert short_source.prefetch == 2 * 2 * SMALL_BATCH_PREFETCH_FACTOR
+        assert long_source.prefetch == 2 * 2
+    finally:
+        short_source.close()
+        long_source.close()
+        pool.close()

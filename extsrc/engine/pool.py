@@ -152,30 +152,33 @@ class PoolClient(Protocol):
 class _Load:
     """What one worker holds, as the pool's scheduler sees it (I/O thread and sources, lock held)."""
 
-    def __init__(self, index: int, depth: int):
+    def __init__(self, index: int):
         self.index = index
         self.outstanding: Dict[int, Task] = {}  # ticket -> task assigned, in the order assigned
         self.busy_since = time.monotonic()
-        self.base_depth = depth  # the backend's max_outstanding
-        self.depth = depth  # tasks it may hold now (see note_task)
-        self.task_s = 0.0  # a moving average of its tasks' time in the worker; 0.0: none yet
 
-    def note_task(self, busy_ns: int) -> None:
-        """A task of ``busy_ns`` in the worker ended: the worker may hold more tasks when they
-        are short, enough to run :data:`QUEUE_COVER_S` (at most :data:`SHORT_TASK_DEPTH`)."""
-        if busy_ns <= 0:
-            return  # a failed task, or a backend that does not time its tasks
+
+class _TaskTime:
+    """How long one source's tasks take in a worker (a moving average), and so how many of
+    them a worker may hold: the backend's ``max_outstanding``, or for short tasks enough to
+    run :data:`QUEUE_COVER_S` (at most :data:`SHORT_TASK_DEPTH`). Per source: on a shared
+    pool one source's short tasks must not let another's long ones queue deep in a worker,
+    ahead of the short source's next batch. I/O thread, lock held."""
+
+    def __init__(self, base_depth: int):
+        self.base_depth = base_depth
+        self.seconds = 0.0  # 0.0: no task timed yet
+        self.depth = base_depth
+
+    def note(self, busy_ns: int) -> None:
         took = busy_ns * 1e-9
-        self.task_s = took if not self.task_s else (
-            self.task_s + TASK_TIME_WEIGHT * (took - self.task_s))
-        self.depth = max(self.base_depth, min(SHORT_TASK_DEPTH, math.ceil(QUEUE_COVER_S / self.task_s)))
+        self.seconds = took if not self.seconds else (
+            self.seconds + TASK_TIME_WEIGHT * (took - self.seconds))
+        self.depth = max(self.base_depth, min(SHORT_TASK_DEPTH, math.ceil(QUEUE_COVER_S / self.seconds)))
 
-    def covered(self, deferring: bool) -> bool:
-        """Whether its tasks are short and it holds enough of them that the I/O thread may
-        defer on wake-up: as many as it may (``depth``) to begin deferring, half of them to
-        go on (the I/O thread does not switch back and forth as tasks come and go)."""
-        held = len(self.outstanding)
-        return self.depth > self.base_depth and (held >= self.depth or deferring and 2 * held >= self.depth)
+    @property
+    def short(self) -> bool:
+        return self.depth > self.base_depth
 
 
 class WorkerPool:
@@ -230,6 +233,7 @@ class WorkerPool:
         self._thread: Optional[OwnedThread] = None
         self._io_ident: Optional[int] = None
         self._io_defers = False  # I/O thread only: whether it asked to defer on wake-up
+        self._task_times: Dict[int, _TaskTime] = {}  # source id -> its tasks' time (lock held)
         self._io_token: Optional[object] = None  # the I/O thread's that start() committed
         self._delivered = False  # I/O thread: the last round delivered what a consumer waits for
         # What consumers get if the I/O thread fails with no memory left to describe why, or
@@ -328,8 +332,7 @@ class WorkerPool:
             token, running = object(), PoolState.RUNNING
             try:
                 held = self._backend.start(sources, self._waker)
-                loads = [_Load(index, self._backend.max_outstanding)
-                         for index in range(self.options.num_workers)]
+                loads = [_Load(index) for index in range(self.options.num_workers)]
                 thread = OwnedThread(lambda: self._run(token), "extsrc-pool-io")
                 try:
                     thread.start()
@@ -624,7 +627,7 @@ class WorkerPool:
             # thread lets go of the GIL in wait(): woken sooner, they would wait for it.
             changed, self._delivered = changed or self._delivered, False
             self._assign()
-            covered = bool(self._loads) and all(load.covered(self._io_defers) for load in self._loads)
+            covered = bool(self._loads) and all(self._covered(load) for load in self._loads)
             fault = backend.flush()
             if fault is not None:
                 self._fault(fault)
@@ -665,24 +668,49 @@ class WorkerPool:
         load.busy_since = time.monotonic()  # the next task it holds runs (or waits) since
         if arrival.result is None:
             return False  # its slot is gone: the source was closed
-        load.note_task(getattr(arrival.result, "busy_ns", 0))
+        busy_ns = getattr(arrival.result, "busy_ns", 0)
+        if busy_ns > 0:  # not a failed task, nor a backend that does not time its tasks
+            timed = self._task_times.get(arrival.source_id)
+            if timed is None:
+                timed = self._task_times[arrival.source_id] = _TaskTime(self._backend.max_outstanding)
+            timed.note(busy_ns)
         client = self._clients[arrival.source_id]()
         return client is not None and client.on_result(arrival.result)
+
+    def _depth(self, source_id: int) -> int:
+        """Lock held: how many of the source's tasks a worker may hold (see :class:`_TaskTime`)."""
+        timed = self._task_times.get(source_id)
+        return self._backend.max_outstanding if timed is None else timed.depth
+
+    def tasks_short(self, source_id: int) -> bool:
+        """*engine*, lock held: whether the source's tasks are short (a worker may hold more
+        than ``max_outstanding`` of them), as timed so far."""
+        return self._depth(source_id) > self._backend.max_outstanding
+
+    def _covered(self, load: _Load) -> bool:
+        """Lock held: whether the worker holds only short tasks, and enough of them that the
+        I/O thread may defer on wake-up: as many as it may to begin deferring, half of them to
+        go on (so that the thread does not switch back and forth as tasks come and go)."""
+        held = len(load.outstanding)
+        if held <= self._backend.max_outstanding:
+            return False
+        need = min(self._depth(task.source_id) for task in load.outstanding.values())
+        return need > self._backend.max_outstanding and (
+            held >= need or (self._io_defers and 2 * held >= need))
 
     def _assign(self) -> None:
         if not self._queue and not any(self._pinned.values()):
             return
-        for level in range(1, max((load.depth for load in self._loads), default=0) + 1):
+        deepest = max([self._backend.max_outstanding] + [t.depth for t in self._task_times.values()])
+        for level in range(1, deepest + 1):
             for load in self._loads:
-                if len(load.outstanding) >= level or level > load.depth:
+                if len(load.outstanding) >= level:
                     continue
                 pinned = self._pinned.get(load.index)
-                if pinned:
-                    task = pinned.popleft()
-                elif self._queue:
-                    task = self._queue.popleft()
-                else:
-                    continue
+                queue = pinned if pinned else self._queue
+                if not queue or level > self._depth(queue[0].source_id):
+                    continue  # a long task waits here rather than deep in a worker's queue
+                task = queue.popleft()
                 if not load.outstanding:
                     load.busy_since = time.monotonic()
                 load.outstanding[task.ticket] = task

@@ -40,8 +40,9 @@ if TYPE_CHECKING:
     from extsrc.engine.pickling import Pickler
     from extsrc.engine.pool import WorkerPool
 
-# With the default prefetch, batches of at most this many bytes go ahead
-# SMALL_BATCH_PREFETCH_FACTOR times as many: such a batch takes a worker well under a
+# With the default prefetch, batches of at most this many bytes whose tasks are short (as
+# the pool times them: WorkerPool.tasks_short) go ahead SMALL_BATCH_PREFETCH_FACTOR times
+# as many: such a batch takes a worker well under a
 # scheduler's time slice (a few ms) to make, so a consumer or an I/O thread that waits that
 # long for a CPU would otherwise find every slot taken and the workers idle; the pool lets a
 # worker hold that many short tasks (extsrc.engine.pool.SHORT_TASK_DEPTH). Measured (1 KiB
@@ -83,7 +84,8 @@ class Producer:
         self.name = name if name is not None else f"#{self.source_id}"
         self.pinned_worker = pool.pin_worker() if kind in (BATCH_ITERABLE, BATCH_GENERATOR) else None
         self.prefetch = options.prefetch  # more once the batches turn out small (prefetch_auto)
-        self.widening_decided = False  # the small-batch prefetch was set (once: see _fill)
+        self.widening_decided = False  # small_prefetch was set (once: see _widen_for_small)
+        self.small_prefetch = options.prefetch  # the prefetch while the batches are small and short
         self.slots = SlotPool(self.source_id, f"source {self.name}", pool.num_workers,
                               options.prefetch + options.batches_held, pool)
         self.layout = LayoutPlan(options.outputs, options.batch_size)
@@ -291,8 +293,11 @@ class Producer:
             if limit is not None and iteration >= limit:
                 return  # an order knows where the epoch ends
             regions, region_bytes = self.layout.regions()
-            if o.prefetch_auto and not self.widening_decided:
-                self._widen_for_small(regions, region_bytes)
+            if o.prefetch_auto:
+                if not self.widening_decided:
+                    self._widen_for_small(regions, region_bytes)
+                self.prefetch = (self.small_prefetch if self.pool.tasks_short(self.source_id)
+                                 else o.prefetch)
             seq = next(self._batch_seq)
             try:
                 slot = self.slots.acquire(region_bytes, self._total_need(region_bytes), seq)
@@ -302,7 +307,7 @@ class Producer:
                 if self.prefetch > o.prefetch and len(self.pending) >= o.prefetch:
                     # No memory for a batch beyond the prefetch asked for (the small-batch
                     # widening, a convenience): the prefetch stays where it got, nothing fails.
-                    self.prefetch = max(o.prefetch, len(self.pending))
+                    self.prefetch = self.small_prefetch = max(o.prefetch, len(self.pending))
                     return
                 self.error = (iteration, limits.with_advice(exc, backend(),
                                                             self._total_need(region_bytes)))
@@ -327,7 +332,8 @@ class Producer:
         most SMALL_BATCH_BYTES, keeps SMALL_BATCH_PREFETCH_FACTOR times as many ahead (no
         more than SMALL_AHEAD_BYTES of them, 1/SMALL_AHEAD_FD_SHARE of the descriptor
         limit or 1/SMALL_AHEAD_ROOM_SHARE of the memory and address space left, and never
-        fewer than the default). Decided once, when the layout is first known."""
+        fewer than the default). Decided once, when the layout is first known; used while
+        the pool finds the source's tasks short (see _fill)."""
         if not regions or any(r is None for r in regions) or region_bytes > SMALL_BATCH_BYTES:
             return
         self.widening_decided = True
@@ -340,8 +346,8 @@ class Producer:
         room = limits.room_left()
         if room is not None:
             widened = min(widened, o.prefetch + room // (SMALL_AHEAD_ROOM_SHARE * nbytes))
-        self.prefetch = max(o.prefetch, widened)
-        self.slots.keep_at_least(self.prefetch + o.batches_held)
+        self.small_prefetch = max(o.prefetch, widened)
+        self.slots.keep_at_least(self.small_prefetch + o.batches_held)
 
     def _room_ahead(self) -> bool:
         """Whether another batch may be dispatched: fewer than ``prefetch`` are being made, and
