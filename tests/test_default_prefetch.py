@@ -49,6 +49,11 @@ def test_small_batches_go_further_ahead_with_the_default_prefetch(tmp_path):
     with ParallelSource(Marks(str(tmp_path), 1024), BATCH, num_workers=WORKERS) as src:
         batches = iter(src)
         kept = next(batches)
+        # The prefetch widens once the pool has timed the source's tasks as short (a task
+        # preempted on a busy machine may take long): wait for that.
+        deadline = time.monotonic() + DEADLINE_S
+        while src.prefetch != widened and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert src.prefetch == widened
         beyond_default = (1 + DEFAULT + HELD) * BATCH
         assert wait_until_made(tmp_path, beyond_default + BATCH) > beyond_default
