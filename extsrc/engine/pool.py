@@ -176,10 +176,6 @@ class _TaskTime:
             self.seconds + TASK_TIME_WEIGHT * (took - self.seconds))
         self.depth = max(self.base_depth, min(SHORT_TASK_DEPTH, math.ceil(QUEUE_COVER_S / self.seconds)))
 
-    @property
-    def short(self) -> bool:
-        return self.depth > self.base_depth
-
 
 class WorkerPool:
     """Workers shared by one or more :class:`~extsrc.ParallelSource` s.

@@ -195,7 +195,6 @@ class OwnedThread:
             self._done.release()
 
 
-
 def defer_on_wake_up(defer: bool) -> bool:
     """Makes the calling thread defer to running threads when it wakes up (``defer``), or
     preempt them again (not ``defer``); returns whether it defers now. Linux only, through

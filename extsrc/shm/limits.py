@@ -410,8 +410,8 @@ def check_descriptors(needed: int, what: str, error_type: type = OSError) -> Non
     """Raises ``error_type`` (see :func:`out_of_descriptors`) if fewer than ``needed``
     descriptors are left under RLIMIT_NOFILE: a step that would run out part way (starting
     workers) is refused before it begins."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
+    soft = descriptor_limit()
+    if soft is None:
         return
     try:
         in_use = len(os.listdir("/proc/self/fd")) - 1  # less the one listdir itself opened
