@@ -1,7 +1,7 @@
 """extsrc: parallel Python data sources over shared memory, for GPU pipelines.
 
 Core (imports NumPy only): :class:`ParallelSource`, :class:`WorkerPool`,
-:class:`Batch`, :class:`SampleInfo`, :class:`BatchInfo`, :class:`Order`,
+:class:`Batch`, :class:`SampleInfo`, :class:`BatchInfo`, :class:`Order`, :class:`Hooks`,
 :func:`pickle_by_value` and the exceptions in :mod:`extsrc.errors`.
 
 DALI drop-in (imported on first use, needs ``extsrc[dali]``): ``extsrc.fn``,
@@ -13,28 +13,30 @@ PyTorch and CuPy (imported on first use): ``extsrc.torch`` (``TorchLoader``,
 ``from_dataset``) and ``extsrc.cupy`` (``to_device``).
 """
 
-from extsrc.batch import Batch
-from extsrc.errors import (
+from extsrc.engine import (
+    Batch,
+    BatchInfo,
     CallbackError,
     EmptyEpochError,
     EpochLengthError,
     EpochSupersededError,
     ExtsrcError,
     ForkedChildError,
+    Hooks,
+    Order,
     OrderWarning,
+    ParallelSource,
     PoolClosedError,
     SampleError,
+    SampleInfo,
     SharedMemoryError,
     SourcePicklingError,
     SourceTimeoutError,
     StateMismatchError,
     WorkerDiedError,
+    WorkerPool,
+    pickle_by_value,
 )
-from extsrc.engine.pickling import pickle_by_value
-from extsrc.engine.pool import WorkerPool
-from extsrc.engine.source import ParallelSource
-from extsrc.order import Order
-from extsrc.sample_info import BatchInfo, SampleInfo
 
 __version__ = "0.1.0"
 
@@ -47,6 +49,7 @@ __all__ = [
     "EpochSupersededError",
     "ExtsrcError",
     "ForkedChildError",
+    "Hooks",
     "Order",
     "OrderWarning",
     "ParallelSource",

@@ -24,11 +24,9 @@ from typing import Any, List
 
 import numpy as np
 
-from extsrc.batch import Batch
 from extsrc.dma import CUDA_HOST_REGISTER_PORTABLE, InFlight, PageLock
 from extsrc.dma import page_lock as _page_lock
-from extsrc.engine.cuda_state import gpu_visible
-from extsrc.engine.source import ParallelSource
+from extsrc.engine import Batch, ParallelSource, gpu_visible
 
 _in_flight = InFlight()  # host arrays of copies queued by to_device, until each has completed
 _page_locks: "weakref.WeakSet[PageLock]" = weakref.WeakSet()

@@ -26,7 +26,7 @@ import weakref
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Tuple
 
-from extsrc.engine.source import ParallelSource
+from extsrc.engine import ParallelSource
 
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 

@@ -24,6 +24,10 @@ class SampleError(ExtsrcError, ValueError):
     position: int  # set by the engine: the sample's idx_in_batch (see extsrc.engine.samples.at)
 
 
+class ExhaustedIteratorError(SampleError):
+    """A one-pass iterator (e.g. a generator object) was asked for a second epoch."""
+
+
 class CallbackError(ExtsrcError, RuntimeError):
     """The callback raised an exception that could not be pickled back to the consumer.
 

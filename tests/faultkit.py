@@ -112,7 +112,7 @@ def run_fault(scenario: str, timeout: float = 60, env: Optional[dict] = None,
             stdout, stderr = out.read(), err.read()
     finally:
         os.unlink(path)
-    line = next((l for l in stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((text for text in stdout.splitlines() if text.startswith("RESULT ")), None)
     assert line is not None, f"scenario printed no result (rc {returncode}):\n{stderr}"
     data = json.loads(line[len("RESULT "):])
     deadline = time.monotonic() + LEFTOVER_WAIT_S

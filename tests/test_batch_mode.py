@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from extsrc import BatchInfo, ParallelSource, SampleError, SourcePicklingError
+from extsrc import BatchInfo, Hooks, ParallelSource, SampleError, SourcePicklingError
 
 from sources import batch_of_iteration
 
@@ -23,7 +23,7 @@ def test_batch_info_gives_iteration_and_epoch():
             raise StopIteration
         return [np.array([info.iteration, info.epoch_idx])] * 2
 
-    with ParallelSource(source, 2, batch=True, batch_info=True) as src:
+    with ParallelSource(source, 2, batch=True, hooks=Hooks(batch_info=True)) as src:
         seen = [[tuple(b[0]) for b in src] for _ in range(2)]
     assert seen == [[(0, 0), (1, 0)], [(0, 1), (1, 1)]]
 
@@ -50,7 +50,7 @@ def test_iterable_runs_in_one_worker_in_order():
 class _TellsItsEpoch:
     """Two batches a pass, each of the epoch the worker was told before the pass began."""
 
-    def extsrc_begin_epoch(self, epoch_idx):
+    def told(self, epoch_idx):
         self.epoch = epoch_idx
 
     def __iter__(self):
@@ -58,7 +58,8 @@ class _TellsItsEpoch:
 
 
 def test_an_iterable_is_told_each_epoch_before_its_pass_begins():
-    with ParallelSource(_TellsItsEpoch(), 2, batch=True, num_workers=1) as src:
+    with ParallelSource(_TellsItsEpoch(), 2, batch=True, num_workers=1,
+                        hooks=Hooks(begin_epoch=_TellsItsEpoch.told)) as src:
         src.set_state({"epoch_idx": 5, "iteration": 0})
         got = [[int(b[0][0]) for b in src] for _ in range(2)]
     assert got == [[5, 5], [6, 6]]

@@ -44,6 +44,6 @@ def test_quick_h2d_bench_measures_every_loader_on_a_gpu():
     assert out.returncode == 0, out.stdout + out.stderr
     rows = table_rows(out.stdout, TITLE)[1:]
     assert [row[0] for row in rows] == list(NAMES)
-    for name, rate, cores, ratio in rows:
+    for name, rate, _cores, ratio in rows:
         assert re.fullmatch(r"\d+\.\d\d", rate) and float(rate) > 0, (name, rate)
         assert re.fullmatch(r"\d+\.\d\dx( \(reference\))?", ratio), (name, ratio)

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from extsrc import EpochLengthError, Order, ParallelSource, SampleError, StateMismatchError
+from extsrc import EpochLengthError, Hooks, Order, ParallelSource, SampleError, StateMismatchError
 from extsrc.engine.assembly import PendingBatch
 
 from sources import HeldBack, sample_of
@@ -27,11 +27,14 @@ def check_contents(batch):
     np.testing.assert_array_equal(rows[:, 2], first // BATCH)  # info.iteration
 
 
+ROUND_ROBIN = Hooks(assign=lambda iteration, workers: iteration % workers)  # DataLoader's order
+
+
 def held_source(tmp_path, held, records=32, **kwargs):
     callback = HeldBack(str(tmp_path / "release"), held, BATCH)
     kwargs.setdefault("order", Order(records))
     kwargs.setdefault("num_workers", 2)
-    return ParallelSource(callback, BATCH, round_robin=True, in_order=False, timeout=TIMEOUT_S,
+    return ParallelSource(callback, BATCH, hooks=ROUND_ROBIN, in_order=False, timeout=TIMEOUT_S,
                           **kwargs)
 
 
@@ -51,7 +54,7 @@ def test_later_batches_come_while_the_first_is_held_back_and_each_comes_once(tmp
 
 def test_in_order_true_is_the_default_and_keeps_the_order():
     with ParallelSource(sample_of, BATCH, num_workers=2, order=Order(32)) as src:
-        assert src.options.in_order is True
+        assert src.spec.in_order is True
         assert [int(b.as_array()[0, 0]) // BATCH for b in src] == list(range(8))
 
 
@@ -102,7 +105,7 @@ def test_the_short_last_batch_and_the_end_come_in_their_place(tmp_path):
 def test_an_epoch_that_ends_before_a_batch_handed_out_early_is_an_error(tmp_path):
     # No order: the callback ends the epoch at batch 1, but batch 2 was whole and came first.
     callback = HeldBack(str(tmp_path / "release"), {0, 1}, BATCH, ends={1})
-    with ParallelSource(callback, BATCH, num_workers=3, round_robin=True, in_order=False,
+    with ParallelSource(callback, BATCH, num_workers=3, hooks=ROUND_ROBIN, in_order=False,
                         prefetch=3, timeout=TIMEOUT_S) as src:
         epoch = iter(src)
         assert iteration_of(epoch.__next__()) == 2
@@ -128,7 +131,7 @@ def test_a_batch_that_cannot_be_made_here_raises_in_its_place_even_when_finished
     monkeypatch.setattr(PendingBatch, "build", failing_build)
     callback = HeldBack(str(tmp_path / "release"), {0}, BATCH)
     events = []
-    with ParallelSource(callback, BATCH, num_workers=3, round_robin=True, in_order=False,
+    with ParallelSource(callback, BATCH, num_workers=3, hooks=ROUND_ROBIN, in_order=False,
                         order=Order(32), timeout=TIMEOUT_S) as src:
         epoch = iter(src)
         while True:

@@ -1,5 +1,10 @@
-"""The source layout: no import circle in the installed package or among the benchmarks; the
-benchmarks and tools stay out of the installed package; the image tool still rebuilds the bundled set.
+"""The source layout: the engine's one front door; no import circle in the installed package or
+among the benchmarks; the benchmarks and tools stay out of the installed package; the image tool
+still rebuilds the bundled set.
+
+The front door: the layers over the engine (DALI, PyTorch, Ray, CuPy, page-locked memory, the
+command line) import it only through ``extsrc.engine`` itself, never its modules, ``extsrc.shm``
+or the engine's own type modules; and nothing of the engine imports a layer.
 
 The import graph comes from grimp (imports inside ``if TYPE_CHECKING:`` left out). An import circle
 among module-level imports breaks ``import`` itself, depending on which module comes first; one
@@ -131,6 +136,92 @@ def _assert_no_circle(package: str, module_level_only: bool, allowed=frozenset()
     unexpected = [c for c in circles if c not in allowed]
     assert not unexpected, f"import circles in {package}:\n" + "\n\n".join(
         _describe(c, edges) for c in unexpected)
+
+
+# The layers: modules (or packages) over the engine. Each may import from the package only
+# ``extsrc`` itself (its public names), ``extsrc.engine`` (the front door) and layers.
+LAYERS = ("extsrc.dali", "extsrc.torch", "extsrc.ray", "extsrc.cli", "extsrc.dynamic", "extsrc.cupy",
+          "extsrc.dma", "extsrc.__main__")
+DOOR = "extsrc.engine"
+
+
+def _in(module: str, prefixes: Tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _package_modules(root: str, package: str) -> Dict[str, str]:
+    """Every module of ``package`` under the folder ``root``: its dotted name -> its file."""
+    found = {}
+    base = os.path.join(root, *package.split("."))
+    for folder, _, files in os.walk(base):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                dotted = os.path.relpath(path[:-3], root).replace(os.sep, ".")
+                found[dotted[:-len(".__init__")] if dotted.endswith(".__init__") else dotted] = path
+    return found
+
+
+def _imported_names(module: str, path: str, modules: FrozenSet[str]) -> List[Tuple[int, str]]:
+    """``(line, module imported)`` of every import statement of the file, also inside functions:
+    ``from a import b`` imports ``a.b`` where that is one of ``modules``, else ``a``; a relative
+    import is resolved against ``module``."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    named = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            named += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            named += [(node.lineno, f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+                      for alias in node.names]
+    return sorted(set(named))
+
+
+def front_door_breaches(root: str, package: str, layers: Tuple[str, ...], door: str) -> List[str]:
+    """What breaks the front-door rule in ``package`` (found under ``root``): a layer importing
+    anything of the package but the package itself, the door and layers; a module of the
+    engine side (neither a layer nor the package's own ``__init__``) importing a layer."""
+    breaches = []
+    modules = _package_modules(root, package)
+    for module, path in sorted(modules.items()):
+        layer = _in(module, layers)
+        for line, named in _imported_names(module, path, frozenset(modules)):
+            if not _in(named, (package,)):
+                continue
+            if layer and named not in (package, door) and not _in(named, layers):
+                breaches.append(f"{module} (line {line}) reaches past the front door: {named}")
+            elif not layer and module != package and _in(named, layers):
+                breaches.append(f"{module} (line {line}), of the engine, imports the layer {named}")
+    return breaches
+
+
+def test_layers_use_the_engine_only_through_its_front_door_and_the_engine_no_layer():
+    breaches = front_door_breaches(ROOT, "extsrc", LAYERS, DOOR)
+    assert not breaches, "\n".join(breaches)
+
+
+def test_the_front_door_check_finds_a_layer_past_the_door_and_an_engine_importing_a_layer(tmp_path):
+    package = tmp_path / "house"
+    for folder in ("engine", "layer"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "engine" / "pool.py").write_text("X = 1\n")
+    (package / "layer" / "good.py").write_text("from house.engine import X\nfrom house import layer\n")
+    assert front_door_breaches(str(tmp_path), "house", ("house.layer",), "house.engine") == []
+    (package / "layer" / "bad.py").write_text("def f():\n    from house.engine.pool import X\n")
+    (package / "engine" / "up.py").write_text("from .. import layer\nfrom ..layer import good\n")
+    assert front_door_breaches(str(tmp_path), "house", ("house.layer",), "house.engine") == [
+        "house.engine.up (line 1), of the engine, imports the layer house.layer",
+        "house.engine.up (line 2), of the engine, imports the layer house.layer.good",
+        "house.layer.bad (line 2) reaches past the front door: house.engine.pool",
+    ]
 
 
 def test_no_import_circle_among_module_level_imports_of_the_package():

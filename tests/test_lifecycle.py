@@ -227,7 +227,7 @@ def test_close_gives_back_every_descriptor_thread_and_process_at_once(method):
             print("COUNTS", json.dumps([before, counts()]))
         """
     )
-    line = next((l for l in out.stdout.splitlines() if l.startswith("COUNTS")), None)
+    line = next((text for text in out.stdout.splitlines() if text.startswith("COUNTS")), None)
     assert line is not None, out.stderr
     before, after = json.loads(line[len("COUNTS"):])
     assert after == before, f"(descriptors, threads, children) after close(): {after}, before: {before}"

@@ -59,7 +59,7 @@ def run(report):
 
 
 def _figures(result):
-    line = next(l for l in result.stdout.splitlines() if l.startswith("FIGURES "))
+    line = next(text for text in result.stdout.splitlines() if text.startswith("FIGURES "))
     return [int(x) for x in line.split()[1:]]
 
 

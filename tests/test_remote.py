@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import numpy as np
 import pytest
@@ -96,7 +95,7 @@ def test_batch_mode_async_callback_gathers_its_requests(server):
                  for k in range(min(BATCH, RECORDS - info.iteration * BATCH))]
         return list(await asyncio.gather(*(objects(i) for i in infos)))
 
-    with ParallelSource(batch, BATCH, num_workers=2, batch=True, batch_info=True,
+    with ParallelSource(batch, BATCH, num_workers=2, batch=True, hooks=extsrc.Hooks(batch_info=True),
                         last_batch="partial") as source:
         got = take_all(source)
     assert same(got, run(BlockingHttpObjects(server.url, RECORDS), 1, last_batch="partial"))

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from extsrc import Batch, ParallelSource, SampleInfo
+from extsrc import Batch, Hooks, ParallelSource, SampleInfo
 
 from sources import (RecordsWorkerStart, ReturnsWorkerStart, auto_outputs, outputs_by_iteration,
                      outputs_change_at_5, sample_of,
@@ -151,7 +151,7 @@ def test_worker_init_runs_once_in_each_worker_before_its_samples(start_method):
 
     start = RecordsWorkerStart()
     with ParallelSource(ReturnsWorkerStart(start), 2, num_workers=2, start_method=start_method,
-                        worker_init=start) as src:
+                        hooks=Hooks(worker_init=start)) as src:
         it = iter(src)
         rows = [tuple(int(v) for v in s) for _ in range(6) for s in next(it)]
     assert start.started is None  # not called in this process

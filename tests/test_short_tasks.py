@@ -15,7 +15,7 @@ import pytest
 
 from extsrc import ParallelSource
 from faultkit import run_isolated
-from extsrc.engine.producer import SMALL_AHEAD_BYTES, SMALL_AHEAD_FD_SHARE, SMALL_BATCH_PREFETCH_FACTOR
+from extsrc.engine import policy
 from extsrc.shm import limits
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(os, "SCHED_BATCH"),
@@ -117,19 +117,19 @@ def test_small_batches_go_ahead_within_the_memory_bound():
     # Three workers, batches of exactly 1 MiB: the widened prefetch (three workers, two each,
     # times the factor) would be 36 MiB of batches ahead; it stops at the bound. It widens once
     # the pool has timed the source's tasks as short: the test takes batches until then.
-    descriptors = limits.descriptor_limit()
-    if descriptors is not None and descriptors < SMALL_AHEAD_FD_SHARE * 4 * (32 + 2):
+    bound = policy.SMALL_AHEAD_BYTES // (1 << 20)  # the documented bound, in batches of 1 MiB
+    if policy.small_batch_prefetch(2 * 3, 1 << 20, 2, 3, None, None) <= bound:
+        pytest.skip("the policy widens three workers' prefetch less than the bound: nothing to bound")
+    if policy.small_batch_prefetch(2 * 3, 1 << 20, 2, 3, limits.descriptor_limit(), None) < bound:
         pytest.skip("a descriptor limit this low bounds the prefetch first")
-    bound = SMALL_AHEAD_BYTES // (1 << 20)
-    assert 2 * 3 * SMALL_BATCH_PREFETCH_FACTOR > bound
     sample = np.zeros(256 << 10, np.uint8)
     with ParallelSource(lambda info: sample, 4, num_workers=3, start_method="fork") as source:
         batches = iter(source)
         deadline = time.monotonic() + DEADLINE_S
-        while source.prefetch != bound:
-            assert source.prefetch in (2 * 3, bound), source.prefetch
+        while source.prefetch == 2 * 3:
             assert time.monotonic() < deadline, "the prefetch never widened"
             next(batches)
+        assert 2 * 3 < source.prefetch <= bound
 
 
 ADDRESS_SPACE_SCRIPT = '''
@@ -166,7 +166,7 @@ def test_small_batches_go_ahead_only_as_far_as_the_address_space_allows():
     done = run_isolated(ADDRESS_SPACE_SCRIPT, timeout=DEADLINE_S)
     assert done.returncode == 0, done.stderr[-3000:]
     prefetch = int(done.stdout.split()[-1])
-    assert 2 * 2 <= prefetch < 2 * 2 * SMALL_BATCH_PREFETCH_FACTOR
+    assert 2 * 2 <= prefetch < policy.small_batch_prefetch(2 * 2, 1 << 20, 2, 2, None, None)
 
 
 def test_on_a_shared_pool_only_the_source_with_short_tasks_goes_further_ahead():
@@ -188,14 +188,14 @@ def test_on_a_shared_pool_only_the_source_with_short_tasks_goes_further_ahead():
             for _ in range(50):
                 assert int(next(fast_batches)[0][0]) == (4 * taken) & 0xFF
                 taken += 1
-                widened = widened or short_source.prefetch == 2 * 2 * SMALL_BATCH_PREFETCH_FACTOR
+                widened = widened or short_source.prefetch > 2 * 2
         # The short source widens once its tasks were timed short (on a busy machine a
         # preempted task may count as long for a while).
         while not widened:
             assert time.monotonic() < deadline, "the short source never went further ahead"
             assert int(next(fast_batches)[0][0]) == (4 * taken) & 0xFF
             taken += 1
-            widened = short_source.prefetch == 2 * 2 * SMALL_BATCH_PREFETCH_FACTOR
+            widened = short_source.prefetch > 2 * 2
         assert long_source.prefetch == 2 * 2
     finally:
         short_source.close()

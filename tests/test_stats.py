@@ -39,14 +39,15 @@ def test_a_slow_callback_is_diagnosed_as_input_bound():
         for _ in range(15):
             next(it)
         stats = src.stats()
-    assert stats.wait_fraction > 0.6
-    # On a machine loaded by other programs the figures say so first (see test_diagnosis.py).
+    # The diagnosis reads the figures (its rules are tested on set figures in
+    # unit/test_diagnosis.py); no figure is compared with a threshold here: timings move with the
+    # machine. On a machine loaded by other programs the figures say so first.
     assert stats.kind in ("input-bound", "machine busy"), str(stats)
     if stats.kind == "input-bound":
         assert stats.input_bound and stats.diagnosis().startswith("Input-bound")
         assert "concurrency=" in stats.diagnosis()  # a callback that sleeps waits: more in flight, not more workers
-    assert 0.009 < stats.callback_median_s < 0.05 and stats.callback_max_s >= stats.callback_median_s
-    assert stats.mean_worker_busy > 0.6
+    assert stats.callback_max_s >= stats.callback_median_s > 0
+    assert stats.wait_fraction > 0 and stats.mean_worker_busy > 0
 
 
 def test_a_slow_consumer_is_diagnosed_as_consumer_bound():
@@ -58,12 +59,9 @@ def test_a_slow_consumer_is_diagnosed_as_consumer_bound():
             next(it)
             time.sleep(0.02)  # the training step
         stats = src.stats()
-    assert stats.wait_fraction < 0.1
-    assert not stats.input_bound
     assert stats.kind in ("consumer-bound", "machine busy"), str(stats)
     if stats.kind == "consumer-bound":
-        assert stats.diagnosis().startswith("Consumer-bound")
-    assert stats.ready_ahead >= 1 and stats.mean_worker_busy < 0.9
+        assert not stats.input_bound and stats.diagnosis().startswith("Consumer-bound")
 
 
 def test_the_report_is_short_and_ends_in_the_diagnosis():
@@ -87,9 +85,9 @@ def test_reset_starts_a_new_window():
         assert src.stats().batches == 1
 
 
-def test_stats_every_logs_the_report(caplog):
+def test_stats_in_seconds_logs_the_report_that_often(caplog):
     with caplog.at_level(logging.INFO, logger="extsrc"):
-        with ParallelSource(fast_callback, 4, stats_every=0.05) as src:
+        with ParallelSource(fast_callback, 4, stats=0.05) as src:
             it = iter(src)
             for _ in range(20):
                 next(it)
@@ -103,8 +101,9 @@ def test_stats_can_be_turned_off_and_then_say_so():
         next(iter(src))
         with pytest.raises(RuntimeError, match="stats=False"):
             src.stats()
-    with pytest.raises(ValueError, match="stats_every logs the statistics, which stats=False turns off"):
-        ParallelSource(fast_callback, 4, stats=False, stats_every=1)
+    for wrong in (0, -1.0, "often", None):
+        with pytest.raises(ValueError, match="stats must be True, False or a positive number of seconds"):
+            ParallelSource(fast_callback, 4, stats=wrong)
 
 
 STATS_EVERY_SCRIPT = '''
@@ -117,7 +116,7 @@ def fast(info):
 
 if sys.argv[1:] == ["configured"]:
     logging.basicConfig(level=logging.WARNING)  # the user set logging up, and wants it quiet
-with ParallelSource(fast, 4, stats_every=0.05) as src:
+with ParallelSource(fast, 4, stats=0.05) as src:
     it = iter(src)
     for _ in range(20):
         next(it)
@@ -126,7 +125,7 @@ print("done")
 '''
 
 
-def test_stats_every_reaches_stderr_without_any_logging_configuration():
+def test_stats_in_seconds_reach_stderr_without_any_logging_configuration():
     from faultkit import run_isolated
 
     out = run_isolated(STATS_EVERY_SCRIPT, timeout=120)
@@ -134,7 +133,7 @@ def test_stats_every_reaches_stderr_without_any_logging_configuration():
     assert "extsrc source #0:" in out.stderr and "diagnosis:" in out.stderr
 
 
-def test_stats_every_follows_the_logging_the_user_configured():
+def test_stats_in_seconds_follow_the_logging_the_user_configured():
     from faultkit import run_isolated
 
     script = STATS_EVERY_SCRIPT.replace('sys.argv[1:] == ["configured"]', "True")

@@ -20,8 +20,7 @@ from typing import List, Tuple
 
 import numpy as np
 
-from extsrc.engine.cuda_state import gpu_visible
-from extsrc.options import START_METHODS
+from extsrc.engine import START_METHODS, gpu_visible
 
 COLUMNS = 8  # tiles per row of the contact sheet
 GAP = 4  # pixels around and between tiles

@@ -13,10 +13,8 @@ from typing import List, Optional
 import numpy as np
 
 import extsrc
-from extsrc.shm import limits, streaming
-from extsrc.shm.segment import Segment, backend as shm_backend
-from extsrc.engine.cuda_state import gpu_visible
-from extsrc.options import START_METHODS, default_prefetch
+from extsrc.engine import (START_METHODS, Segment, default_prefetch, gpu_visible, limits, shm_backend,
+                           streaming)
 
 
 def _probe(info):

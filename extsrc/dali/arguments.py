@@ -17,7 +17,7 @@ from typing import Any, Optional
 import numpy as np
 from nvidia.dali import types as _dali_types
 
-from extsrc.checks import is_int
+from extsrc.engine import is_int
 
 
 def is_generator_function(obj: Any) -> bool:

@@ -29,8 +29,7 @@ from nvidia.dali.pipeline import Pipeline as _DaliPipeline
 from extsrc.dali.arguments import (GeneratorCall, describe, engine_dtypes_ndims, is_generator_function,
                                    positional_arg_count)
 from extsrc.dali.feeder import CYCLE_OFF, Feeder, cycle_mode
-from extsrc.engine.source import ParallelSource
-from extsrc.options import default_prefetch, positive_int
+from extsrc.engine import Hooks, ParallelSource, default_prefetch, positive_int
 
 _CALLER = "extsrc.fn.external_source"
 
@@ -142,14 +141,24 @@ def external_source(
         pipe, engine_source, num_outputs=num_outputs, batch=bool(batch),
         batch_info=bool(batch_info) and bool(batch) and callable_source,
         prefetch=prefetch_queue_depth, last_batch=last_batch, order=order, in_place=in_place,
-        stats_every=stats_every, concurrency=concurrency, dtype=engine_dtype, ndim=engine_ndim,
-        timeout=timeout, name=name if name is not None else describe(source),
+        stats=_stats(stats_every), concurrency=concurrency,
+        dtype=engine_dtype, ndim=engine_ndim, timeout=timeout,
+        name=name if name is not None else describe(source),
     )
     feeder = Feeder(parallel_source, callable_source, mode, pipe._extsrc_batches_held(), source, name)
     pipe._extsrc_feeders.append(feeder)
     return _dali_node(feeder, num_outputs, name=name, device=device, layout=layout, dtype=dtype, ndim=ndim,
                       cuda_stream=cuda_stream, use_copy_kernel=use_copy_kernel, blocking=blocking,
                       no_copy=no_copy, **kwargs)
+
+
+def _stats(stats_every: Any) -> Any:
+    """The engine's ``stats=`` for the drop-in's ``stats_every=`` (seconds between reports)."""
+    if stats_every is None:
+        return True
+    if isinstance(stats_every, bool) or not isinstance(stats_every, (int, float)) or not stats_every > 0:
+        raise ValueError(f"stats_every must be None or a positive number of seconds, got {stats_every!r}")
+    return stats_every
 
 
 def _refuse_extsrc_options(**given: Any) -> None:
@@ -274,10 +283,12 @@ def _pipeline_for_parallel_source(callable_source: bool):
     return pipe
 
 
-def _parallel_source(pipe: Any, engine_source: Any, *, prefetch: Optional[int], **options: Any) -> ParallelSource:
+def _parallel_source(pipe: Any, engine_source: Any, *, prefetch: Optional[int], batch_info: bool,
+                     **options: Any) -> ParallelSource:
     """The engine's source on the pipeline's pool: the pipeline's batch size, ``prefetch`` batches
     ahead (default: two per worker, at least DALI's queue depth), memory kept for the batches
-    the feeder holds for DALI."""
+    the feeder holds for DALI, dense outputs as one array (what DALI is fed), a ``BatchInfo``
+    for a batch callable with ``batch_info``."""
     batch_size = pipe.max_batch_size
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(
@@ -291,8 +302,8 @@ def _parallel_source(pipe: Any, engine_source: Any, *, prefetch: Optional[int], 
                                         concurrency if isinstance(concurrency, int) else 1),
                        pipe._extsrc_depth())
     return ParallelSource(engine_source, batch_size, prefetch=prefetch,
-                          batches_held=pipe._extsrc_batches_held(), pool=pool, dense_arrays=True,
-                          **options)
+                          batches_held=pipe._extsrc_batches_held(), pool=pool,
+                          hooks=Hooks(batch_info=batch_info, dense_arrays=True), **options)
 
 
 def _dali_node(feeder: Feeder, num_outputs: Optional[int], *, name: Optional[str], device: str,

@@ -18,9 +18,7 @@ from typing import Any, Deque, Optional, Union
 
 import numpy as np
 
-from extsrc.batch import Batch
-from extsrc.engine.runner import ExhaustedIteratorError
-from extsrc.engine.source import ParallelSource
+from extsrc.engine import Batch, ExhaustedIteratorError, ParallelSource
 
 CYCLE_OFF = "no"
 CYCLE_RAISE = "raise"

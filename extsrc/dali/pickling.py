@@ -20,7 +20,7 @@ import sys
 import types
 from typing import Any
 
-from extsrc.engine.pickling import DefaultPickler
+from extsrc.engine import DefaultPickler
 
 # The attribute nvidia.dali.pickling.pickle_by_value sets on a function.
 DALI_BY_VALUE_MARK = "_dali_pickle_by_value"

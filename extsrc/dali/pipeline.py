@@ -8,14 +8,11 @@ from typing import Any, Callable, Dict, List, Optional
 
 from nvidia.dali import pipeline as _dali_pipeline
 
-from extsrc.closing import close_when_collected
 from extsrc.dali.pickling import DaliDefaultPickler
 from extsrc.dali.reader_meta import source_reader_meta
 from extsrc.dali.run_thread import RESET, RUN, RunThread
-from extsrc.engine.cuda_state import gpu_visible, no_gpu_message
-from extsrc.errors import PoolClosedError
-from extsrc.engine.pool import WorkerPool
-from extsrc.options import UNSET, check_backend
+from extsrc.engine import (UNSET, PoolClosedError, WorkerPool, check_backend, close_when_collected,
+                           gpu_visible, no_gpu_message)
 
 
 # Arguments of extsrc's Pipeline that DALI's does not have.
@@ -137,7 +134,7 @@ class Pipeline(_dali_pipeline.Pipeline):
             return super().reader_meta(name)
         meta = super().reader_meta()
         for source_name, source in sources.items():
-            if source.options.order is not None and source.last_batch != "partial":
+            if source.spec.order is not None and source.last_batch != "partial":
                 meta[source_name] = source_reader_meta(source_name, source)
         return meta
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from extsrc.engine.source import ParallelSource
+from extsrc.engine import ParallelSource
 
 META_KEYS = ("epoch_size", "epoch_size_padded", "number_of_shards", "shard_id", "pad_last_batch",
              "stick_to_shard")
@@ -37,7 +37,7 @@ def source_reader_meta(name: str, source: ParallelSource) -> Dict[str, Any]:
     unknown until the callback ends it) or makes a shorter last batch
     (``last_batch="partial"``), each time saying what to use instead.
     """
-    order = source.options.order
+    order = source.spec.order
     if order is None:
         raise ValueError(
             f"reader_meta({name!r}): the parallel external source {name!r} has no order=, so the "

@@ -40,7 +40,7 @@ import threading
 import weakref
 from typing import Any, Callable, Optional
 
-from ..engine.threads import OwnedThread
+from extsrc.engine import OwnedThread
 
 # How long each side waits on its wake-up lock before it looks at the state again. The lock
 # normally ends the wait at once; the poll only bounds it when an interrupt made the caller

@@ -1,5 +1,75 @@
 """The engine: sources, the worker pool, workers, and the messages between them.
 
-It knows nothing of DALI, Ray or PyTorch. See ``extsrc/README.md`` for the
-layers and the life cycle of a batch.
+This package is the engine's one front door. The layers over it (``extsrc.dali``,
+``extsrc.torch``, ``extsrc.ray``, ``extsrc.cupy``, ``extsrc.dma``, ``extsrc.cli``)
+import what they use from ``extsrc.engine`` itself, never from its modules or
+from ``extsrc.shm``; ``tests/test_layout.py`` enforces it, and that the engine
+imports no layer. What a layer needs that the engine does not do is a hook it
+passes in (:class:`Hooks`), or, for a backend, the protocols it implements
+(:class:`WorkerBackend`, :class:`WriterSink`). The engine knows nothing of
+DALI, Ray, PyTorch or CuPy. See ``extsrc/README.md`` for the layers and the
+life cycle of a batch.
 """
+
+from extsrc.batch import Batch
+from extsrc.checks import is_int
+from extsrc.closing import close_when_collected
+from extsrc.forking import lock as fork_lock
+from extsrc.engine.assembly import BatchOutput
+from extsrc.engine.backend import (Arrival, Fault, HeldBy, Received, Wakeable, WorkerBackend,
+                                   backend_names, register_backend, unregister_backend)
+from extsrc.engine.channel import Channel, OwnedFds
+from extsrc.engine.concurrent import is_async
+from extsrc.engine.cuda_state import gpu_visible, no_gpu_message
+from extsrc.engine.hooks import Hooks, WorkerHooks
+from extsrc.engine.kinds import BATCH_CALLABLE, BATCH_GENERATOR, BATCH_ITERABLE, SAMPLE, SourceKind
+from extsrc.engine.policy import default_prefetch
+from extsrc.engine.pickling import DefaultPickler, Pickler, PicklerSpec, attribute_at, pickle_by_value
+from extsrc.engine.pool import WorkerPool
+from extsrc.engine.processes import setup_failed
+from extsrc.engine.protocol import (AddSlot, DropSlot, Result, SetupFailed, SourceSetup, Task, TaskDone,
+                                    TaskFailed)
+from extsrc.engine.runner import SourceRunner, failure, load_source, slot_writer
+from extsrc.engine.samples import SampleChecker
+from extsrc.engine.sink import TaskSink, WriterSink
+from extsrc.engine.source import ParallelSource
+from extsrc.engine.threads import OwnedThread
+from extsrc.engine.spec import (AUTO_OUTPUTS, START_METHODS, UNSET, PoolSpec, SourceSpec, check_backend,
+                                non_negative_number, positive_int)
+from extsrc.engine.worker import serve
+from extsrc.errors import (CallbackError, EmptyEpochError, EpochLengthError, EpochSupersededError,
+                           ExhaustedIteratorError, ExtsrcError, ForkedChildError, InternalError,
+                           OrderWarning, PoolClosedError, SampleError, SharedMemoryError,
+                           SourcePicklingError, SourceTimeoutError, StateMismatchError,
+                           WorkerDiedError)
+from extsrc.order import Order, RecordCache
+from extsrc.sample_info import BatchInfo, SampleInfo
+from extsrc.shm import limits, streaming
+from extsrc.shm.segment import Segment
+from extsrc.shm.segment import backend as shm_backend
+
+__all__ = [
+    # sources and pools
+    "ParallelSource", "WorkerPool", "Batch", "BatchOutput", "SampleInfo", "BatchInfo", "Order",
+    "RecordCache", "SourceSpec", "PoolSpec", "AUTO_OUTPUTS", "START_METHODS", "UNSET",
+    "SourceKind", "SAMPLE", "BATCH_CALLABLE", "BATCH_ITERABLE", "BATCH_GENERATOR",
+    # what a layer passes in
+    "Hooks", "WorkerHooks", "Pickler", "PicklerSpec", "DefaultPickler", "pickle_by_value",
+    "attribute_at", "is_async", "default_prefetch",
+    # checks a layer's own arguments reuse
+    "positive_int", "non_negative_number", "is_int", "check_backend",
+    # backends: the protocol, the writer seam, what a worker runs
+    "WorkerBackend", "Arrival", "Fault", "HeldBy", "Received", "Wakeable", "register_backend",
+    "unregister_backend", "backend_names", "setup_failed", "Channel", "OwnedFds", "AddSlot",
+    "DropSlot", "Result", "SetupFailed", "SourceSetup", "Task", "TaskDone", "TaskFailed",
+    "SourceRunner", "load_source", "slot_writer", "failure", "serve", "SampleChecker",
+    "TaskSink", "WriterSink",
+    # the process, its memory and the GPU
+    "close_when_collected", "fork_lock", "OwnedThread", "gpu_visible", "no_gpu_message", "limits", "streaming",
+    "Segment", "shm_backend",
+    # errors
+    "CallbackError", "EmptyEpochError", "EpochLengthError", "EpochSupersededError",
+    "ExhaustedIteratorError", "ExtsrcError", "ForkedChildError", "InternalError", "OrderWarning",
+    "PoolClosedError", "SampleError", "SharedMemoryError", "SourcePicklingError",
+    "SourceTimeoutError", "StateMismatchError", "WorkerDiedError",
+]

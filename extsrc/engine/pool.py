@@ -48,7 +48,7 @@ once, then :class:`~extsrc.errors.PoolClosedError`).
 Scheduling: every worker holds up to its backend's ``max_outstanding``
 tasks (for worker processes two: one running, one queued, so it never waits
 for the parent), and more when its tasks are short: enough to run
-:data:`QUEUE_COVER_S`, while the I/O thread, woken, waits for a free CPU
+:data:`~extsrc.engine.policy.QUEUE_COVER_S`, while the I/O thread, woken, waits for a free CPU
 rather than preempting a worker (``threads.defer_on_wake_up``: one wake-up
 then handles the answers of several tasks); tasks go to
 the least loaded worker in the order they were submitted, except tasks
@@ -66,7 +66,6 @@ import _thread
 import atexit
 import enum
 import itertools
-import math
 import os
 import threading
 import time
@@ -74,6 +73,7 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
+from extsrc.engine import policy
 from extsrc.engine import workers as worker_processes
 from extsrc.engine.backend import Arrival, Fault, WorkerBackend, backend_class
 from extsrc.engine.protocol import Result, SourceSetup, Task
@@ -82,7 +82,7 @@ from extsrc.engine.workers import Waker
 from extsrc.errors import ForkedChildError, InternalError, PoolClosedError
 from extsrc import forking
 from extsrc.shm.limits import DESCRIPTOR_ERRNOS, out_of_descriptors, thread_start_error
-from extsrc.options import UNSET, PoolOptions
+from extsrc.engine.spec import UNSET, PoolSpec
 from extsrc.closing import close_when_collected
 
 if TYPE_CHECKING:
@@ -97,19 +97,6 @@ IO_THREAD_JOIN_S = 4 * worker_processes.STOP_GRACE_S + 2.0
 # (ulimit -v) it can end where it has no memory left to tell anyone. One wake-up a second of
 # a thread that waits anyway costs nothing measurable.
 IO_WATCH_S = 1.0
-# A worker whose tasks are short holds enough of them to run this long without the I/O
-# thread, which then does not preempt a worker when it wakes up (threads.defer_on_wake_up):
-# it may wait for a CPU up to a scheduler time slice (0.75-3 ms on Linux) before it sends
-# more. Measured (1 KiB samples, batch 256, 2 workers on 2 cores): the pool's process took
-# 45-55 us of CPU per batch instead of 100-115, and the engine made about 20% more samples/s.
-# With long tasks the I/O thread preempts as before (deferring, it made 4 MiB samples slower).
-QUEUE_COVER_S = 0.004
-# However short its tasks, a worker holds at most this many (each holds a slot's memory, and
-# a worker that dies fails every task it holds).
-SHORT_TASK_DEPTH = 8
-# The weight of a worker's newest task in the moving average of its tasks' time.
-TASK_TIME_WEIGHT = 0.25
-
 
 class PoolState(enum.Enum):
     NEW = "new"
@@ -160,10 +147,7 @@ class _Load:
 
 class _TaskTime:
     """How long one source's tasks take in a worker (a moving average), and so how many of
-    them a worker may hold: the backend's ``max_outstanding``, or for short tasks enough to
-    run :data:`QUEUE_COVER_S` (at most :data:`SHORT_TASK_DEPTH`). Per source: on a shared
-    pool one source's short tasks must not let another's long ones queue deep in a worker,
-    ahead of the short source's next batch. I/O thread, lock held."""
+    them a worker may hold (:func:`extsrc.engine.policy.task_depth`). I/O thread, lock held."""
 
     def __init__(self, base_depth: int):
         self.base_depth = base_depth
@@ -171,10 +155,8 @@ class _TaskTime:
         self.depth = base_depth
 
     def note(self, busy_ns: int) -> None:
-        took = busy_ns * 1e-9
-        self.seconds = took if not self.seconds else (
-            self.seconds + TASK_TIME_WEIGHT * (took - self.seconds))
-        self.depth = max(self.base_depth, min(SHORT_TASK_DEPTH, math.ceil(QUEUE_COVER_S / self.seconds)))
+        self.seconds = policy.task_seconds(self.seconds, busy_ns * 1e-9)
+        self.depth = policy.task_depth(self.seconds, self.base_depth)
 
 
 class WorkerPool:
@@ -207,10 +189,10 @@ class WorkerPool:
     def __init__(self, num_workers: int = 1, start_method: Optional[str] = UNSET,
                  pickler: "PicklerSpec" = None, backend: str = "processes",
                  ray_options: Optional[Dict[str, Any]] = None):
-        self.options = PoolOptions.create(num_workers, start_method, pickler, backend, ray_options)
-        maker = backend_class(self.options.backend)
-        self._backend: WorkerBackend = maker(self.options.num_workers, self.options.start_method,
-                                             self.options.pickler, self.options.backend_options)
+        self.spec = PoolSpec(num_workers, start_method, pickler, backend, ray_options)
+        maker = backend_class(self.spec.backend)
+        self._backend: WorkerBackend = maker(self.spec.num_workers, self.spec.start_method,
+                                             self.spec.pickler, self.spec.backend_options)
         self.lock = threading.RLock()
         self._waiters: List[Any] = []
         self._pid = os.getpid()
@@ -245,16 +227,16 @@ class WorkerPool:
 
     @property
     def num_workers(self) -> int:
-        return self.options.num_workers
+        return self.spec.num_workers
 
     @property
     def start_method(self) -> Optional[str]:
-        return self.options.start_method
+        return self.spec.start_method
 
     @property
     def backend(self) -> str:
         """The backend's name: ``"processes"``, ``"ray"``, or one registered."""
-        return self.options.backend
+        return self.spec.backend
 
     @property
     def workers_backend(self) -> WorkerBackend:
@@ -269,7 +251,7 @@ class WorkerPool:
 
     @property
     def pickler(self) -> "Pickler":
-        return self.options.pickler
+        return self.spec.pickler
 
     @property
     def state(self) -> PoolState:
@@ -309,7 +291,7 @@ class WorkerPool:
             if self._state is PoolState.RUNNING:
                 return
             self.check_usable(client_id)
-            pickler = None if self.options.start_method == "fork" else self.options.pickler
+            pickler = None if self.spec.start_method == "fork" else self.spec.pickler
             clients = [ref() for ref in self._clients]
             sources: Tuple[SourceSetup, ...] = tuple(
                 c.worker_source(pickler) for c in clients if c is not None)
@@ -328,7 +310,7 @@ class WorkerPool:
             token, running = object(), PoolState.RUNNING
             try:
                 held = self._backend.start(sources, self._waker)
-                loads = [_Load(index) for index in range(self.options.num_workers)]
+                loads = [_Load(index) for index in range(self.spec.num_workers)]
                 thread = OwnedThread(lambda: self._run(token), "extsrc-pool-io")
                 try:
                     thread.start()
@@ -445,7 +427,7 @@ class WorkerPool:
 
     def pin_worker(self) -> int:
         """*engine*: a worker for a source whose state must stay in one process (round robin)."""
-        worker = self._pins % self.options.num_workers
+        worker = self._pins % self.spec.num_workers
         self._pins += 1
         return worker
 
@@ -685,14 +667,13 @@ class WorkerPool:
 
     def _covered(self, load: _Load) -> bool:
         """Lock held: whether the worker holds only short tasks, and enough of them that the
-        I/O thread may defer on wake-up: as many as it may to begin deferring, half of them to
-        go on (so that the thread does not switch back and forth as tasks come and go)."""
+        I/O thread may defer on wake-up (:func:`extsrc.engine.policy.defer_wake_ups`)."""
         held = len(load.outstanding)
-        if held <= self._backend.max_outstanding:
+        base = self._backend.max_outstanding
+        if held <= base:
             return False
-        need = min(self._depth(task.source_id) for task in load.outstanding.values())
-        return need > self._backend.max_outstanding and (
-            held >= need or (self._io_defers and 2 * held >= need))
+        depth = min(self._depth(task.source_id) for task in load.outstanding.values())
+        return policy.defer_wake_ups(held, depth, base, self._io_defers)
 
     def _assign(self) -> None:
         if not self._queue and not any(self._pinned.values()):

@@ -17,6 +17,7 @@ from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from extsrc.engine import workers as worker_processes
+from extsrc.engine import policy
 from extsrc.engine.backend import Arrival, Fault, HeldBy, Received, Wakeable
 from extsrc.engine.channel import OwnedFds
 from extsrc.engine.cuda_state import FORK_AFTER_CUDA, cuda_initialized
@@ -25,10 +26,9 @@ from extsrc.engine.protocol import (
 )
 from extsrc.engine.workers import WorkerHandle
 from extsrc.errors import WorkerDiedError
-from extsrc.options import START_METHODS
+from extsrc.engine.spec import START_METHODS
 from extsrc.shm.limits import DESCRIPTOR_ERRNOS, check_descriptors, out_of_descriptors
 
-MAX_OUTSTANDING = 2  # tasks per worker: one running, one waiting, so a worker never idles
 
 
 def setup_failed(message: SetupFailed, kind: str = "extsrc worker") -> Fault:
@@ -43,7 +43,7 @@ class ProcessBackend:
     """Worker processes started with ``start_method`` (see :mod:`extsrc.engine.workers`)."""
 
     name = "processes"
-    max_outstanding = MAX_OUTSTANDING
+    max_outstanding = policy.MAX_OUTSTANDING
     local_processes = True
     concurrent_samples = True
 

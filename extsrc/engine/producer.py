@@ -19,18 +19,18 @@ batches in production. All of that changes in the pool's I/O thread only:
 from __future__ import annotations
 
 import itertools
-import math
 import pickle
 import warnings
-from typing import (TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Tuple,
-                    Union)
+from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
+from extsrc.engine import policy
 from extsrc.engine.assembly import PendingBatch, rebuild_exception
+from extsrc.engine.hooks import WorkerHooks
+from extsrc.engine.kinds import SAMPLE, STREAMS, SourceKind
 from extsrc.engine.protocol import Result, SourceSetup, Task, TaskDone, TaskFailed
-from extsrc.engine.runner import BATCH_GENERATOR, BATCH_ITERABLE, SAMPLE
+from extsrc.engine.spec import AUTO_OUTPUTS, SourceSpec
 from extsrc.engine.stats import StatsCollector
 from extsrc.errors import OrderWarning, SampleError, SharedMemoryError, SourceTimeoutError
-from extsrc.options import AUTO_OUTPUTS, SourceOptions
 from extsrc.shm import limits
 from extsrc.shm.layout import LayoutPlan
 from extsrc.shm.segment import backend
@@ -39,26 +39,6 @@ from extsrc.shm.slots import SlotPool, SlotState
 if TYPE_CHECKING:
     from extsrc.engine.pickling import Pickler
     from extsrc.engine.pool import WorkerPool
-
-# With the default prefetch, batches of at most this many bytes whose tasks are short (as
-# the pool times them: WorkerPool.tasks_short) go ahead SMALL_BATCH_PREFETCH_FACTOR times
-# as many: such a batch takes a worker well under a
-# scheduler's time slice (a few ms) to make, so a consumer or an I/O thread that waits that
-# long for a CPU would otherwise find every slot taken and the workers idle; the pool lets a
-# worker hold that many short tasks (extsrc.engine.pool.SHORT_TASK_DEPTH). Measured (1 KiB
-# samples, batch 256, 2 workers on 2 cores): 2 times as many ahead gave 5-8% more samples/s
-# than 1, 6 times about 10% more than 2. The extra slots cost at most
-# SMALL_AHEAD_BYTES, whatever the number of workers, and at most 1/SMALL_AHEAD_FD_SHARE of
-# the descriptors the process may open (each slot holds 1 + num_workers of them while it
-# is in the pool; a consumer that keeps every batch keeps that many slots), and of the
-# memory and address space left under the process's limits (the consumer maps each slot).
-# Should a slot still find no memory, the prefetch stays where it got (see _fill).
-SMALL_BATCH_BYTES = 1 << 20
-SMALL_BATCH_PREFETCH_FACTOR = 6
-SMALL_AHEAD_BYTES = 32 << 20
-SMALL_AHEAD_FD_SHARE = 4
-SMALL_AHEAD_ROOM_SHARE = 4
-
 
 class Run(NamedTuple):
     """One stretch of production: epoch ``epoch_idx`` from iteration ``first_iteration``, but
@@ -73,22 +53,24 @@ class Run(NamedTuple):
 class Producer:
     """See the module docstring. Created by :class:`~extsrc.ParallelSource`."""
 
-    def __init__(self, source: Any, kind: str, options: SourceOptions, pool: WorkerPool,
-                 name: Optional[str], worker_init: Optional[Callable[[int, int], None]] = None):
+    def __init__(self, source: Any, kind: SourceKind, spec: SourceSpec, pool: WorkerPool,
+                 name: Optional[str]):
         self.source = source
-        self.worker_init = worker_init
         self.kind = kind
-        self.options = options
+        self.spec = spec
         self.pool = pool
         self.source_id = pool.attach(self)
         self.name = name if name is not None else f"#{self.source_id}"
-        self.pinned_worker = pool.pin_worker() if kind in (BATCH_ITERABLE, BATCH_GENERATOR) else None
-        self.prefetch = options.prefetch  # more once the batches turn out small (prefetch_auto)
-        self.widening_decided = False  # small_prefetch was set (once: see _widen_for_small)
-        self.small_prefetch = options.prefetch  # the prefetch while the batches are small and short
+        self.pinned_worker = pool.pin_worker() if kind in STREAMS else None
+        # As given, or the policy's default; then more once the batches turn out small.
+        self.base_prefetch = spec.prefetch if spec.prefetch is not None else policy.default_prefetch(
+            pool.num_workers, pool.max_outstanding, spec.concurrency)
+        self.prefetch = self.base_prefetch
+        self.widening_decided = spec.prefetch is not None  # small_prefetch was set (once)
+        self.small_prefetch = self.base_prefetch  # the prefetch while the batches are small and short
         self.slots = SlotPool(self.source_id, f"source {self.name}", pool.num_workers,
-                              options.prefetch + options.batches_held, pool)
-        self.layout = LayoutPlan(options.outputs, options.batch_size)
+                              self.base_prefetch + spec.batches_held, pool)
+        self.layout = LayoutPlan(spec.outputs, spec.batch_size)
         self.requested: Optional[Run] = None  # set by the consumer thread
         self.run: Optional[Run] = None  # what the I/O thread produces
         self.pending: Dict[int, PendingBatch] = {}  # iteration -> batch of the run, not yet taken
@@ -104,16 +86,16 @@ class Producer:
         self.notes: List[str] = []  # warnings from the workers, raised by the consumer (commit)
         self._noted: set = set()  # each once
         self.stats = (StatsCollector(pool.num_workers, pool.worker_pids if local else None,
-                                     options.concurrency)
-                      if options.stats else None)
+                                     spec.concurrency)
+                      if spec.collects_stats else None)
 
     @property
     def num_outputs(self) -> Optional[int]:
         """Outputs per sample: as declared (``None``: one array), or, with
         ``num_outputs="auto"``, as learnt from the first results (0 until then)."""
-        if isinstance(self.options.num_outputs, str):  # AUTO_OUTPUTS
+        if isinstance(self.spec.num_outputs, str):  # AUTO_OUTPUTS
             return self.layout.num_outputs
-        return self.options.num_outputs
+        return self.spec.num_outputs
 
     # -- consumer thread, lock held ----------------------------------------------------------
 
@@ -178,24 +160,25 @@ class Producer:
     # -- I/O thread, lock held (the PoolClient protocol) ---------------------------------------
 
     def worker_source(self, pickler: Optional[Pickler]) -> SourceSetup:
-        callback = self.source
-        worker_init: Union[None, bool, Callable[[int, int], None]] = self.worker_init
-        pickled = pickler is not None
+        callback: Any = self.source
+        hooks = self.spec.hooks.in_workers
+        carried = (hooks.worker_init, hooks.begin_epoch)  # code to send with the callback
+        hooks_pickled = False
         if pickler is not None:
-            if worker_init is None:
+            if carried == (None, None):
                 callback = pickler.dumps(self.source, what=f"source {self.name}")
             else:  # together, so that objects they share stay shared in the worker
-                callback = pickler.dumps((self.source, worker_init), what=f"source {self.name}")
-                worker_init = True
-        o = self.options
+                callback = pickler.dumps((self.source, *carried), what=f"source {self.name}")
+                hooks, hooks_pickled = WorkerHooks(batch_info=hooks.batch_info), True
+        o = self.spec
         return SourceSetup(
             source_id=self.source_id, name=self.name, kind=self.kind, callback=callback,
-            pickled=pickled, batch_size=o.batch_size, num_outputs=o.num_outputs,
-            batch_info=o.batch_info, dtypes=tuple(None if d is None else d.str for d in o.dtypes),
+            pickled=pickler is not None, batch_size=o.batch_size, num_outputs=o.num_outputs,
+            dtypes=tuple(None if d is None else d.str for d in o.dtypes),
             ndims=o.ndims, order=o.order, last_batch=o.last_batch, in_place=o.in_place,
-            timed=o.stats, slots_kept=o.prefetch + o.batches_held,
+            timed=o.collects_stats, slots_kept=self.base_prefetch + o.batches_held,
             concurrency=o.concurrency, timeout=o.timeout,
-            worker_init=worker_init, num_workers=self.pool.num_workers,
+            hooks=hooks, hooks_pickled=hooks_pickled, num_workers=self.pool.num_workers,
         )
 
     def on_result(self, message: Result) -> bool:
@@ -203,7 +186,7 @@ class Producer:
         if pending is None:
             return False
         if (isinstance(message, TaskDone) and message.samples
-                and self.options.num_outputs == AUTO_OUTPUTS):
+                and self.spec.num_outputs == AUTO_OUTPUTS):
             message = self._check_outputs(pending, message)
         pending.add(message)
         if pending.complete:
@@ -245,7 +228,7 @@ class Producer:
 
     def describe_task(self, task: Task) -> str:
         if self.kind == SAMPLE:
-            base = task.iteration * self.options.batch_size
+            base = task.iteration * self.spec.batch_size
             return (
                 f"samples {task.start}..{task.stop - 1} of batch {task.iteration} of epoch "
                 f"{task.epoch_idx} (idx_in_epoch {base + task.start}..{base + task.stop - 1}) "
@@ -278,7 +261,7 @@ class Producer:
         run = self.run
         if run is None or self.error is not None:
             return
-        o = self.options
+        o = self.spec
         while self._room_ahead():
             if not self.layout.known and len(self.pending) >= self.pool.num_workers:
                 # The first results tell the layouts; until then a batch per worker at most (their
@@ -293,21 +276,22 @@ class Producer:
             if limit is not None and iteration >= limit:
                 return  # an order knows where the epoch ends
             regions, region_bytes = self.layout.regions()
-            if o.prefetch_auto:
+            if o.prefetch is None:
                 if not self.widening_decided:
                     self._widen_for_small(regions, region_bytes)
                 self.prefetch = (self.small_prefetch if self.pool.tasks_short(self.source_id)
-                                 else o.prefetch)
+                                 else self.base_prefetch)
             seq = next(self._batch_seq)
             try:
                 slot = self.slots.acquire(region_bytes, self._total_need(region_bytes), seq)
             except SharedMemoryError as exc:
                 if exc.errno in limits.DESCRIPTOR_ERRNOS and self.pending:
                     return  # out of descriptors: go on with the slots there are, try again later
-                if self.prefetch > o.prefetch and len(self.pending) >= o.prefetch:
+                base = self.base_prefetch
+                if self.prefetch > base and len(self.pending) >= base:
                     # No memory for a batch beyond the prefetch asked for (the small-batch
                     # widening, a convenience): the prefetch stays where it got, nothing fails.
-                    self.prefetch = self.small_prefetch = max(o.prefetch, len(self.pending))
+                    self.prefetch = self.small_prefetch = max(base, len(self.pending))
                     return
                 self.error = (iteration, limits.with_advice(exc, backend(),
                                                             self._total_need(region_bytes)))
@@ -322,32 +306,34 @@ class Producer:
                                   iteration, start, stop, region_bytes, regions))
             self.pending[iteration] = pending
             self.next_dispatch += 1
-            worker = (iteration % self.pool.num_workers if o.round_robin and self.pinned_worker is None
-                      else self.pinned_worker)
+            assign = o.hooks.assign
+            worker = (self.pinned_worker if assign is None or self.pinned_worker is not None
+                      else self._assigned(assign, iteration))
             for task in tasks:
                 self.pool.submit(task, worker)
 
     def _widen_for_small(self, regions: Any, region_bytes: int) -> None:
-        """With the default prefetch, once every output's layout is known and a batch is at
-        most SMALL_BATCH_BYTES, keeps SMALL_BATCH_PREFETCH_FACTOR times as many ahead (no
-        more than SMALL_AHEAD_BYTES of them, 1/SMALL_AHEAD_FD_SHARE of the descriptor
-        limit or 1/SMALL_AHEAD_ROOM_SHARE of the memory and address space left, and never
-        fewer than the default). Decided once, when the layout is first known; used while
-        the pool finds the source's tasks short (see _fill)."""
-        if not regions or any(r is None for r in regions) or region_bytes > SMALL_BATCH_BYTES:
+        """With the default prefetch, once every output's layout is known, the prefetch for
+        small batches (:func:`extsrc.engine.policy.small_batch_prefetch`). Decided once, when
+        the layout is first known; used while the pool finds the source's tasks short."""
+        if not regions or any(r is None for r in regions):
             return
-        self.widening_decided = True
-        o, nbytes = self.options, max(region_bytes, 1)
-        widened = min(o.prefetch * SMALL_BATCH_PREFETCH_FACTOR, SMALL_AHEAD_BYTES // nbytes)
-        descriptors = limits.descriptor_limit()
-        if descriptors is not None:
-            per_slot = 1 + self.pool.num_workers
-            widened = min(widened, descriptors // (SMALL_AHEAD_FD_SHARE * per_slot) - o.batches_held)
-        room = limits.room_left()
-        if room is not None:
-            widened = min(widened, o.prefetch + room // (SMALL_AHEAD_ROOM_SHARE * nbytes))
-        self.small_prefetch = max(o.prefetch, widened)
-        self.slots.keep_at_least(self.small_prefetch + o.batches_held)
+        widened = policy.small_batch_prefetch(
+            self.base_prefetch, region_bytes, self.spec.batches_held, self.pool.num_workers,
+            limits.descriptor_limit(), limits.room_left())
+        if widened is not None:
+            self.widening_decided = True
+            self.small_prefetch = widened
+            self.slots.keep_at_least(widened + self.spec.batches_held)
+
+    def _assigned(self, assign: Callable[[int, int], int], iteration: int) -> int:
+        """The worker ``hooks.assign`` gives batch ``iteration``, checked."""
+        workers = self.pool.num_workers
+        worker = assign(iteration, workers)
+        if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < workers:
+            raise TypeError(f"source {self.name}: hooks.assign({iteration}, {workers}) must return "
+                            f"a worker index from 0 to {workers - 1}, got {worker!r}")
+        return worker
 
     def _room_ahead(self) -> bool:
         """Whether another batch may be dispatched: fewer than ``prefetch`` are being made, and
@@ -367,13 +353,10 @@ class Producer:
         return self._range_cache
 
     def _compute_ranges(self) -> List[Tuple[int, int]]:
-        batch_size = self.options.batch_size
-        if self.kind != SAMPLE or self.options.round_robin:
+        batch_size = self.spec.batch_size
+        if self.kind != SAMPLE or self.spec.hooks.assign is not None:
             return [(0, batch_size)]  # a batch callback, or a whole batch to one worker
-        workers = self.pool.num_workers
-        # Enough tasks per batch that every worker has work queued while `prefetch` batches
-        # are in flight, and no more (each task costs two messages).
-        parts = min(batch_size, max(1, math.ceil(2 * workers / self.options.prefetch)))
+        parts = policy.task_ranges(batch_size, self.pool.num_workers, self.base_prefetch)
         bounds = [round(i * batch_size / parts) for i in range(parts + 1)]
         return list(zip(bounds[:-1], bounds[1:]))
 

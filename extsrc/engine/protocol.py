@@ -15,8 +15,10 @@ after every task for it has reported back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Tuple, Union
 
+from extsrc.engine.hooks import WorkerHooks
+from extsrc.engine.kinds import SourceKind
 from extsrc.shm.layout import Region, Spilled
 
 if TYPE_CHECKING:
@@ -172,12 +174,11 @@ class SourceSetup:
 
     source_id: int
     name: str
-    kind: str  # see extsrc.engine.runner: "sample", "callable", "iterable", "generator"
+    kind: SourceKind  # see extsrc.engine.kinds
     callback: Any  # the callable/iterable (fork), or its pickled bytes (spawn, forkserver)
     pickled: bool
     batch_size: int
-    num_outputs: Union[None, int, str]  # as in SourceOptions: None, a count, or AUTO_OUTPUTS
-    batch_info: bool
+    num_outputs: Union[None, int, str]  # as in SourceSpec: None, a count, or AUTO_OUTPUTS
     dtypes: Tuple[Optional[str], ...]
     ndims: Tuple[Optional[int], ...]
     order: Optional[Order] = None  # which record each position of an epoch loads
@@ -188,10 +189,11 @@ class SourceSetup:
     timeout: Optional[float] = None  # a sample in flight longer fails its batch (concurrency > 1)
     slots_kept: int = 0  # batches of memory the source keeps (prefetch + batches_held), for the
     # memory check at the first sample (extsrc.shm.limits.check_source_need); 0: not known
-    # Called as worker_init(worker_index, num_workers) in each worker before its first task, or
-    # None. When `pickled`, it is pickled with the callback, as (callback, worker_init), and
-    # this field is True.
-    worker_init: Union[None, bool, Callable[[int, int], None]] = None
+    # What the worker runs around the callback (extsrc.engine.hooks). When `hooks_pickled`, its
+    # code (worker_init, begin_epoch) was pickled with the callback, as (callback, worker_init,
+    # begin_epoch), and `hooks` holds the rest.
+    hooks: WorkerHooks = WorkerHooks()
+    hooks_pickled: bool = False
     num_workers: int = 1
 
 

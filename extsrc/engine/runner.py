@@ -12,7 +12,6 @@ the worker carries on.
 from __future__ import annotations
 
 import errno
-import inspect
 import os
 import pickle
 import math
@@ -22,59 +21,21 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from extsrc.engine.policy import SMALL_TASK_FACTOR, STREAM_BYTES
 from extsrc.engine.concurrent import AsyncEngine, Hung, ThreadEngine, is_async
 from extsrc.engine.pickling import Pickler, dumps_exception
 from extsrc.engine.protocol import Result, SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.samples import SampleChecker, at
-from extsrc.errors import EpochLengthError, ExtsrcError, SampleError, SharedMemoryError, SourceTimeoutError
-from extsrc.options import AUTO_OUTPUTS
+from extsrc.engine.hooks import WorkerHooks
+from extsrc.engine.kinds import BATCH_CALLABLE, BATCH_GENERATOR, SAMPLE
+from extsrc.engine.sink import WriterSink
+from extsrc.errors import (EpochLengthError, ExhaustedIteratorError, ExtsrcError, SampleError,
+                           SharedMemoryError, SourceTimeoutError)
+from extsrc.engine.spec import AUTO_OUTPUTS
 from extsrc.order import RecordCache
 from extsrc.shm.limits import format_bytes
 from extsrc.shm.writer import TaskWriter
 from extsrc.sample_info import BatchInfo, SampleInfo, noting_sample_info
-
-SAMPLE, BATCH_CALLABLE, BATCH_ITERABLE, BATCH_GENERATOR = "sample", "callable", "iterable", "generator"
-# An iterable source with a method of this name is told, in its worker, the epoch_idx of each
-# pass just before iter() starts it: what the consumer prepared for that epoch can be read then
-# (the PyTorch layer's per-epoch shuffle seed of a datapipe, extsrc.torch.dataset).
-EPOCH_HOOK = "extsrc_begin_epoch"
-
-
-def classify(source: Any, batch: bool) -> str:
-    """The kind of a source; raises ``TypeError`` for one that fits no mode."""
-    if not batch:
-        if not callable(source):
-            raise TypeError(
-                f"in sample mode (batch=False) the source must be a callable taking a "
-                f"SampleInfo, got {type(source).__name__}; iterables and generators need batch=True"
-            )
-        return SAMPLE
-    if inspect.isgeneratorfunction(source):
-        return BATCH_GENERATOR
-    if callable(source):
-        return BATCH_CALLABLE
-    if hasattr(source, "__iter__"):
-        return BATCH_ITERABLE
-    raise TypeError(
-        f"the source must be a callable, an iterable or a generator function, got "
-        f"{type(source).__name__}"
-    )
-
-
-class ExhaustedIteratorError(SampleError):
-    """A one-pass iterator (e.g. a generator object) was asked for a second epoch."""
-
-
-# Samples of a task wait in the worker until this many bytes of them do, then are written to
-# shared memory: large ones each as soon as it is made; small ones in one copy per task while
-# the source's layout is not known, else each into its row as soon as it is made (see
-# SourceRunner._run_samples).
-STREAM_BYTES = 1 << 20
-# A task whose samples, sized like its first one, stay this many times under STREAM_BYTES is
-# gathered without counting bytes per sample (that count cost ~10% on 1 KiB samples). A later
-# sample far larger than the first is then written with the task's others, as before streaming.
-SMALL_TASK_FACTOR = 2
-
 
 # With samples in flight together, a sample in flight longer than this share of the source's
 # timeout fails its batch in the worker, which knows which sample hangs and where it waits. The
@@ -220,34 +181,43 @@ class SampleBuffers:
                 f"{self.write.describe(self.position)}")
 
 
-def load_source(setup: SourceSetup, pickler: Optional[Pickler]) -> Tuple[Any, Any]:
-    """The source's callback and ``worker_init`` in a worker (unpickled if they were pickled)."""
+def load_source(setup: SourceSetup, pickler: Optional[Pickler]) -> Tuple[Any, WorkerHooks]:
+    """The source's callback and its worker hooks in a worker (unpickled if they were pickled)."""
     if not setup.pickled:
-        return setup.callback, setup.worker_init
+        return setup.callback, setup.hooks
     assert pickler is not None, "a pickled source comes with its pickler"
     loaded = pickler.loads(setup.callback)
-    if setup.worker_init is None:
-        return loaded, None
-    callback, worker_init = loaded  # pickled together, so that objects they share stay shared
-    return callback, worker_init
+    if not setup.hooks_pickled:
+        return loaded, setup.hooks
+    callback, worker_init, begin_epoch = loaded  # pickled together: what they share stays shared
+    return callback, WorkerHooks(worker_init, begin_epoch, setup.hooks.batch_info)
+
+
+def slot_writer(setup: SourceSetup) -> TaskWriter:
+    """The engine's writer sink for ``setup``: samples checked and written into the slots."""
+    checker = SampleChecker(setup.num_outputs, setup.dtypes, setup.ndims)
+    return TaskWriter(f"source {setup.name}", checker, setup.batch_size, setup.slots_kept)
 
 
 class SourceRunner:
     """Runs the tasks of one source inside a worker.
 
-    Made once per worker: it first calls the source's ``worker_init(worker, num_workers)``, if
-    it has one; what that raises is the worker's setup failure.
+    Made once per worker: it first calls the hooks' ``worker_init(worker, num_workers)``, if
+    there is one; what that raises is the worker's setup failure. Its samples go to ``writer``
+    (:mod:`extsrc.engine.sink`), by default the slots' shared memory.
     """
 
-    def __init__(self, setup: SourceSetup, callback: Any, worker: int, worker_init: Any = None):
-        if worker_init is not None:
-            worker_init(worker, setup.num_workers)
+    def __init__(self, setup: SourceSetup, callback: Any, worker: int,
+                 hooks: Optional[WorkerHooks] = None, writer: Optional[WriterSink] = None):
+        hooks = WorkerHooks() if hooks is None else hooks
+        if hooks.worker_init is not None:
+            hooks.worker_init(worker, setup.num_workers)
         self.setup = setup
+        self.hooks = hooks
         self.worker = worker
         self.callback = callback
         declared = None if isinstance(setup.num_outputs, str) else setup.num_outputs  # str: AUTO_OUTPUTS
-        checker = SampleChecker(setup.num_outputs, setup.dtypes, setup.ndims)
-        self.writer = TaskWriter(f"source {setup.name}", checker, setup.batch_size, setup.slots_kept)
+        self.writer: WriterSink = slot_writer(setup) if writer is None else writer
         self.iterator: Any = None
         self.iterator_epoch = -1
         self.one_pass_ended = False  # the source is its own iterator, and it ran out
@@ -373,12 +343,9 @@ class SourceRunner:
             count, stopped = position - task.start, True
         timed = tuple((1, ns) for ns in outcome.in_flight_ns) if self.setup.timed else ()
         try:
-            done = self._done(task, write, count, stopped, busy, timed)
+            return self._done(task, write, count, stopped, busy, timed, sum(outcome.in_flight_ns))
         except Exception as exc:
             return self._write_failed(task, task.start, exc)
-        end = task.start + count  # samples written past a StopIteration are not the batch's
-        spilled = tuple(tuple(s for s in out if s.position < end) for out in done.spilled)
-        return done._replace(spilled=spilled, waited_ns=sum(outcome.in_flight_ns))
 
     def _hung(self, task: Task, position: int, hung: Hung) -> TaskFailed:
         info = self._info(task, position)
@@ -605,7 +572,7 @@ class SourceRunner:
         began = self.clock()
         try:
             if setup.kind == BATCH_CALLABLE:
-                batch = self.call_batch(info if setup.batch_info else task.iteration)
+                batch = self.call_batch(info if self.hooks.batch_info else task.iteration)
             else:
                 batch = next(self._iterator_for(task.epoch_idx))
                 self.retried_pass = False
@@ -636,13 +603,18 @@ class SourceRunner:
     # -- what the worker does with the written samples -----------------------------------------
 
     def _done(self, task: Task, write: Any, count: int, stopped: bool, busy_ns: int,
-              timed: Tuple[Tuple[int, int], ...]) -> Any:
+              timed: Tuple[Tuple[int, int], ...], waited_ns: Optional[int] = None) -> Result:
         """The answer to ``task`` once its ``count`` samples went to ``write`` (what
-        ``self.writer.begin`` gave). Another backend may deliver them otherwise (Ray actors
-        return them, see :mod:`extsrc.ray.actor`). Raises what the writer raises."""
+        ``self.writer.begin`` gave): the writer's (:meth:`WriterSink.answer`). ``waited_ns``:
+        the samples' time in flight, when they were in flight together (else ``busy_ns``).
+        Raises what the writer raises."""
         spilled, overflow = write.finish()
-        return TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow,
-                        busy_ns, timed, busy_ns, *self.cpu_clock(), notes=self._notes())
+        end = task.start + count  # samples written past a StopIteration are not the batch's
+        spilled = tuple(tuple(s for s in out if s.position < end) for out in spilled)
+        done = TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow,
+                        busy_ns, timed, busy_ns if waited_ns is None else waited_ns,
+                        *self.cpu_clock(), notes=self._notes())
+        return self.writer.answer(task, write, done)
 
     def _notes(self) -> Tuple[str, ...]:
         """Warnings for the user after a task: once, a callback that reads ``idx_in_epoch`` and
@@ -669,9 +641,8 @@ class SourceRunner:
             else:
                 # Every epoch calls iter() again: an iterable whose __iter__ resets its state and
                 # returns itself starts a new pass (DALI does the same after each reset()).
-                begin = getattr(type(source), EPOCH_HOOK, None)  # the class's: not a proxy's
-                if begin is not None:
-                    begin(source, epoch_idx)
+                if self.hooks.begin_epoch is not None:
+                    self.hooks.begin_epoch(source, epoch_idx)
                 self.iterator = iter(source)
                 self.retried_pass = self.one_pass_ended and self.iterator is source
             self.iterator_epoch = epoch_idx

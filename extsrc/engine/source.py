@@ -1,7 +1,7 @@
 """``ParallelSource``: epochs of batches produced by a worker pool.
 
 The source is the consumer's side: it checks the arguments (once, in
-:class:`~extsrc.options.SourceOptions`), owns or shares a
+:class:`~extsrc.engine.spec.SourceSpec`), owns or shares a
 :class:`~extsrc.engine.pool.WorkerPool`, and hands out batches epoch by
 epoch. Production (dispatch, results, memory) is its
 :class:`~extsrc.engine.producer.Producer`'s, in the pool's I/O thread; the
@@ -20,21 +20,23 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Union
+from typing import (TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple,
+                    Union)
 
 import numpy as np
 
+from extsrc.closing import close_when_collected
 from extsrc.engine.assembly import BatchOutput
 from extsrc.engine.concurrent import is_async
+from extsrc.engine.hooks import Hooks
+from extsrc.engine.kinds import BATCH_CALLABLE, STREAMS, SourceKind, classify
 from extsrc.engine.pool import WorkerPool
 from extsrc.engine.producer import Producer
-from extsrc.engine.runner import BATCH_GENERATOR, BATCH_ITERABLE, classify
+from extsrc.engine.spec import UNSET, SourceSpec
 from extsrc.engine.stats import SourceStats, publish
 from extsrc.engine.take import EpochState, Taker
 from extsrc.errors import EmptyEpochError, StateMismatchError
-from extsrc.options import UNSET, SourceOptions
 from extsrc.order import Order
-from extsrc.closing import close_when_collected
 
 if TYPE_CHECKING:
     from extsrc.engine.pickling import PicklerSpec
@@ -47,7 +49,7 @@ class ParallelSource:
     an array, or a tuple of ``num_outputs`` arrays; sample ``k`` of iteration
     ``i`` has ``idx_in_epoch = i * batch_size + k``. Batch mode
     (``batch=True``): ``source`` is a callable taking the iteration number (or
-    a ``BatchInfo`` with ``batch_info=True``), an iterable, or a generator
+    a ``BatchInfo`` with ``hooks=Hooks(batch_info=True)``), an iterable, or a generator
     function; it returns a whole batch: a list of samples (or one array with
     the samples along axis 0), or a tuple of ``num_outputs`` such. Iterables
     and generators run in one worker, so that their state stays in one place.
@@ -101,7 +103,7 @@ class ParallelSource:
     :class:`~extsrc.engine.runner.SampleBuffers`), so that it is written once.
 
     :meth:`stats` tells where the time goes (and what to change);
-    ``stats_every=seconds`` also reports it that often: to the ``extsrc``
+    ``stats=seconds`` also reports it that often: to the ``extsrc``
     logger (INFO) when logging is configured, else to stderr;
     ``stats=False`` turns the collection off.
 
@@ -126,26 +128,14 @@ class ParallelSource:
     :class:`~extsrc.errors.SampleError` at its batch. ``num_outputs`` then
     tells the learnt number (0 before the first results).
 
-    ``worker_init(worker_index, num_workers)`` is called once in each worker
-    process (or Ray actor) before its first task, e.g. to open a per-worker
-    handle; an exception from it is the pool's setup failure, raised from
-    ``next()``. With ``spawn``/``forkserver`` it is pickled as the callback is.
-
-    ``round_robin=True``: each batch is made whole by one worker, batch
-    ``i`` of a run (an epoch, or its resumed part, counted from the epoch's
-    start) by worker ``i % num_workers``, as PyTorch's DataLoader assigns
-    them (for a callback that keeps per-worker state across a batch). By
-    default a batch's samples are spread over the workers, so that a batch
-    is ready sooner.
-
-    ``dense_arrays=True``: an output whose samples lie side by side in
-    shared memory (all of one shape and dtype: :attr:`Batch.is_dense`) comes
-    as one ``numpy.ndarray`` of shape ``(batch size, *sample shape)``, the
-    same zero-copy view as :meth:`Batch.as_array` with the same lifetime,
-    without the per-sample views a :class:`~extsrc.Batch` (a list) is made
-    of, which cost the consumer about as much as the rest of taking a batch
-    of small samples. Other outputs still come as a ``Batch``. The PyTorch
-    and DALI layers use it.
+    ``hooks`` (an :class:`~extsrc.Hooks`) changes how the source is run
+    where a layer or a user needs it: ``worker_init(worker_index,
+    num_workers)`` once in each worker before its first task,
+    ``begin_epoch(source, epoch_idx)`` before each pass of an iterable,
+    ``batch_info=True`` (a batch callable gets a ``BatchInfo``),
+    ``assign(iteration, num_workers)`` (each batch made whole by the worker it
+    names, e.g. DataLoader's round robin), ``dense_arrays=True`` (a dense
+    output comes as one ``numpy.ndarray`` rather than a ``Batch``).
 
     ``in_order=False``: when the epoch's next batch is not finished and a
     later one is, ``next()`` hands out the later one (the earliest finished),
@@ -165,15 +155,15 @@ class ParallelSource:
     must be. Workers start on first use or at ``start()``; ``close()`` (or
     ``with``) stops them and frees the shared memory no batch holds. ``pool``
     shares one :class:`~extsrc.WorkerPool` between sources; then
-    ``num_workers``, ``start_method``, ``pickler``, ``backend`` and
-    ``ray_options`` come from the pool and giving them is an error.
+    ``num_workers``, ``start_method``, ``pickler`` and ``backend`` come from
+    the pool and giving them is an error.
 
     ``backend="ray"`` runs the workers as Ray actors anywhere in the cluster
-    this process is connected to (or a local Ray started on first use), with
-    ``ray_options`` (``num_cpus``, ``resources``, ``scheduling_strategy``,
-    ``runtime_env``, ...) for the actors; everything above holds unchanged
-    (see :class:`extsrc.ray.RayBackend`). The default, ``"processes"``, runs
-    worker processes on this host.
+    this process is connected to (or a local Ray started on first use);
+    everything above holds unchanged (see :class:`extsrc.ray.RayBackend`).
+    Options for the actors (``num_cpus``, ``resources``, ...) are the pool's:
+    ``pool=WorkerPool(n, backend="ray", ray_options={...})``. The default,
+    ``"processes"``, runs worker processes on this host.
     """
 
     def __init__(
@@ -183,86 +173,45 @@ class ParallelSource:
         *,
         num_outputs: Union[None, int, str] = None,  # a count, or AUTO_OUTPUTS
         batch: bool = False,
-        batch_info: bool = False,
         num_workers: int = UNSET,
         start_method: str = UNSET,
         pickler: PicklerSpec = UNSET,
+        backend: str = UNSET,
+        pool: Optional[WorkerPool] = None,
         prefetch: Optional[int] = None,
         last_batch: str = "drop",
-        dtype: Any = None,
-        ndim: Any = None,
+        dtype: Any = None,  # a NumPy dtype (anything np.dtype() takes), or one per output
+        ndim: Union[None, int, Sequence[Optional[int]]] = None,
         timeout: Optional[float] = None,
         batches_held: int = 2,
-        pool: Optional[WorkerPool] = None,
         name: Optional[str] = None,
         order: Optional[Order] = None,
         in_place: bool = False,
-        stats: bool = True,
-        stats_every: Optional[float] = None,
-        backend: str = UNSET,
-        ray_options: Optional[Dict[str, Any]] = UNSET,
-        concurrency: int = 1,
-        worker_init: Optional[Callable[[int, int], None]] = None,
-        round_robin: bool = False,
-        dense_arrays: bool = False,
         in_order: bool = True,
+        concurrency: int = 1,
+        stats: Union[bool, float] = True,
+        hooks: Optional[Hooks] = None,
     ):
-        given: Dict[str, Any] = {k: v for k, v in (("num_workers", num_workers), ("start_method", start_method),
-                                   ("pickler", pickler), ("backend", backend),
-                                   ("ray_options", ray_options)) if v is not UNSET}
-        if pool is None:
-            pool = WorkerPool(**{"num_workers": 1, **given})
-            self._owns_pool = True
-        else:
-            if not isinstance(pool, WorkerPool):
-                raise TypeError(f"pool must be an extsrc.WorkerPool, got {type(pool).__name__}")
-            if given:
-                raise ValueError(
-                    f"{', '.join(given)} come(s) from the shared pool (num_workers="
-                    f"{pool.num_workers}, start_method={pool.start_method!r}, backend="
-                    f"{pool.backend!r}); do not pass them together with pool="
-                )
-            self._owns_pool = False
-        self.options = SourceOptions.create(
-            batch_size, num_outputs=num_outputs, batch=batch, batch_info=batch_info,
-            prefetch=prefetch, num_workers=pool.num_workers, tasks_per_worker=pool.max_outstanding,
-            last_batch=last_batch, dtype=dtype, ndim=ndim, timeout=timeout, batches_held=batches_held,
-            order=order, in_place=in_place, stats=stats, stats_every=stats_every,
-            concurrency=concurrency, round_robin=round_robin, dense_arrays=dense_arrays,
-            in_order=in_order,
-        )
-        if self.options.batches_per_epoch == 0 and order is not None:  # 0 only with an order
-            raise EmptyEpochError(
-                f"an epoch of {len(order)} records (this shard's, of {order!r}) makes no batch of "
-                f"batch_size={self.options.batch_size} with last_batch='drop'; use "
-                "last_batch='partial' or 'pad', or a smaller batch_size"
-            )
-        kind = classify(source, self.options.batch)
-        if (self.options.concurrency > 1 or is_async(source)) and \
-                not pool.workers_backend.concurrent_samples:
-            raise ValueError(
-                f"concurrency={self.options.concurrency} and async def callbacks need a backend "
-                "whose workers run samples concurrently, such as backend='processes' (worker "
-                f"processes on this host), got backend={pool.backend!r}"
-            )
-        if is_async(source) and self.options.in_place:
-            raise ValueError("in_place=True needs a plain callback (it writes into the sample's "
-                             "room before returning), got an async def one")
-        if self.options.batch_info and kind != "callable":
-            raise ValueError("batch_info=True needs a callable source (not an iterable or generator)")
+        pool, self._owns_pool = _own_or_shared_pool(pool, num_workers=num_workers,
+                                                    start_method=start_method, pickler=pickler,
+                                                    backend=backend)
+        self.spec = SourceSpec(
+            batch_size, num_outputs=num_outputs, batch=batch, prefetch=prefetch,
+            last_batch=last_batch, dtype=dtype, ndim=ndim, timeout=timeout,
+            batches_held=batches_held, order=order, in_place=in_place, stats=stats,
+            concurrency=concurrency, in_order=in_order, hooks=Hooks() if hooks is None else hooks)
+        kind = _checked_kind(source, self.spec, pool, order)
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str, got {name!r}")
-        if worker_init is not None and not callable(worker_init):
-            raise TypeError(f"worker_init must be a callable or None, got {type(worker_init).__name__}")
         self.source = source
         self.kind = kind
         self._pool = pool
         self._pid = os.getpid()
-        self._producer = Producer(source, kind, self.options, pool, name, worker_init)
+        self._producer = Producer(source, kind, self.spec, pool, name)
         self.name = self._producer.name
         self._last_report = time.monotonic()
-        self._taker = Taker(pool, self._producer, self.options, self.name,
-                            report=None if self.options.stats_every is None else self._maybe_report)
+        self._taker = Taker(pool, self._producer, self.spec, self.name,
+                            report=None if self.spec.stats_every is None else self._maybe_report)
         self._next_epoch = 0
         self._resume_iteration = 0
         self._resume_skip: FrozenSet[int] = frozenset()  # handed out after it (in_order=False)
@@ -273,7 +222,7 @@ class ParallelSource:
 
     @property
     def batch_size(self) -> int:
-        return self.options.batch_size
+        return self.spec.batch_size
 
     @property
     def num_outputs(self) -> Optional[int]:
@@ -289,15 +238,15 @@ class ParallelSource:
 
     @property
     def last_batch(self) -> str:
-        return self.options.last_batch
+        return self.spec.last_batch
 
     @property
     def timeout(self) -> Optional[float]:
-        return self.options.timeout
+        return self.spec.timeout
 
     @property
     def batches_held(self) -> int:
-        return self.options.batches_held
+        return self.spec.batches_held
 
     @property
     def pool(self) -> WorkerPool:
@@ -408,7 +357,7 @@ class ParallelSource:
 
     def __len__(self) -> int:
         """Batches per epoch; known with ``order=`` only (else the callback ends the epoch)."""
-        batches = self.options.batches_per_epoch
+        batches = self.spec.batches_per_epoch
         if batches is None:
             raise TypeError(
                 "len() of a ParallelSource needs order= (an extsrc.Order): without one, the "
@@ -437,13 +386,13 @@ class ParallelSource:
                 handed_out = sorted(self._resume_skip)
         state: Dict[str, Any] = {
             "epoch_idx": epoch_idx, "iteration": iteration,
-            "batch_size": self.options.batch_size, "records": iteration * self.options.batch_size,
-            "batch": self.options.batch,
+            "batch_size": self.spec.batch_size, "records": iteration * self.spec.batch_size,
+            "batch": self.spec.batch,
         }
         if handed_out:
             state["handed_out"] = handed_out
-        if self.options.order is not None:
-            state["order"] = self.options.order.describe()
+        if self.spec.order is not None:
+            state["order"] = self.spec.order.describe()
         return state
 
     def set_state(self, state: Dict[str, Any]) -> None:
@@ -461,14 +410,14 @@ class ParallelSource:
         """
         epoch_idx, iteration = _parse_state(state)
         skip = _parse_handed_out(state, iteration)
-        if skip and state.get("batch_size", self.options.batch_size) != self.options.batch_size:
+        if skip and state.get("batch_size", self.spec.batch_size) != self.spec.batch_size:
             raise StateMismatchError(
                 f"set_state: the state was saved with batch_size={state.get('batch_size')} after "
                 f"batches {sorted(skip)} were handed out ahead of batch {iteration} "
-                f"(in_order=False), and this source has batch_size={self.options.batch_size}: "
+                f"(in_order=False), and this source has batch_size={self.spec.batch_size}: "
                 "resuming would repeat or skip records. Resume with the same batch_size")
         iteration = self._check_state(state, iteration)
-        if iteration and self.kind in (BATCH_ITERABLE, BATCH_GENERATOR):
+        if iteration and self.kind in STREAMS:
             raise ValueError("resuming in the middle of an epoch needs a callable source, not an iterable")
         self._check_open()
         with self._pool.lock:
@@ -479,7 +428,7 @@ class ParallelSource:
     def _check_state(self, state: Dict[str, Any], iteration: int) -> int:
         """The iteration of this source at which ``state`` resumes exactly; raises
         :class:`StateMismatchError` when there is none."""
-        order = self.options.order
+        order = self.spec.order
         saved_order = state.get("order")
         if "batch_size" in state:  # a full state (bare {epoch_idx, iteration} are the layers' own)
             if (saved_order is None) != (order is None):
@@ -489,10 +438,10 @@ class ParallelSource:
                        if order is None else "without an order, and this one has " + repr(order))
                     + "; resuming would load other records"
                 )
-            if bool(state.get("batch", self.options.batch)) != self.options.batch:
+            if bool(state.get("batch", self.spec.batch)) != self.spec.batch:
                 raise StateMismatchError(
                     f"set_state: the state was saved by a source with batch={state.get('batch')}, and "
-                    f"this one has batch={self.options.batch}; its positions count other things"
+                    f"this one has batch={self.spec.batch}; its positions count other things"
                 )
         if order is not None and saved_order is not None and saved_order != order.describe():
             differs = [k for k in order.describe() if saved_order.get(k) != order.describe()[k]]
@@ -502,13 +451,13 @@ class ParallelSource:
                 "other records"
             )
         saved_size = state.get("batch_size")
-        batch_size = self.options.batch_size
+        batch_size = self.spec.batch_size
         if saved_size is None or saved_size == batch_size:
             return iteration
         if isinstance(saved_size, bool) or not isinstance(saved_size, int) or saved_size <= 0:
             raise ValueError(f"set_state: batch_size must be an int > 0, got {saved_size!r}")
         records = iteration * saved_size
-        if self.options.batch and iteration:
+        if self.spec.batch and iteration:
             raise StateMismatchError(
                 f"set_state: the state was saved at batch {iteration} of a batch-mode source with "
                 f"batch_size={saved_size}, and this one has batch_size={batch_size}: the callback "
@@ -543,7 +492,7 @@ class ParallelSource:
         with self._pool.lock:
             snapshot = collector.snapshot(
                 self.name, self._producer.ready_count(), self._producer.slots.reserved_bytes(),
-                self._producer.prefetch, self.options.batch_size,
+                self._producer.prefetch, self.spec.batch_size,
             )
             if reset:
                 collector.reset()
@@ -551,10 +500,50 @@ class ParallelSource:
 
     def _maybe_report(self) -> None:
         now = time.monotonic()
-        every = self.options.stats_every
+        every = self.spec.stats_every
         if every is not None and now - self._last_report >= every:
             self._last_report = now
             publish(self.stats())
+
+
+def _own_or_shared_pool(pool: Optional[WorkerPool], **pool_args: Any) -> Tuple[WorkerPool, bool]:
+    """``(pool, whether the source owns it)``: ``pool``, or one made of the given arguments."""
+    given = {k: v for k, v in pool_args.items() if v is not UNSET}
+    if pool is None:
+        return WorkerPool(**{"num_workers": 1, **given}), True
+    if not isinstance(pool, WorkerPool):
+        raise TypeError(f"pool must be an extsrc.WorkerPool, got {type(pool).__name__}")
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} come(s) from the shared pool (num_workers="
+            f"{pool.num_workers}, start_method={pool.start_method!r}, backend="
+            f"{pool.backend!r}); do not pass them together with pool="
+        )
+    return pool, False
+
+
+def _checked_kind(source: Any, spec: SourceSpec, pool: WorkerPool, order: Optional[Order]) -> SourceKind:
+    """The source's kind (:mod:`extsrc.engine.kinds`), once what it needs was checked against
+    the spec and the pool."""
+    if spec.batches_per_epoch == 0 and order is not None:  # 0 only with an order
+        raise EmptyEpochError(
+            f"an epoch of {len(order)} records (this shard's, of {order!r}) makes no batch of "
+            f"batch_size={spec.batch_size} with last_batch='drop'; use "
+            "last_batch='partial' or 'pad', or a smaller batch_size"
+        )
+    kind = classify(source, spec.batch)
+    if (spec.concurrency > 1 or is_async(source)) and not pool.workers_backend.concurrent_samples:
+        raise ValueError(
+            f"concurrency={spec.concurrency} and async def callbacks need a backend "
+            "whose workers run samples concurrently, such as backend='processes' (worker "
+            f"processes on this host), got backend={pool.backend!r}"
+        )
+    if is_async(source) and spec.in_place:
+        raise ValueError("in_place=True needs a plain callback (it writes into the sample's "
+                         "room before returning), got an async def one")
+    if spec.hooks.batch_info and kind != BATCH_CALLABLE:
+        raise ValueError("hooks.batch_info=True needs a callable source (not an iterable or generator)")
+    return kind
 
 
 def _parse_state(state: Any) -> tuple:

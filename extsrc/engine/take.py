@@ -58,7 +58,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from extsrc.engine.pool import WorkerPool
     from extsrc.engine.producer import Producer, Run
-    from extsrc.options import SourceOptions
+    from extsrc.engine.spec import SourceSpec
 
 
 class EpochState(enum.Enum):
@@ -155,19 +155,19 @@ class Epoch:
             if (self.taken is not None or self.state is not EpochState.RUNNING
                     or self is not taker.current or pool.broken or pool.closed):
                 return True
-            batches = taker.options.batches_per_epoch
+            batches = taker.spec.batches_per_epoch
             if batches is not None and self.next_yield >= batches:
                 return True
             if (producer.ready(self.run, self.next_yield) is not None
                     or producer.failure(self.run, self.next_yield) is not None):
                 return True
-            return not taker.options.in_order and taker.whole_ahead(self) is not None
+            return not taker.spec.in_order and taker.whole_ahead(self) is not None
 
     def may_take(self, iteration: int) -> bool:
         """Whether batch ``iteration`` is still to be handed over (lock held)."""
         if iteration == self.next_yield:
             return True
-        return (not self.taker.options.in_order and iteration > self.next_yield
+        return (not self.taker.spec.in_order and iteration > self.next_yield
                 and iteration not in self.ahead)
 
     def _skip_ahead(self) -> None:
@@ -186,12 +186,12 @@ class Taker:
     pool's lock held. ``name`` names the source in errors.
     """
 
-    def __init__(self, pool: "WorkerPool", producer: "Producer", options: "SourceOptions", name: str,
+    def __init__(self, pool: "WorkerPool", producer: "Producer", spec: "SourceSpec", name: str,
                  report: Optional[Callable[[], None]] = None):
         self.pool = pool
         self.report = report  # called after each batch counted in the statistics (stats_every=)
         self.producer = producer
-        self.options = options
+        self.spec = spec
         self.name = name
         self.current: Optional[Epoch] = None
 
@@ -237,7 +237,7 @@ class Taker:
         pool.check_owner()
         stats = producer.stats
         asked = time.perf_counter_ns() if stats is not None else 0
-        timeout = self.options.timeout
+        timeout = self.spec.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             lease: Optional[Lease] = None
@@ -269,7 +269,7 @@ class Taker:
             assert lease is not None and pending is not None
             try:
                 outcome = self._finish(pending.build(lease, decision.size, producer.num_outputs,
-                                                     self.options.dense_arrays))
+                                                     self.spec.hooks.dense_arrays))
             except (SampleError, SharedMemoryError):
                 with pool.lock:
                     if pending.iteration > epoch.next_yield:
@@ -347,7 +347,7 @@ class Taker:
             raise StopIteration
         if epoch.state is EpochState.ENDED or epoch is not self.current:
             raise StopIteration  # closed
-        batches = self.options.batches_per_epoch
+        batches = self.spec.batches_per_epoch
         if batches is not None and epoch.next_yield >= batches:
             self.end(epoch)
             raise StopIteration  # the order's epoch is over
@@ -355,7 +355,7 @@ class Taker:
         pending = producer.ready(epoch.run, epoch.next_yield)
         if pending is not None:
             return pending, None
-        if not self.options.in_order:
+        if not self.spec.in_order:
             later = self.whole_ahead(epoch)
             if later is not None:
                 return later, None
@@ -376,14 +376,14 @@ class Taker:
         and a batch's error come in their place."""
         for later in self.producer.ready_after(epoch.run, epoch.next_yield):
             if later.iteration not in epoch.ahead and later.iteration not in epoch.in_place:
-                decision = later.decide(self.options.last_batch, self.name)
+                decision = later.decide(self.spec.last_batch, self.name)
                 if decision.error is None and not decision.ended and decision.size:
                     return later
         return None
 
     def _decide(self, epoch: Epoch, pending: PendingBatch) -> Decision:
         """What the ready batch becomes; raises at the end of the epoch or an error."""
-        decision = pending.decide(self.options.last_batch, self.name)
+        decision = pending.decide(self.spec.last_batch, self.name)
         if (decision.ended and decision.error is None
                 and any(i >= pending.iteration + (decision.size > 0) for i in epoch.ahead)):
             self.end(epoch)
@@ -410,7 +410,7 @@ class Taker:
         if decision.produced and epoch.next_yield == 0 and epoch.run.first_iteration == 0:
             raise EmptyEpochError(
                 f"source {self.name}: epoch {epoch.epoch_idx} ended after {decision.produced} "
-                f"samples, fewer than batch_size={self.options.batch_size}, and "
+                f"samples, fewer than batch_size={self.spec.batch_size}, and "
                 "last_batch='drop' dropped them all, so the epoch has no batch. Use "
                 f"last_batch='partial', or a batch_size of at most {decision.produced}."
             )
@@ -446,7 +446,7 @@ class Taker:
                     samples = Batch(dense=np.stack(samples))
                 except MemoryError as exc:
                     raise limits.copy_error(nbytes, what, exc) from None
-            finished.append(samples.as_array() if samples.is_dense and self.options.dense_arrays
+            finished.append(samples.as_array() if samples.is_dense and self.spec.hooks.dense_arrays
                             else samples)
         return finished[0] if single else tuple(finished)
 
@@ -463,10 +463,10 @@ class Taker:
                 stuck.append(f"{described}: {producer.describe_task(task)}, {state}")
         error = SourceTimeoutError(
             f"batch {epoch.next_yield} of epoch {epoch.epoch_idx} of source {self.name} was not "
-            f"ready after timeout={self.options.timeout} s. Stuck: "
+            f"ready after timeout={self.spec.timeout} s. Stuck: "
             + ("; ".join(stuck) if stuck else "no task was running")
             + ". The workers were shut down.",
-            timeout=self.options.timeout,
+            timeout=self.spec.timeout,
         )
         pool.fail(error)
         pool.check_usable(producer.source_id)  # marks it as reported

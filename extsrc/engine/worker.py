@@ -104,8 +104,8 @@ def worker_main(setup: WorkerSetup, channel: Channel, lifeline: LifelineEnd) -> 
     runners: Dict[int, SourceRunner] = {}
     try:
         for source in setup.sources:
-            callback, worker_init = load_source(source, setup.pickler)
-            runners[source.source_id] = SourceRunner(source, callback, setup.index, worker_init)
+            callback, hooks = load_source(source, setup.pickler)
+            runners[source.source_id] = SourceRunner(source, callback, setup.index, hooks)
     except BaseException as exc:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         try:

@@ -26,17 +26,12 @@ import ctypes
 import os
 from typing import Any, Optional
 
+from extsrc.engine.policy import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES  # why: there
+
 # glibc's mallopt() parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
-# Requests up to this size come from the heap, not from mmap: glibc's own upper bound
-# for its dynamic threshold (HEAP_MAX_SIZE / 2 on 64-bit), so the same set of sizes it
-# would reach by itself, from the first sample on.
-MMAP_THRESHOLD_BYTES = 32 << 20
-# Free memory at the heap's top kept rather than given back: room for twice 64 samples of
-# 1 MiB in flight together (concurrency=64) to be freed and made again without faults.
-TRIM_THRESHOLD_BYTES = 128 << 20
 
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 

@@ -3,7 +3,8 @@
 :class:`SourceActor` is what :class:`~extsrc.ray.RayBackend` makes remote. It
 loads the sources once, like a worker process (they come pickled with the
 pool's pickler), and runs tasks with the engine's
-:class:`~extsrc.engine.runner.SourceRunner`: the same ``SampleInfo`` /
+:class:`~extsrc.engine.runner.SourceRunner` with a writer sink of its own
+(:class:`ActorWriter`, see :mod:`extsrc.engine.sink`): the same ``SampleInfo`` /
 ``BatchInfo`` / ``Order`` records, the same checks and the same errors. On
 the consumer's node (``home``), it writes the samples straight into the
 slot's shared memory with the engine's
@@ -28,17 +29,14 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from extsrc.engine.channel import Channel
-from extsrc.engine.protocol import SetupFailed, SourceSetup, Task
-from extsrc.engine.runner import SAMPLE, SourceRunner, load_source
-from extsrc.engine.worker import serve
+from extsrc.engine import (SAMPLE, Channel, SetupFailed, SourceRunner, SourceSetup, Task, TaskDone, load_source,
+                           serve, slot_writer)
 from extsrc.ray.parts import INLINE_MAX_BYTES, columns_bytes, fitting, split
 from extsrc.ray.protocol import HELLO, ActorReady, ChannelOpened, Produced, SlotChange, SlotOpen
-from extsrc.shm.writer import TaskWriter
 
 # Samples up to this size travel stacked, as one array per output: Ray serialises every array
 # with some fixed cost (tens of microseconds), which dominates for small samples. Larger ones
@@ -77,6 +75,10 @@ class PackedWrite:
         """No rows to write into: every sample goes through :meth:`add`."""
         return None
 
+    def finish(self) -> Tuple[Tuple[()], int]:
+        """Nothing went to a slot's overflow: the samples are returned (:meth:`answer`)."""
+        return (), 0
+
     def add(self, columns: List[Sequence[Any]], position: int, count: int) -> None:
         """Keeps samples ``position .. position + count - 1``, made independent of the callback's
         memory at once: the runner adds a task's large samples as they come, and the callback
@@ -113,23 +115,37 @@ class PackedWrite:
 
 
 class ActorWriter:
-    """In place of the runner's :class:`~extsrc.shm.writer.TaskWriter`: a task whose slot this
-    actor opened is written into it by ``slots`` (the engine's writer, as in a worker
-    process); any other is kept as a :class:`PackedWrite` to be returned (the pool writes it).
+    """The writer sink (:mod:`extsrc.engine.sink`) an actor gives the engine's runner: a task
+    whose slot this actor opened is written into it by ``slots`` (the engine's writer, as in a
+    worker process) and answered with the engine's ``TaskDone``; any other is kept as a
+    :class:`PackedWrite` and answered with a :class:`~extsrc.ray.protocol.Produced` (the pool
+    writes it).
 
     Slots are added and dropped by Ray's call thread (:meth:`SourceActor.run`), tasks written by
     the runner thread: a slot is added before the tasks that use it are queued, and dropped
     only once every task for it has answered."""
 
-    def __init__(self, slots: TaskWriter):
-        self.slots = slots
-        self.checker = slots.checker
+    def __init__(self, setup: SourceSetup):
+        self.slots = slot_writer(setup)
+        self.checker = self.slots.checker
+        self.kind = setup.kind
+
+    def holds(self, slot_id: int) -> bool:
+        return self.slots.holds(slot_id)
 
     def begin(self, slot_id: int, batch_seq: int, start: int, stop: int, region_bytes: int,
               regions: Any, describe: Callable[[int], str]) -> Any:
-        if slot_id in self.slots.slots:
+        if self.slots.holds(slot_id):
             return self.slots.begin(slot_id, batch_seq, start, stop, region_bytes, regions, describe)
         return PackedWrite(self.checker, describe)
+
+    def answer(self, task: Task, write: Any, done: TaskDone) -> Any:
+        """``done`` for a task written into its slot; else the samples themselves."""
+        if not isinstance(write, PackedWrite):
+            return done
+        start = task.start if self.kind == SAMPLE else 0
+        return Produced(task.source_id, task.ticket, start, done.samples, done.stopped, write.answer(),
+                        done.busy_ns, done.timed, done.notes)
 
     def add_slot(self, slot_id: int, region_fd: int, overflow_fd: int, kind: str, worker: int) -> None:
         """A slot whose descriptors came over the channel (see :meth:`SourceActor.serve`)."""
@@ -140,23 +156,6 @@ class ActorWriter:
 
     def close(self) -> None:
         self.slots.close()
-
-
-class ActorRunner(SourceRunner):
-    """The engine's runner, answering with the checked samples where it did not write them."""
-
-    def __init__(self, setup: SourceSetup, callback: Any, worker: int, worker_init: Any = None):
-        super().__init__(setup, callback, worker, worker_init)
-        # The runner writes through whatever `writer` is; ActorWriter offers the same calls.
-        self.writer = ActorWriter(self.writer)  # type: ignore[assignment]
-
-    def _done(self, task: Task, write: Any, count: int, stopped: bool, busy_ns: int,
-              timed: Tuple[Tuple[int, int], ...]) -> Any:
-        if not isinstance(write, PackedWrite):  # written into the slot, as by a worker process
-            return super()._done(task, write, count, stopped, busy_ns, timed)
-        start = task.start if self.setup.kind == SAMPLE else 0
-        return Produced(task.source_id, task.ticket, start, count, stopped, write.answer(), busy_ns,
-                        timed, self._notes())
 
 
 def _copy(column: Any) -> Any:
@@ -224,7 +223,8 @@ class SourceActor:
         self.index = index
         self.home = home  # the consumer's Ray node id: slots are opened only there
         self._local: Optional[bool] = None  # whether this actor runs on it (known at the first slot)
-        self.runners: Dict[int, ActorRunner] = {}
+        self.runners: Dict[int, SourceRunner] = {}
+        self.writers: Dict[int, ActorWriter] = {}
         self.setup_failed: Optional[SetupFailed] = None
         self._changed = threading.Condition()  # guards everything below
         self._queue: Deque[Task] = deque()  # received, not yet started
@@ -233,8 +233,9 @@ class SourceActor:
         self._failed: Optional[BaseException] = None
         try:
             for source in sources:
-                callback, worker_init = load_source(source, pickler)
-                self.runners[source.source_id] = ActorRunner(source, callback, index, worker_init)
+                callback, hooks = load_source(source, pickler)
+                writer = self.writers[source.source_id] = ActorWriter(source)
+                self.runners[source.source_id] = SourceRunner(source, callback, index, hooks, writer)
         except BaseException as exc:
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             self.setup_failed = SetupFailed(index, f"{type(exc).__name__}: {exc}", text)
@@ -302,10 +303,10 @@ class SourceActor:
         if self._local is None:
             self._local = self.home is not None and self.home == _node_id()
         for change in slots:
-            runner = self.runners.get(change.source_id)
-            if runner is None:
+            actor_writer = self.writers.get(change.source_id)
+            if actor_writer is None:
                 continue
-            writer = cast(ActorWriter, runner.writer).slots
+            writer = actor_writer.slots
             if not isinstance(change, SlotOpen):
                 writer.drop_slot(change.slot_id)
                 continue

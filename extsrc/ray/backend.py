@@ -84,14 +84,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
-from extsrc.engine.backend import Arrival, Fault, HeldBy, Received, Wakeable
-from extsrc.engine.processes import setup_failed
-from extsrc.engine.protocol import AddSlot, DropSlot, SetupFailed, SourceSetup, Task, TaskDone, TaskFailed
-from extsrc.errors import InternalError, WorkerDiedError
+from extsrc.engine import (AddSlot, Arrival, Channel, DropSlot, Fault, HeldBy, InternalError, OwnedFds,
+                           Received, SetupFailed, SourceSetup, Task, TaskDone, TaskFailed, Wakeable,
+                           WorkerDiedError, setup_failed, shm_backend)
 from extsrc.ray.options import check_options
 from extsrc.ray.actor import REPLY_TASKS, SourceActor
 from extsrc.ray.parts import columns_bytes, join, parts_for
-from extsrc.engine.channel import Channel, OwnedFds
 from extsrc.ray.protocol import (HELLO, TOKEN_BYTES, ActorReady, ChannelOpened, Produced, SlotChange,
                                  SlotClose, SlotOpen)
 from extsrc.ray.writer import ResultWriter
@@ -388,9 +386,7 @@ class RayBackend:
         writer = self._writers.get(source_id)
         if writer is None:
             return
-        from extsrc.shm.segment import backend
-
-        kind = backend()
+        kind = shm_backend()
         lent: List[OwnedFds] = []
         try:
             for worker in self._workers:

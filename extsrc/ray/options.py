@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-from extsrc.options import non_negative_number
+from extsrc.engine import non_negative_number
 
 # Ray actor options a pool passes on (ray_options=...): where its actors run and what they hold.
 RAY_OPTION_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "accelerator_type",

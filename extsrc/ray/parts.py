@@ -27,7 +27,7 @@ from typing import Any, List, Sequence, Tuple, TypeGuard, Union
 
 import numpy as np
 
-from extsrc.engine.protocol import TaskFailed
+from extsrc.engine import TaskFailed
 from extsrc.ray.protocol import Piece, PieceColumns, Produced
 
 # What one part may weigh, below Ray's default inline limit of 100 KiB with room for the

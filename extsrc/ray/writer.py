@@ -23,24 +23,16 @@ import os
 from collections import deque
 from typing import Deque, List, Optional, Sequence, Union
 
-from extsrc import forking
-from extsrc.engine.protocol import SourceSetup, Task, TaskDone, TaskFailed
-from extsrc.engine.runner import failure
-from extsrc.engine.samples import SampleChecker
+from extsrc.engine import SourceSetup, Task, TaskDone, TaskFailed, WriterSink, failure, fork_lock, slot_writer
 from extsrc.ray.protocol import Produced
-from extsrc.shm.writer import TaskWriter
 
 
 class ResultWriter:
     """Writes what the actors returned for one source into its slots (see the module docstring)."""
 
     def __init__(self, setup: SourceSetup, num_workers: int):
-        checker = SampleChecker(setup.num_outputs, setup.dtypes, setup.ndims)
         self.name = setup.name
-        self.writers: List[TaskWriter] = [
-            TaskWriter(f"source {setup.name}", checker, setup.batch_size, setup.slots_kept)
-            for _ in range(num_workers)
-        ]
+        self.writers: List[WriterSink] = [slot_writer(setup) for _ in range(num_workers)]
         self.drops: Deque[int] = deque()  # slots to drop, by the I/O thread, in order
 
     def add_slot(self, slot_id: int, region_fd: int, overflow_fds: Sequence[int], kind: str) -> None:
@@ -48,7 +40,7 @@ class ResultWriter:
 
         The descriptors are duplicated (the slot keeps its own). Lock held.
         """
-        with forking.lock:  # no child may be forked between a dup and its registration
+        with fork_lock:  # no child may be forked between a dup and its registration
             for worker, writer in enumerate(self.writers):
                 writer.add_slot(slot_id, os.dup(region_fd), os.dup(overflow_fds[worker]), kind, worker)
 
@@ -72,7 +64,7 @@ class ResultWriter:
         closed): nobody waits for it then.
         """
         writer = self.writers[worker]
-        if task.slot_id not in writer.slots:
+        if not writer.holds(task.slot_id):
             return None
 
         def describe(position: int) -> str:

@@ -23,10 +23,9 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-# Below this a sample's destination may still be in a cache when the consumer reads it (a
-# core's L2 is 1 MiB or more), and the copy is short enough that the read of the
-# destination costs little: NumPy's copy is used.
-STREAM_MIN_BYTES = 1 << 20
+from extsrc.engine import policy
+
+STREAM_MIN_BYTES = policy.STREAM_MIN_BYTES  # below it, NumPy's copy (see the policy's reason)
 ENV_SWITCH = "EXTSRC_STREAMING_COPY"  # "0": always NumPy's copy (to compare, or to rule it out)
 
 

@@ -19,19 +19,19 @@ allow.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 import numpy as np
 
+from extsrc.engine import policy
 from extsrc.errors import SampleError, SharedMemoryError
 from extsrc.shm import limits, streaming
 from extsrc.shm.layout import Region, Spilled, align
 from extsrc.shm.mapping import Mapping
 from extsrc.shm.segment import Segment
 
-MIN_OVERFLOW = 1 << 20  # first size of an overflow segment: one growth covers most first batches
-
 Describe = Callable[[int], str]  # sample position -> "sample SampleInfo(...)"
+_Done = TypeVar("_Done")
 
 
 class Checker(Protocol):
@@ -62,7 +62,7 @@ class OverflowArea:
         end = offset + nbytes
         size = 0 if self.mapping is None else self.mapping.size
         if self.mapping is None or end > size:  # mapped even for empty samples: they need a view
-            reserved = self.segment.reserve(max(end, 2 * size, MIN_OVERFLOW))
+            reserved = self.segment.reserve(max(end, 2 * size, policy.MIN_OVERFLOW))
             self.mapping = self.segment.map(reserved)
         self.cursor = end
         assert self.mapping is not None
@@ -138,6 +138,10 @@ class TaskWriter:
             Segment(overflow_fd, kind, f"{self.label}, slot {slot_id}, worker {worker}"),
         )
 
+    def holds(self, slot_id: int) -> bool:
+        """Whether the slot's descriptors were added (and not dropped since)."""
+        return slot_id in self.slots
+
     def drop_slot(self, slot_id: int) -> None:
         slot = self.slots.pop(slot_id, None)
         if slot is not None:
@@ -146,6 +150,11 @@ class TaskWriter:
     def close(self) -> None:
         for slot_id in list(self.slots):
             self.drop_slot(slot_id)
+
+    def answer(self, task: Any, write: "TaskWrite", done: _Done) -> _Done:
+        """The answer to a task written here: the engine's own (see :mod:`extsrc.engine.sink`,
+        the seam this writer serves)."""
+        return done
 
     def begin(self, slot_id: int, batch_seq: int, start: int, stop: int, region_bytes: int,
               regions: Tuple[Optional[Region], ...], describe: Describe) -> "TaskWrite":
@@ -248,7 +257,7 @@ class TaskWrite:
             return None
         rows = self._region_rows(0)
         if (rows is None or type(sample) is not np.ndarray or sample.shape != rows.shape[1:]
-                or sample.dtype != rows.dtype or sample.nbytes >= streaming.STREAM_MIN_BYTES):
+                or sample.dtype != rows.dtype or sample.nbytes >= policy.STREAM_MIN_BYTES):
             return None
         self._note_first(0, rows[position - self.start], position)
         return rows
@@ -320,7 +329,7 @@ class TaskWrite:
                 if given[1] is None and rows is not None and array.shape == rows.shape[1:]:
                     continue  # written by the callback in place
             if rows is not None and array.dtype == rows.dtype and array.shape == rows.shape[1:]:
-                if array.nbytes >= streaming.STREAM_MIN_BYTES:
+                if array.nbytes >= policy.STREAM_MIN_BYTES:
                     streaming.copy(rows[sample_position - self.start], array)
                 else:
                     rows[sample_position - self.start] = array
@@ -388,7 +397,7 @@ def _write_dense(column, destination: np.ndarray) -> bool:
     if not shape:  # 0-d samples cannot be concatenated
         destination[...] = column
         return True
-    if first is not None and destination.itemsize * first.size >= streaming.STREAM_MIN_BYTES:
+    if first is not None and destination.itemsize * first.size >= policy.STREAM_MIN_BYTES:
         for k, sample in enumerate(column):  # large samples: each past the caches
             streaming.copy(destination[k], sample)
         return True

@@ -28,12 +28,10 @@ import torch
 from torch.utils.data import BatchSampler, IterableDataset, IterDataPipe, RandomSampler, SequentialSampler
 from torch.utils.data import default_collate, default_convert
 
-from extsrc.engine.concurrent import is_async
-from extsrc.engine.source import ParallelSource
-from extsrc.errors import (EmptyEpochError, EpochSupersededError, ForkedChildError, InternalError,
-                           PoolClosedError, SharedMemoryError, SourceTimeoutError, WorkerDiedError)
-from extsrc.options import AUTO_OUTPUTS, START_METHODS
-from extsrc.order import Order, RecordCache
+from extsrc.engine import (AUTO_OUTPUTS, START_METHODS, EmptyEpochError, EpochSupersededError,
+                           ForkedChildError, Hooks, InternalError, Order, ParallelSource, PoolClosedError,
+                           RecordCache, SharedMemoryError, SourceTimeoutError, WorkerDiedError,
+                           WorkerPool, is_async)
 from extsrc.torch.loader import Device, LoopPosition, TorchLoader
 from extsrc.torch.sampling import IndexTable, SampledBatches, draw_batches
 from extsrc.torch.structure import Collation, Flattener, pack_whole, unpack_whole
@@ -673,6 +671,12 @@ class _HeapBuffers:
         return np.empty(nbytes, dtype)
 
 
+def round_robin(iteration: int, num_workers: int) -> int:
+    """DataLoader's order of workers: batch ``iteration`` of an epoch made whole by worker
+    ``iteration % num_workers`` (``Hooks.assign``)."""
+    return iteration % num_workers
+
+
 class IterableBatches:
     """The source of one worker of an ``IterableDataset``: an iterable whose every pass iterates
     that worker's copy of the dataset (``get_worker_info().dataset``, the object
@@ -689,9 +693,9 @@ class IterableBatches:
         self.seeds = seeds  # a datapipe's: each epoch's shuffle seed, written by the consumer
         self.epoch_seed: Optional[int] = None
 
-    def extsrc_begin_epoch(self, epoch_idx: int) -> None:
-        """In the worker, before each pass (see ``extsrc.engine.runner.EPOCH_HOOK``): the seed
-        the loader drew for this epoch at its ``iter()``."""
+    def begin_epoch(self, epoch_idx: int) -> None:
+        """In the worker, before each pass (``Hooks.begin_epoch``): the seed the loader drew for
+        this epoch at its ``iter()``."""
         if self.seeds is not None:
             self.epoch_seed = self.seeds.read(epoch_idx)[0]
 
@@ -881,8 +885,6 @@ def _iterable_loader(dataset: Any, batch_size: Optional[int], drop_last: bool, c
                      prefetch_factor: Optional[int], timeout: float, device: Device, pin_memory: bool,
                      worker_init: WorkerStart) -> IterableLoader:
     """The loader of an IterableDataset: a pool of ``num_workers``, one source pinned to each."""
-    from extsrc.engine.pool import WorkerPool
-
     pool = WorkerPool(num_workers, start_method=start_method, pickler=pickler)
     seeds = IndexTable() if isinstance(dataset, IterDataPipe) else None
     loaders = []
@@ -899,8 +901,8 @@ def _iterable_loader(dataset: Any, batch_size: Optional[int], drop_last: bool, c
                 timeout=timeout or None,
                 name=f"from_dataset({type(dataset).__name__}), worker {worker}",
                 # Once per worker (it sets the worker up for every source of the pool).
-                worker_init=worker_init if worker == 0 else None,
-                dense_arrays=True,
+                hooks=Hooks(worker_init=worker_init if worker == 0 else None,
+                            begin_epoch=IterableBatches.begin_epoch, dense_arrays=True),
             )
             loaders.append(TorchLoader._owning(source, device=device, pin_memory=pin_memory,
                                                rebuild=Collation() if default else unpack_whole))
@@ -939,9 +941,7 @@ def _sampled_loader(dataset: Any, collate_fn: Callable[[Any], Any], batched: boo
             last_batch="partial",
             timeout=timeout or None,
             name=f"from_dataset({type(dataset).__name__}, sampler)",
-            worker_init=worker_start,
-            round_robin=True,  # batch i by worker i % num_workers, as DataLoader's
-            dense_arrays=True,
+            hooks=Hooks(worker_init=worker_start, assign=round_robin, dense_arrays=True),
             in_order=attributes["in_order"],
         )
 
@@ -1222,9 +1222,7 @@ def _from_dataset(
             order=source_order,
             name=f"from_dataset({type(dataset).__name__})",
             concurrency=concurrency,
-            worker_init=worker_start,
-            round_robin=True,  # batch i by worker i % num_workers, as DataLoader's
-            dense_arrays=True,
+            hooks=Hooks(worker_init=worker_start, assign=round_robin, dense_arrays=True),
             in_order=in_order,
         )
 

@@ -8,8 +8,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Type, TypeVar,
 import torch
 
 from extsrc.dma import CUDA_HOST_REGISTER_PORTABLE, InFlight, PageLock, page_lock
-from extsrc.engine.cuda_state import gpu_visible
-from extsrc.engine.source import ParallelSource
+from extsrc.engine import ParallelSource, gpu_visible
 from extsrc.torch.tensors import batch_tensors, each_tensor, map_tensors
 
 

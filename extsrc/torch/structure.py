@@ -25,7 +25,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import numpy as np
 import torch
 
-from extsrc.engine.pickling import attribute_at
+from extsrc.engine import attribute_at
 
 # Leaf kinds, and container kinds, in a structure tree. SCALAR and PICKLED only in what a
 # user's collate_fn returns (a whole batch): a Python number, and any other object, given back
@@ -156,7 +156,7 @@ def _dump_structure(structure: Any) -> bytes:
         _ClassByPathPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(structure)
         return buffer.getvalue()
     except (pickle.PicklingError, AttributeError, TypeError):
-        from extsrc.engine.pickling import DefaultPickler
+        from extsrc.engine import DefaultPickler
 
         return DefaultPickler.dumps(structure)
 

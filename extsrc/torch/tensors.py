@@ -7,7 +7,7 @@ from typing import Any, Callable, List, Union
 import numpy as np
 import torch
 
-from extsrc.batch import Batch
+from extsrc.engine import Batch
 
 Tensors = Union[torch.Tensor, List[torch.Tensor]]
 

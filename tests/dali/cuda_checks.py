@@ -50,7 +50,7 @@ def mixed_decoder(start_method: str = "fork") -> None:
     with pipe() as p:
         p.start_py_workers()
         p.build()
-        for epoch in range(2):
+        for _epoch in range(2):
             seen = 0
             while True:
                 try:

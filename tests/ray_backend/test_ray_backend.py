@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from extsrc import (
-    Order, ParallelSource, PoolClosedError, SampleError, WorkerPool,
+    Hooks, Order, ParallelSource, PoolClosedError, SampleError, WorkerPool,
 )
 from extsrc.shm.slots import lease_of
 
@@ -146,7 +146,7 @@ def test_a_callback_that_reuses_its_buffers_gives_the_batches_processes_give(sam
 @pytest.mark.parametrize("sample_bytes", [64, 128 << 10])  # 1 KiB or 2 MiB per batch of 16
 def test_a_batch_callback_that_refills_one_array_gives_the_batches_processes_give(sample_bytes, actor_path):
     ours, theirs = both(source=ReusesItsBatch(16, sample_bytes, 10), batch_size=16, batch=True,
-                        batch_info=True, epoch_count=1)
+                        hooks=Hooks(batch_info=True), epoch_count=1)
     assert_same(ours, theirs)
     assert [int(batch[0][1][0][0]) for batch in ours[0]] == list(range(10))
 
@@ -206,7 +206,7 @@ def _generator():
         yield np.arange(6, dtype=np.float32).reshape(3, 2) + k  # 3 samples along axis 0
 
 
-@pytest.mark.parametrize("source, kwargs", [(_batch_of, {"batch_info": True}), (_generator, {})],
+@pytest.mark.parametrize("source, kwargs", [(_batch_of, {"hooks": Hooks(batch_info=True)}), (_generator, {})],
                          ids=["callable", "generator"])
 def test_batch_mode_callables_and_generators_give_the_same_batches(source, kwargs):
     ours, theirs = both(source=source, batch_size=4, batch=True, **kwargs)
@@ -365,7 +365,7 @@ def test_a_timeout_names_the_stuck_actor_and_the_samples():
 
 
 def test_a_timeout_says_an_actor_never_started_and_what_it_asked_for():
-    src = ParallelSource(sample_of, 4, backend="ray", num_workers=1, ray_options={"num_cpus": 3},
+    src = ParallelSource(sample_of, 4, pool=WorkerPool(1, backend="ray", ray_options={"num_cpus": 3}),
                          timeout=3)
     from extsrc import SourceTimeoutError
 

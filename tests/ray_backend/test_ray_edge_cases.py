@@ -137,9 +137,7 @@ thread.start()
 thread.join()
 print("FIRST", box["first"], flush=True)
 time.sleep(1)
-started = time.monotonic()
 src.close()
-print("CLOSE TOOK %.1f" % (time.monotonic() - started), flush=True)
 with extsrc.ParallelSource(load, 4, num_workers=1, backend="ray") as fresh:
     print("FRESH", next(iter(fresh)).as_array()[:, 0].tolist(), flush=True)
 """
@@ -155,5 +153,3 @@ def test_a_source_first_used_in_a_thread_that_ends_leaves_ray_usable():
     rc, out, err = _run_script(_FIRST_USE_IN_A_THREAD)
     assert "FIRST [0, 1, 2, 3]" in out, out + err[-2000:]
     assert "FRESH [0, 1, 2, 3]" in out and rc == 0, f"rc {rc}\n{out}\n{err[-2000:]}"
-    took = float(out.split("CLOSE TOOK ")[1].split()[0])
-    assert took < 3, f"close() took {took} s"

@@ -132,8 +132,8 @@ def test_actors_no_node_has_room_for_are_an_error_that_says_what_they_asked():
     result = run_fault(ray_case('''
 import extsrc.ray.backend
 extsrc.ray.backend.ACTOR_START_TIMEOUT_S = 3  # instead of minutes: nothing will come
-src = extsrc.ParallelSource(lambda info: np.zeros(1), 4, num_workers=2, backend="ray",
-                            ray_options={"resources": {"tpu_pod": 1}})
+pool = extsrc.WorkerPool(2, backend="ray", ray_options={"resources": {"tpu_pod": 1}})
+src = extsrc.ParallelSource(lambda info: np.zeros(1), 4, pool=pool)
 report.fault_starts()
 next(iter(src))
 '''), timeout=FAULT_TIMEOUT_S)

@@ -127,7 +127,7 @@ def test_host_batches_are_kept_until_their_copy_events_complete():
             del batch
         for _ in range(40):  # the engine would reuse any memory nobody holds
             next(epoch)
-        for event, address, value in events:  # still unchanged: the copies may be reading
+        for _event, address, value in events:  # still unchanged: the copies may be reading
             assert (np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * 8).from_address(address)) == value).all()
         events[0][0].done = True
         in_flight.release_done()

@@ -1,10 +1,11 @@
-"""Unit tests: arguments are checked once, with messages that say what was expected."""
+"""Unit tests: arguments are checked once, where they are defined, with messages that say what
+was expected."""
 
 import numpy as np
 import pytest
 
-from extsrc import ParallelSource, WorkerPool
-from extsrc.options import PoolOptions, SourceOptions
+from extsrc import Hooks, ParallelSource, WorkerPool
+from extsrc.engine import PoolSpec, SourceSpec
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -17,27 +18,49 @@ from extsrc.options import PoolOptions, SourceOptions
     ({"batch_size": 4, "timeout": True}, "timeout must be None or a positive number"),
     ({"batch_size": 4, "num_outputs": 2, "dtype": [np.uint8]}, "dtype has 1 entries for 2 outputs"),
     ({"batch_size": 4, "ndim": -1}, "ndim of output 0: expected None or an int >= 0"),
-    ({"batch_size": 4, "batch_info": True}, "batch_info=True needs batch=True"),
+    ({"batch_size": 4, "hooks": Hooks(batch_info=True)}, "hooks.batch_info=True needs batch=True"),
+    ({"batch_size": 4, "hooks": {"batch_info": True}}, "hooks must be an extsrc.Hooks, got dict"),
+    ({"batch_size": 4, "stats": "often"}, "stats must be True, False or a positive number"),
 ])
 def test_bad_source_options_say_what_was_expected(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message.replace("(", "\\(").replace(")", "\\)")):
-        SourceOptions.create(**kwargs)
+        SourceSpec(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"worker_init": "setup"}, "hooks.worker_init must be a callable or None, got str"),
+    ({"assign": 3}, "hooks.assign must be a callable or None, got int"),
+    ({"batch_info": 1}, "hooks.batch_info must be True or False, got 1"),
+])
+def test_bad_hooks_say_what_was_expected(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        Hooks(**kwargs)
 
 
 def test_an_object_dtype_is_refused():
     with pytest.raises(TypeError, match="numeric or bool dtype, got object"):
-        SourceOptions.create(4, dtype=object)
+        SourceSpec(4, dtype=object)
+
+
+def test_a_source_has_at_most_twenty_keyword_arguments():
+    import inspect
+
+    keywords = [p for p in inspect.signature(ParallelSource).parameters.values()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert len(keywords) <= 20, [p.name for p in keywords]
 
 
 def test_prefetch_defaults_to_two_batches_per_worker():
-    assert SourceOptions.create(4, num_workers=3).prefetch == 6
-    assert SourceOptions.create(4, prefetch=1, num_workers=3).prefetch == 1
+    with ParallelSource(lambda info: np.zeros(1), 4, num_workers=3) as src:
+        assert src.prefetch == 6
+    with ParallelSource(lambda info: np.zeros(1), 4, num_workers=3, prefetch=1) as src:
+        assert src.prefetch == 1
 
 
 @pytest.mark.parametrize("kwargs", [{"num_workers": True}, {"num_workers": 0}, {"start_method": "thread"}])
 def test_bad_pool_options_are_refused(kwargs):
     with pytest.raises(ValueError):
-        PoolOptions.create(**kwargs)
+        PoolSpec(**kwargs)
 
 
 @pytest.mark.parametrize("given", [{"num_workers": 1}, {"start_method": "fork"}, {"pickler": None}])

@@ -4,6 +4,7 @@ import time
 
 import pytest
 
+from extsrc.engine.hooks import WorkerHooks
 from extsrc.engine.pickling import Pickler
 from extsrc.engine.processes import ProcessBackend
 from extsrc.engine.protocol import SourceSetup, Task
@@ -16,8 +17,8 @@ def _refuse(worker, num_workers):
 
 def _source() -> SourceSetup:
     return SourceSetup(source_id=0, name="refusing", kind="sample", callback=lambda info: None,
-                       pickled=False, batch_size=2, num_outputs=None, batch_info=False,
-                       dtypes=(), ndims=(), worker_init=_refuse, num_workers=1)
+                       pickled=False, batch_size=2, num_outputs=None, dtypes=(), ndims=(),
+                       hooks=WorkerHooks(worker_init=_refuse), num_workers=1)
 
 
 def _task() -> Task:

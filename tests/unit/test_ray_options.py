@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 
 from extsrc import ParallelSource, WorkerPool
-from extsrc.options import PoolOptions
+from extsrc.engine import PoolSpec
+
+
+def pool_spec(num_workers=1, ray_options=None, **kwargs):
+    """The spec a WorkerPool(num_workers, ray_options=..., **kwargs) checks."""
+    return PoolSpec(num_workers, backend_options=ray_options, **kwargs)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -29,15 +34,15 @@ from extsrc.options import PoolOptions
 ])
 def test_bad_backend_arguments_say_what_was_expected(kwargs, message):
     with pytest.raises((ValueError, TypeError)) as caught:
-        PoolOptions.create(**kwargs)
+        pool_spec(**kwargs)
     assert message in str(caught.value)
 
 
 def test_good_ray_options_are_kept_as_given_and_processes_keep_fork_by_default():
-    options = PoolOptions.create(3, backend="ray", ray_options={"num_cpus": 0.5, "resources": {"ssd": 1}})
+    options = pool_spec(3, backend="ray", ray_options={"num_cpus": 0.5, "resources": {"ssd": 1}})
     assert (options.backend, options.start_method, options.num_workers) == ("ray", None, 3)
     assert options.backend_options == {"num_cpus": 0.5, "resources": {"ssd": 1}}
-    assert PoolOptions.create().start_method == "fork" and PoolOptions.create().backend == "processes"
+    assert PoolSpec().start_method == "fork" and PoolSpec().backend == "processes"
 
 
 def test_a_bad_backend_given_to_a_source_is_refused_before_anything_starts():
