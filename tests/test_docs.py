@@ -63,10 +63,6 @@ DECLARED_MODULES = {"torch", "ray", "cupy", "torchvision"}
 LAYER_MODULES = {"extsrc.torch": "torch", "extsrc.cupy": "cupy", "extsrc.ray": "ray"}
 DALI_NAMES = {"fn", "pipeline_def", "Pipeline"}  # from extsrc import these: DALI's drop-in
 
-# The API change that moves batch_info, round_robin, dense_arrays and worker_init into
-# hooks=extsrc.Hooks(...), and stats_every= into stats=seconds. Blocks that use it are expected to
-# fail until extsrc.Hooks exists; once it does, this changes nothing (remove it then).
-PENDING_API = re.compile(r"\bHooks\b|\bhooks=|\bstats=\d")
 
 _COMMENT = re.compile(r"^\s*<!--\s*docs-test:\s*(.*?)\s*-->\s*$")
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
@@ -271,12 +267,6 @@ def test_links_between_pages_resolve():
 
 # -- running the blocks -----------------------------------------------------------------------------
 
-def _new_api_missing() -> bool:
-    import extsrc
-
-    return not hasattr(extsrc, "Hooks")
-
-
 def _environment(tmp_path: Path) -> Dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -296,11 +286,8 @@ def _skip_if_missing(block: Block) -> None:
 
 
 @pytest.mark.parametrize("block", RUN_BLOCKS)
-def test_block_runs(block: Block, tmp_path: Path, request):
+def test_block_runs(block: Block, tmp_path: Path):
     _skip_if_missing(block)
-    if PENDING_API.search(block.code) and _new_api_missing():
-        request.applymarker(pytest.mark.xfail(reason="uses extsrc.Hooks / stats=seconds, not landed yet",
-                                              strict=False))
     name = re.sub(r"\W", "_", block.where)
     if block.language == "python":
         script = tmp_path / f"{name}.py"
