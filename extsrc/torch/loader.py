@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Type, TypeVar, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 
@@ -70,61 +70,46 @@ def _wait_quietly(in_flight: InFlight, handed: _Handed) -> None:
         pass  # at interpreter exit CUDA may be gone, and with it every copy
 
 
-_Loader = TypeVar("_Loader", bound="TorchLoader")  # a subclass, made by _owning
 Device = Union[None, str, int, torch.device]  # where batches go: None or "cpu", else a CUDA device
 
 
 class TorchLoader:
     """The batches of ``source`` (a :class:`~extsrc.ParallelSource`) as torch tensors.
 
-    Each batch is what the source yields, with every output a tensor: one
-    tensor of shape ``(batch, *sample_shape)`` when the output's samples
-    share shape and dtype (dense), else a list of per-sample tensors; several
-    outputs (``num_outputs``) make a tuple. Each ``for`` loop is one epoch of
-    the source. ``len()`` is the source's (batches per epoch; needs
-    ``order=``). One consumer thread per loader, and one loop at a time: a
-    new ``iter()``, ``load_state_dict()`` or ``close()`` ends the running
-    loop, whose next ``next()`` raises ``RuntimeError`` (``ValueError``
-    after ``close()``). A ``KeyboardInterrupt`` inside ``next()`` loses no
-    batch: the next call returns the one it interrupted.
+    Every output of a batch is one tensor ``(batch, *sample_shape)`` when its
+    samples share shape and dtype, else a list of per-sample tensors; several
+    outputs make a tuple. Each ``for`` loop is one epoch of the source;
+    ``len()`` is the source's. One loop at a time: a new ``iter()``,
+    ``load_state_dict()`` or ``close()`` ends the running loop, whose next
+    ``next()`` raises ``RuntimeError`` (``ValueError`` after ``close()``). A
+    ``KeyboardInterrupt`` inside ``next()`` loses no batch.
 
-    * ``device=None`` (or ``"cpu"``): tensors are ``torch.from_numpy`` views
-      of the batch's shared memory, no copy; like the source's arrays they
-      stay valid and unchanged for as long as they (or views of them) live.
-    * ``pin_memory=True``: the source's shared memory is registered with
-      CUDA as page-locked once (``cudaHostRegister``, every mapping as it is
-      made), so ``tensor.to("cuda", non_blocking=True)`` is a DMA with no
-      copy on the CPU and ``tensor.is_pinned()`` is true. The loader keeps
-      each CPU batch referenced until the work queued on the current CUDA
-      stream when the next batch is taken has completed, which covers a copy
-      queued on that stream before taking the next batch (the usual loop);
-      a copy queued on another stream, or later, must keep the batch itself.
-    * ``device="cuda"`` (``"cuda:N"``, a ``torch.device``): batches arrive as
-      CUDA tensors. Each batch is copied on a side stream while the previous
-      one is in use, and the current stream waits for the copy before using
-      it; the host batch stays referenced (its memory is not reused) until
-      the copy's event has completed. With ``pin_memory=True`` the copies
-      are DMAs from the page-locked shared memory; without, CUDA stages them
-      through its own buffer, on the CPU.
+    * ``device=None`` (or ``"cpu"``): ``torch.from_numpy`` views of the
+      batch's shared memory, valid and unchanged while they live.
+    * ``pin_memory=True``: the shared memory is page-locked for CUDA once
+      (``cudaHostRegister``), so ``tensor.to("cuda", non_blocking=True)`` is a
+      DMA; each CPU batch stays referenced until the work queued on the
+      current stream when the next batch is taken has completed (a copy
+      queued on another stream, or later, must keep the batch itself).
+    * ``device="cuda"`` (``"cuda:N"``, a ``torch.device``): CUDA tensors, each
+      batch copied on a side stream while the previous one is in use (DMAs
+      with ``pin_memory=True``, else staged by CUDA); the current stream waits
+      for the copy, and the host batch is kept until the copy is done.
 
-    Asking for CUDA (either option) starts the source's workers first (so
-    that ``fork`` workers start before CUDA is initialised), then raises
-    ``RuntimeError`` if CUDA is not available. A failed page-locking is
-    raised from the next ``next()``.
-
-    ``state_dict()`` / ``load_state_dict()`` save and restore the position
-    (the next batch the loop would get, whatever was prefetched), as the
-    source's ``get_state()`` / ``set_state()`` do. ``close()`` (or ``with``)
-    waits for copies in flight and, for a loader made by
-    :func:`extsrc.torch.from_dataset`, closes its source.
+    Asking for CUDA starts the workers first (``fork`` before CUDA is
+    initialised), then raises ``RuntimeError`` without CUDA; a failed
+    page-locking is raised from the next ``next()``. ``state_dict()`` /
+    ``load_state_dict()`` save and restore the next batch a loop would get,
+    as the source's ``get_state()`` / ``set_state()``. ``close()`` (or
+    ``with``) waits for copies in flight; it leaves ``source`` open.
     """
 
     def __init__(self, source: ParallelSource, *, device: Device = None, pin_memory: bool = False):
         self._setup(source, device, pin_memory, rebuild=None, owns_source=False)
 
     @classmethod
-    def _owning(cls: Type[_Loader], source: ParallelSource, *, device: Device, pin_memory: bool,
-                rebuild: Optional[Callable[[Any], Any]]) -> _Loader:
+    def _owning(cls, source: ParallelSource, *, device: Device, pin_memory: bool,
+                rebuild: Optional[Callable[[Any], Any]]) -> "TorchLoader":
         """A loader that closes ``source`` with itself and shapes each batch with ``rebuild``."""
         loader = cls.__new__(cls)
         try:
@@ -168,8 +153,6 @@ class TorchLoader:
         if pin_memory:
             self._page_lock = _page_lock_with_torch(source, index)
 
-    # -- what it is ------------------------------------------------------------------------------
-
     @property
     def source(self) -> ParallelSource:
         """The source whose batches this loader yields."""
@@ -189,8 +172,6 @@ class TorchLoader:
         """Batches per epoch (the source's ``len()``; needs ``order=``)."""
         return len(self._source)
 
-    # -- epochs ----------------------------------------------------------------------------------
-
     def __iter__(self) -> "_Epoch":
         """Starts the source's next epoch (ending an unfinished one) and returns its iterator."""
         if self._closed:
@@ -206,8 +187,6 @@ class TorchLoader:
         tensors = batch_tensors(batch)
         return tensors if self._rebuild is None else self._rebuild(tensors)
 
-    # -- state -----------------------------------------------------------------------------------
-
     def state_dict(self) -> Dict[str, Any]:
         """Where the loader stands: the next batch a loop would get (a small JSON-able dict)."""
         state = self._source.get_state()
@@ -217,11 +196,8 @@ class TorchLoader:
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Makes the next ``iter()`` resume at ``state_dict`` (from :meth:`state_dict`).
-
-        Raises ``ValueError`` for a state not made by :meth:`state_dict` (or by
-        ``ParallelSource.get_state``), or saved with another order.
-        """
+        """Makes the next ``iter()`` resume at ``state_dict`` (from :meth:`state_dict`);
+        ``ValueError`` for another state, or one saved with another order."""
         self._source.set_state(state_dict)
         self._end_loop("load_state_dict()")
         self._position = None
@@ -231,15 +207,11 @@ class TorchLoader:
         if self._position is not None:
             self._position.ended_by = why
 
-    # -- life cycle ------------------------------------------------------------------------------
-
     def close(self) -> None:
         """Waits for the copies in flight; closes the source if the loader made it. Idempotent."""
         if self._closed_fully:
             return
-        # A close() interrupted (KeyboardInterrupt) after this point is finished by the next
-        # call: each step below may be repeated.
-        self._closed = True
+        self._closed = True  # from here, an interrupted close() is finished by the next one
         self._end_loop("close()")
         self._position = None
         self._finalizer()

@@ -2,11 +2,10 @@
 
 The consumer iterates the loader's index sampler (a ``BatchSampler``, or the
 ``sampler`` itself with ``batch_size=None``) when a loop begins, as a DataLoader's
-iterator does, and writes the epoch's batches of indices to an :class:`IndexTable`
-(a file per epoch in a private directory, on ``/dev/shm`` where there is one); a
-worker loading batch ``k`` of epoch ``e`` (:class:`SampledBatches`) reads the table
-of ``e`` once, fetches ``dataset[i]`` for each index of batch ``k`` and collates them
-with ``collate_fn`` there, in the worker, as a DataLoader worker does.
+iterator does (:func:`draw_batches`), and writes the epoch's batches of indices to
+an :class:`IndexTable`; a worker making batch ``k`` of epoch ``e``
+(:class:`~extsrc.torch.workers.IndexedBatches`) reads the table of ``e`` once and
+collates the samples of batch ``k`` there, in the worker, as a DataLoader worker does.
 """
 
 from __future__ import annotations
@@ -17,9 +16,7 @@ import pickle
 import shutil
 import tempfile
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence
-
-from extsrc.torch.structure import pack_whole
+from typing import Any, Dict, List, Optional, Sequence
 
 _SHM_DIR = "/dev/shm"  # memory-backed where it exists: the tables are never written to disk
 TABLES_KEPT = 2  # an epoch's table outlives it by one epoch: a superseded epoch's late tasks read it
@@ -58,6 +55,8 @@ class IndexTable:
         self._owner = os.getpid()
         self._fds: Dict[int, int] = {}  # epoch -> memfd (memfd mode)
         self._finalizer: "weakref.finalize[Any, Any]"
+        self._read: Optional[Sequence[Any]] = None  # a reader's batches of _read_epoch
+        self._read_epoch = -1
         if _memfd_usable():
             self.directory: Optional[str] = None
             self._token = f"{self._owner}-{os.urandom(6).hex()}"
@@ -123,7 +122,7 @@ class IndexTable:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._fds = {}
+        self._fds, self._read, self._read_epoch = {}, None, -1
         self._finalizer = None  # type: ignore[assignment]
 
     def read(self, epoch_idx: int) -> List[Any]:
@@ -143,6 +142,14 @@ class IndexTable:
         raise RuntimeError(
             f"the indices of epoch {epoch_idx} are not in {where}: the loader that "
             "wrote them was closed, or the epoch was superseded long ago")
+
+    def batch(self, epoch_idx: int, k: int) -> Any:
+        """Batch ``k`` of epoch ``epoch_idx`` (its table read once); ``StopIteration`` past the last."""
+        if self._read is None or self._read_epoch != epoch_idx:
+            self._read, self._read_epoch = self.read(epoch_idx), epoch_idx
+        if k >= len(self._read):
+            raise StopIteration
+        return self._read[k]
 
     def _read_memfd(self, epoch_idx: int) -> Optional[bytes]:
         """The sealed table of ``epoch_idx`` among the owner's descriptors, or None."""
@@ -185,44 +192,3 @@ def draw_batches(index_sampler: Any, batched: bool) -> List[Any]:
     if batched:
         return [list(batch) for batch in index_sampler]
     return [index for index in index_sampler]
-
-
-class SampledBatches:
-    """The workers' callback (sample mode, in place, one "sample" per batch) of a loader with a
-    sampler: batch ``info.idx_in_epoch`` of epoch ``info.epoch_idx`` is the batch of indices the
-    :class:`IndexTable` holds there, fetched and collated by ``collate_fn`` (with
-    ``batched=False``, the one index's sample, converted by ``collate_fn``), packed whole into
-    the batch's shared memory. Past the epoch's last batch it raises ``StopIteration``."""
-
-    def __init__(self, dataset: Any, collate_fn: Callable[[Any], Any], table: IndexTable, batched: bool):
-        self.dataset = dataset
-        self.collate_fn = collate_fn
-        self.table = table
-        self.batched = batched
-        self._epoch: Optional[int] = None  # of the batches cached (made in the worker)
-        self._batches: Sequence[Any] = ()
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_epoch": None, "_batches": ()}
-
-    def __call__(self, info: Any, buffers: Any) -> Any:
-        if self._epoch != info.epoch_idx:
-            self._batches = self.table.read(info.epoch_idx)
-            self._epoch = info.epoch_idx
-        k = info.idx_in_epoch
-        if k >= len(self._batches):
-            raise StopIteration
-        indices = self._batches[k]
-        if self.batched:
-            batch = self.collate_fn([self._fetch(index) for index in indices])
-        else:
-            batch = self.collate_fn(self._fetch(indices))
-        return pack_whole(batch, buffers, f"batch {k} (indices {indices!r})")
-
-    def _fetch(self, index: Any) -> Any:
-        try:
-            return self.dataset[index]
-        except Exception as exc:
-            if hasattr(exc, "add_note"):  # Python 3.11+
-                exc.add_note(f"(extsrc.torch: raised by dataset[{index!r}])")
-            raise

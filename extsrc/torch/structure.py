@@ -221,6 +221,12 @@ class Flattener:
             self._encoded[structure] = encoded
         return (encoded, *leaves)
 
+    def columns(self, samples: List[Any], where: str) -> Tuple[List[np.ndarray], ...]:
+        """A batch of ``samples`` flattened: one list per output (the structures first), the
+        samples of the batch ``where`` names in order."""
+        flat = [self(sample, f"sample {k} of {where}") for k, sample in enumerate(samples)]
+        return tuple(list(column) for column in zip(*flat))
+
 
 class Collation:
     """The consumer's side: a batch of flattened samples (their tensors) as default_collate
@@ -249,6 +255,18 @@ class Collation:
             self._check_same(structures)
             structure = structures[0]
         return _rebuild(structure, tensors, iter(range(1, len(tensors))))
+
+    def of_columns(self, columns: Tuple[List[np.ndarray], ...]) -> Any:
+        """A batch collated in this process from :meth:`Flattener.columns` (``num_workers=0``),
+        as the workers' batches are: a list of tensors for an output whose samples differ."""
+        outputs: List[Any] = []
+        for column in columns:
+            first = column[0]
+            if all(a.shape == first.shape and a.dtype == first.dtype for a in column):
+                outputs.append(torch.from_numpy(np.stack(column)))
+            else:
+                outputs.append([torch.from_numpy(np.array(a)) for a in column])
+        return self(tuple(outputs))
 
     @staticmethod
     def _check_same(structures: List[Structure]) -> None:

@@ -629,6 +629,27 @@ def test_in_process_state_dict_resumes_at_the_next_batch_of_the_epoch():
     assert len(taken) + len(rest) == 5
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_saved_after_the_last_batch_resumes_at_the_end_of_that_epoch(num_workers):
+    # Saved inside the loop after its last batch, the state is that epoch's end (resuming it
+    # gives no batch, then the next epoch); saved once the loop ended, the next epoch's start.
+    # In this process as with workers (in this process it pointed at the next epoch at once).
+    def loader():
+        return from_dataset(Records(10), batch_size=4, num_workers=num_workers)
+
+    with loader() as first:
+        for _ in first:
+            inside = first.state_dict()
+        after = first.state_dict()
+    assert (inside["epoch_idx"], inside["iteration"]) == (0, 3)
+    assert (after["epoch_idx"], after["iteration"]) == (1, 0)
+    for state, batches in ((inside, 0), (after, 3)):
+        with loader() as resumed:
+            resumed.load_state_dict(state)
+            assert len(list(resumed)) == batches
+            assert len(list(resumed)) == 3  # then a whole epoch
+
+
 def test_state_dict_is_refused_with_a_sampler_rather_than_resuming_elsewhere():
     with from_dataset(Records(8), batch_size=2, sampler=[3, 1, 2], num_workers=1) as loader:
         with pytest.raises(TypeError, match="cannot be drawn again"):

@@ -1,0 +1,205 @@
+"""What runs in a from_dataset loader's workers: their start, as a DataLoader worker's, and the
+fetchers, as PyTorch's (``dataset[i]`` for each index of a batch, or an iterable's next samples)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any, Callable, Iterator, List, Optional, Union
+
+import numpy as np
+import torch
+from torch.utils.data import IterDataPipe
+
+from extsrc.engine import Order, RecordCache
+from extsrc.torch.sampling import IndexTable
+from extsrc.torch.structure import Flattener, pack_whole
+
+_NUMERIC_KINDS = frozenset("biufc")
+
+
+class WorkerStart:
+    """Run in each worker before its first sample, as a DataLoader worker starts: one PyTorch
+    thread (a forked child's first parallel op would wait forever for its parent's OpenMP
+    threads), ``random``, NumPy and PyTorch seeded from ``base_seed`` and the worker's index,
+    ``get_worker_info()``, a datapipe sharded, then the user's ``worker_init_fn(worker_id)``."""
+
+    def __init__(self, dataset: Any, base_seed: int, worker_init_fn: Optional[Callable[[int], None]]):
+        self.dataset = dataset
+        self.base_seed = base_seed
+        self.worker_init_fn = worker_init_fn
+
+    def __call__(self, worker_index: int, num_workers: int) -> None:
+        from torch.utils.data._utils import worker as torch_worker
+
+        torch.set_num_threads(1)
+        seed = self.base_seed + worker_index  # as a DataLoader seeds its worker `worker_index`
+        random.seed(seed)
+        torch.manual_seed(seed)
+        np.random.seed(np.random.SeedSequence([self.base_seed, worker_index]).generate_state(4))
+        torch_worker._worker_info = torch_worker.WorkerInfo(
+            id=worker_index, num_workers=num_workers, seed=seed, dataset=self.dataset)
+        if isinstance(self.dataset, IterDataPipe):
+            from torch.utils.data import graph_settings
+
+            graph_settings.apply_sharding(self.dataset, num_workers, worker_index)
+        if self.worker_init_fn is not None:
+            self.worker_init_fn(worker_index)
+
+
+def round_robin(iteration: int, num_workers: int) -> int:
+    """DataLoader's order of workers: batch ``iteration`` of an epoch made whole by worker
+    ``iteration % num_workers`` (``Hooks.assign``)."""
+    return iteration % num_workers
+
+
+def _note(error: Exception, call: str) -> None:
+    if hasattr(error, "add_note"):  # Python 3.11+
+        error.add_note(f"(extsrc.torch: raised by {call})")
+
+
+def fetch(dataset: Any, indices: Any, batched: bool) -> Any:
+    """As DataLoader's map fetcher: the samples at ``indices``, or (not ``batched``) the one at
+    the index ``indices``; an error gets a note naming the index."""
+    if not batched:
+        return _item(dataset, indices)
+    return [_item(dataset, index) for index in indices]
+
+
+def _item(dataset: Any, index: Any) -> Any:
+    try:
+        return dataset[index]
+    except Exception as exc:
+        _note(exc, f"dataset[{index!r}]")
+        raise
+
+
+def grouped(samples: Iterator[Any], size: Optional[int], drop_last: bool) -> Iterator[Any]:
+    """As DataLoader's iterable fetcher: lists of ``size`` samples (the last one shorter, or
+    dropped with ``drop_last``), or each sample alone (not in a list) with ``size=None``."""
+    while True:
+        batch = list(itertools.islice(samples, size or 1))
+        if not batch or (size is not None and len(batch) < size and drop_last):
+            return
+        yield batch if size is not None else batch[0]
+        if len(batch) < (size or 1):
+            return
+
+
+class DatasetSamples:
+    """The default collation's callback (sample mode): ``dataset[info.record]``, flattened."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+        self.flatten = Flattener()
+        self._single = Flattener()(np.zeros(0), "")[0]  # the structure of one array
+
+    def __call__(self, info: Any) -> Any:
+        record = info.record
+        try:
+            sample = self.dataset[record]
+        except Exception as exc:
+            _note(exc, f"dataset[{record}]")
+            raise
+        if type(sample) is np.ndarray and sample.dtype.kind in _NUMERIC_KINDS:
+            return self._single, sample  # the common case, first; the engine checks the rest
+        return self.flatten(sample, f"dataset[{record}]")
+
+
+class AsyncDatasetSamples(DatasetSamples):
+    """:class:`DatasetSamples` awaiting a dataset's ``async def getitem_async(index)``."""
+
+    async def __call__(self, info: Any) -> Any:
+        record = info.record
+        try:
+            sample = await self.dataset.getitem_async(record)
+        except Exception as exc:
+            _note(exc, f"dataset.getitem_async({record})")
+            raise
+        if type(sample) is np.ndarray and sample.dtype.kind in _NUMERIC_KINDS:
+            return self._single, sample
+        return self.flatten(sample, f"dataset.getitem_async({record})")
+
+
+class OrderBatches:
+    """The batches of indices of the loader's own order (each record alone with
+    ``batch_size=None``), computed where they are read, as an ``IndexTable``'s are read."""
+
+    def __init__(self, order: Order, batch_size: Optional[int], count: int):
+        self.order = order
+        self.batch_size = batch_size
+        self.count = count  # batches per epoch
+        self._records: Optional[RecordCache] = None  # made where it is read
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_records": None}
+
+    def batch(self, epoch_idx: int, k: int) -> Union[int, List[int]]:
+        if self._records is None:
+            self._records = RecordCache(self.order)
+        if self.batch_size is None:
+            return self._records.get(epoch_idx, k, k + 1)[0]
+        start = k * self.batch_size
+        return self._records.get(epoch_idx, start, min(start + self.batch_size, len(self.order)))
+
+
+class IndexedBatches:
+    """The callback (sample mode, in place) of workers making whole batches: batch ``k`` of
+    epoch ``e`` is ``indices.batch(e, k)``, fetched, collated by ``collate_fn`` and packed
+    whole into the batch's shared memory (:func:`~extsrc.torch.structure.pack_whole`)."""
+
+    def __init__(self, dataset: Any, collate_fn: Callable[[Any], Any],
+                 indices: Union[OrderBatches, IndexTable], batched: bool):
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.indices = indices
+        self.batched = batched
+
+    def __call__(self, info: Any, buffers: Any) -> Any:
+        indices = self.indices.batch(info.epoch_idx, info.idx_in_epoch)
+        batch = self.collate_fn(fetch(self.dataset, indices, self.batched))
+        return pack_whole(batch, buffers, f"collate_fn's batch {info.idx_in_epoch}")
+
+
+class _HeapBuffers:
+    """Room for a packed batch in the worker's memory (in batch mode the engine copies it)."""
+
+    @staticmethod
+    def array(nbytes: int, dtype: Any, output: int = 0) -> np.ndarray:
+        return np.empty(nbytes, dtype)
+
+
+class IterableBatches:
+    """One worker's source of an ``IterableDataset``: each pass iterates the worker's copy
+    (``get_worker_info().dataset``) and yields its batches as a DataLoader worker forms them,
+    flattened (default collation) or made by ``collate_fn`` and packed whole."""
+
+    def __init__(self, batch_size: Optional[int], drop_last: bool,
+                 collate_fn: Optional[Callable[[Any], Any]], seeds: Optional[IndexTable]):
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.collate_fn = collate_fn  # None: default collation, in shared memory
+        self.flatten = Flattener()
+        self.seeds = seeds  # a datapipe's: each epoch's shuffle seed, written by the consumer
+        self.epoch_seed: Optional[int] = None
+
+    def begin_epoch(self, epoch_idx: int) -> None:
+        """``Hooks.begin_epoch``: the datapipe's seed the loader drew at this epoch's ``iter()``."""
+        if self.seeds is not None:
+            self.epoch_seed = self.seeds.read(epoch_idx)[0]
+
+    def __iter__(self) -> Any:
+        from torch.utils.data import get_worker_info, graph_settings
+
+        info = get_worker_info()
+        assert info is not None, "iterated in a worker of the loader"
+        if isinstance(info.dataset, IterDataPipe) and self.epoch_seed is not None:
+            # the same seed in every worker, as DataLoader's: shuffled alike, then sharded
+            graph_settings.apply_random_seed(info.dataset, torch.Generator().manual_seed(self.epoch_seed))
+        for count, batch in enumerate(grouped(iter(info.dataset), self.batch_size, self.drop_last)):
+            where = f"batch {count} of this worker"
+            if self.collate_fn is None:
+                yield self.flatten.columns(batch, where)
+            else:
+                description, buffer = pack_whole(self.collate_fn(batch), _HeapBuffers, f"collate_fn's {where}")
+                yield [description], [buffer]
