@@ -13,6 +13,8 @@ PyTorch and CuPy (imported on first use): ``extsrc.torch`` (``TorchLoader``,
 ``from_dataset``) and ``extsrc.cupy`` (``to_device``).
 """
 
+from typing import Any
+
 from extsrc.engine import (
     Batch,
     BatchInfo,
@@ -72,13 +74,12 @@ _DALI_NAMES = ("fn", "pipeline_def", "Pipeline")
 _OPTIONAL_MODULES = ("torch", "cupy")  # extsrc.torch, extsrc.cupy: imported on first use
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:  # a module, or one of DALI's names
+    # The layers are imported by name, so that a type check of the core does not follow into them.
+    import importlib
+
     if name in _DALI_NAMES:
-        from extsrc import dali
-
-        return getattr(dali, name)
+        return getattr(importlib.import_module("extsrc.dali"), name)
     if name in _OPTIONAL_MODULES:
-        import importlib
-
         return importlib.import_module(f"extsrc.{name}")
     raise AttributeError(f"module 'extsrc' has no attribute {name!r}")

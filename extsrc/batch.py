@@ -6,8 +6,10 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from extsrc.arrays import Array
 
-class Batch(list):
+
+class Batch(list[Array]):
     """The samples of one output of one batch: a list of NumPy arrays.
 
     The arrays are zero-copy views of shared memory. They stay valid and
@@ -22,7 +24,7 @@ class Batch(list):
 
     __slots__ = ("_dense",)
 
-    def __init__(self, samples: Iterable[np.ndarray] = (), dense: Optional[np.ndarray] = None):
+    def __init__(self, samples: Iterable[Array] = (), dense: Optional[Array] = None):
         super().__init__(dense if dense is not None else samples)
         self._dense = dense
 
@@ -31,7 +33,7 @@ class Batch(list):
         """True when :meth:`as_array` returns a view rather than a copy."""
         return self._dense is not None
 
-    def as_array(self) -> np.ndarray:
+    def as_array(self) -> Array:
         """The batch as one array of shape ``(len(self), *sample_shape)``.
 
         A view of shared memory when :attr:`is_dense` (same lifetime as the

@@ -25,11 +25,15 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union, overload
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple, TypedDict, Union, overload
 
 import numpy as np
 
+from extsrc.arrays import Array, Int64Array, UInt64Array
 from extsrc.checks import is_int
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 REMAINDERS = ("drop", "pad")
 MAX_RECORDS = 1 << 62  # positions and records fit int64 on every path
@@ -86,8 +90,10 @@ class _Feistel:
             x = self._once(x)
         return x
 
-    def _once_array(self, x: np.ndarray) -> np.ndarray:
+    def _once_array(self, x: UInt64Array) -> UInt64Array:
         half, shift, m1, m2, s31 = self._half, self._shift, self._m1, self._m2, self._s31
+        left: UInt64Array  # (NumPy's stubs leave uint64 arithmetic untyped)
+        right: UInt64Array
         left, right = x >> half, x & self._mask
         for key in self._keys:
             z = right ^ key
@@ -101,7 +107,7 @@ class _Feistel:
         left |= right
         return left
 
-    def array(self, x: np.ndarray) -> np.ndarray:
+    def array(self, x: UInt64Array) -> UInt64Array:
         """The permutation of every element of ``x`` (uint64), vectorised."""
         if not hasattr(self, "_keys"):
             self._half, self._shift = np.uint64(self.half), np.uint64(self.shift)
@@ -136,6 +142,16 @@ def auto_shard() -> Tuple[int, int]:
     if jax is not None and initialised is not None and initialised():
         return int(jax.process_index()), int(jax.process_count())
     return 0, 1
+
+
+class OrderSettings(TypedDict):
+    """An order's settings, as :meth:`Order.describe` gives them (JSON-able)."""
+
+    num_records: int
+    shuffle: bool
+    seed: int
+    shard: List[int]  # [index, count]
+    remainder: str
 
 
 class Order:
@@ -190,7 +206,7 @@ class Order:
     def __len__(self) -> int:
         return self.length
 
-    def describe(self) -> Dict[str, Any]:
+    def describe(self) -> OrderSettings:
         """The settings, JSON-able (what a saved state records to check it resumes the same order)."""
         return {"num_records": self.num_records, "shuffle": self.shuffle, "seed": self.seed,
                 "shard": list(self.shard), "remainder": self.remainder}
@@ -206,7 +222,7 @@ class Order:
         return (f"Order({self.num_records}, shuffle={self.shuffle}, seed={self.seed}, "
                 f"shard=({index}, {count}), remainder={self.remainder!r})")
 
-    def __getstate__(self) -> Dict[str, Any]:
+    def __getstate__(self) -> Dict[str, object]:
         state = dict(self.__dict__)
         state["_permutations"] = {}
         return state
@@ -232,10 +248,10 @@ class Order:
             g -= self.num_records
         return self._permutation(epoch_idx)(g) if self.shuffle else g
 
-    def records(self, epoch_idx: int, positions: np.ndarray) -> np.ndarray:
+    def records(self, epoch_idx: int, positions: Int64Array) -> Int64Array:
         """The records at ``positions`` (int64 array, each in ``range(len(self))``), vectorised."""
         index, count = self.shard
-        g = positions.astype(np.uint64) * np.uint64(count) + np.uint64(index)
+        g: UInt64Array = positions.astype(np.uint64) * np.uint64(count) + np.uint64(index)
         if self.remainder == "pad":
             g = np.where(g >= np.uint64(self.num_records), g - np.uint64(self.num_records), g)
         if self.shuffle:
@@ -262,9 +278,9 @@ class RecordCache:
     def __init__(self, order: Order):
         self.order = order
         self._key: Tuple[int, int] = (-1, -1)  # (epoch, first position of the chunk)
-        self._records: np.ndarray = np.empty(0, np.int64)
+        self._records: Int64Array = np.empty(0, np.int64)
 
-    def get(self, epoch_idx: int, start: int, stop: int) -> list:
+    def get(self, epoch_idx: int, start: int, stop: int) -> List[int]:
         """Records of positions ``start..stop-1`` (each below ``len(order)``) as Python ints."""
         if not self.order.shuffle and self.order.shard == (0, 1):
             return list(range(start, stop))
@@ -274,8 +290,10 @@ class RecordCache:
                 last = min(first + self.CHUNK, len(self.order))
                 self._records = self.order.records(epoch_idx, np.arange(first, last, dtype=np.int64))
                 self._key = (epoch_idx, first)
-            return self._records[start - first:stop - first].tolist()
-        return self.order.records(epoch_idx, np.arange(start, stop, dtype=np.int64)).tolist()
+            records: List[int] = self._records[start - first:stop - first].tolist()
+            return records
+        records = self.order.records(epoch_idx, np.arange(start, stop, dtype=np.int64)).tolist()
+        return records
 
 
 class EpochOrder(Sequence[int]):
@@ -301,7 +319,7 @@ class EpochOrder(Sequence[int]):
     @overload
     def __getitem__(self, item: slice) -> "EpochOrder": ...
 
-    def __getitem__(self, item):
+    def __getitem__(self, item: Union[int, slice]) -> Union[int, "EpochOrder"]:
         if isinstance(item, slice):
             return EpochOrder(self.order, self.epoch_idx, self.positions[item])
         return self.order.record(self.epoch_idx, self.positions[item])
@@ -310,13 +328,13 @@ class EpochOrder(Sequence[int]):
         for start in range(0, len(self.positions), self._CHUNK):
             yield from self._array(self.positions[start:start + self._CHUNK]).tolist()
 
-    def _array(self, positions: range) -> np.ndarray:
+    def _array(self, positions: range) -> Int64Array:
         if len(positions) == 0:
             return np.empty(0, np.int64)
         array = np.arange(positions.start, positions.stop, positions.step, dtype=np.int64)
         return self.order.records(self.epoch_idx, array)
 
-    def __array__(self, dtype: Any = None, copy: Optional[bool] = None) -> np.ndarray:
+    def __array__(self, dtype: Optional[DTypeLike] = None, copy: Optional[bool] = None) -> Array:
         array = self._array(self.positions)
         return array if dtype is None else array.astype(dtype)
 

@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Any, List, NamedTuple, Optional, Tuple, Type
+from typing import TYPE_CHECKING, List, NamedTuple, Optional, Tuple, Type
 
-_SampleInfoFields = collections.namedtuple(  # type: ignore[name-match]  # pickles as SampleInfo
-    "SampleInfo", ["idx_in_epoch", "idx_in_batch", "iteration", "epoch_idx", "record", "seed"]
-)
+if TYPE_CHECKING:
+    import numpy as np
+
+    class _SampleInfoFields(NamedTuple):
+        """What the type checker knows of the fields below: six ints."""
+
+        idx_in_epoch: int
+        idx_in_batch: int
+        iteration: int
+        epoch_idx: int
+        record: int
+        seed: int
+else:
+    _SampleInfoFields = collections.namedtuple(  # named SampleInfo: pickles as SampleInfo
+        "SampleInfo", ["idx_in_epoch", "idx_in_batch", "iteration", "epoch_idx", "record", "seed"]
+    )
 
 
 class SampleInfo(_SampleInfoFields):
@@ -36,7 +49,7 @@ class SampleInfo(_SampleInfoFields):
         return tuple.__new__(cls, (idx_in_epoch, idx_in_batch, iteration, epoch_idx, record, seed))
 
     @functools.cached_property
-    def rng(self) -> Any:
+    def rng(self) -> np.random.Generator:
         """A ``numpy.random.Generator`` for this record in this epoch (made on first use)."""
         import numpy as np
 
@@ -49,7 +62,7 @@ class SampleInfo(_SampleInfoFields):
             text += f", record={self.record}"
         return text + ")"
 
-    def __reduce__(self):
+    def __reduce__(self) -> Tuple[Type[SampleInfo], Tuple[int, ...]]:
         return (SampleInfo, tuple(self))  # without the cached generator
 
 

@@ -10,20 +10,21 @@ batch keeps the lease, and with it the memory, alive.
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Dict, List, NamedTuple, Optional, Set, Tuple, Union
 
 import numpy as np
 
+from extsrc.arrays import Array
 from extsrc.batch import Batch
 from extsrc.errors import CallbackError, ExtsrcError, SampleError, WorkerTraceback
 from extsrc.engine.pickling import loads_exception
 from extsrc.engine.protocol import TaskDone, TaskFailed
 from extsrc.engine.samples import describe_dtype
 from extsrc.shm.layout import Region
-from extsrc.shm.mapping import view
+from extsrc.shm.mapping import Mapping, view
 from extsrc.shm.slots import Lease, Slot
 
-Output = Union[Batch, np.ndarray]  # an ndarray: a dense output of a source with dense_arrays=True
+Output = Union[Batch, Array]  # an ndarray: a dense output of a source with dense_arrays=True
 BatchOutput = Union[Output, Tuple[Output, ...]]
 
 
@@ -49,7 +50,7 @@ class PendingBatch:
         self.regions = regions
         self.ranges: Dict[int, Tuple[int, int]] = {}  # ticket -> (start, stop)
         self.results: Dict[int, Union[TaskDone, TaskFailed]] = {}
-        self.outstanding: set = set()  # tickets a worker may still write for
+        self.outstanding: Set[int] = set()  # tickets a worker may still write for
         self._order: Optional[List[Tuple[int, Union[TaskDone, TaskFailed]]]] = None
 
     def expect(self, ticket: int, start: int, stop: int) -> None:
@@ -120,11 +121,12 @@ class PendingBatch:
         """The first ``size`` samples as zero-copy arrays that keep ``lease`` alive; with
         ``dense_arrays``, an output written side by side is that one array, not a Batch."""
         region_map = lease.region
-        bases: Dict[int, np.ndarray] = {}  # mapping id -> base array; local, so no cycle with the lease
+        bases: Dict[int, Array] = {}  # mapping id -> base array; local, so no cycle with the lease
 
-        def base_of(mapping) -> np.ndarray:
+        def base_of(mapping: Optional[Mapping]) -> Array:
             array = bases.get(id(mapping))
             if array is None:
+                assert mapping is not None, "samples in place, and the lease has no region mapping"
                 array = bases[id(mapping)] = lease.base(mapping)
             return array
 
@@ -139,7 +141,7 @@ class PendingBatch:
                              (size,) + region.shape)
                 outputs.append(dense if dense_arrays else Batch(dense=dense))
                 continue
-            samples: List[np.ndarray] = []
+            samples: List[Array] = []
             for start, msg in done:
                 spilled = {s.position: s for s in msg.spilled[j]} if msg.spilled else {}
                 for position in range(start, min(start + msg.samples, size)):
@@ -157,7 +159,7 @@ class PendingBatch:
         return outputs[0] if num_outputs is None else tuple(outputs)
 
 
-def _check_uniform(samples: List[np.ndarray], output: int, batch: PendingBatch) -> None:
+def _check_uniform(samples: List[Array], output: int, batch: PendingBatch) -> None:
     if not samples:
         return
     first = samples[0]

@@ -49,10 +49,13 @@ import importlib
 import threading
 from dataclasses import dataclass
 from typing import (
-    Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Type, Union, runtime_checkable,
+    TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable,
 )
 
 from extsrc.engine.protocol import Result, SourceSetup, Task
+
+if TYPE_CHECKING:
+    from extsrc.engine.pickling import Pickler
 
 # Describes what worker ``index`` held when it was lost: "samples 0..3 of batch 1 of ...", or
 # "no samples". Given by the pool, which alone knows which tasks a worker holds.
@@ -135,6 +138,7 @@ class WorkerBackend(Protocol):
     def flush(self) -> Optional[Fault]:
         """Sends what is queued for each worker; the fault if a worker could not be reached."""
 
+    # The events are each backend's own, only handed from its wait() to its receive().
     def wait(self, timeout: Optional[float]) -> Any:
         """Blocks until a worker may have answered, the waker was woken, or ``timeout`` (s,
         ``None``: no limit) passed; returns what :meth:`receive` needs."""
@@ -166,13 +170,14 @@ class WorkerBackend(Protocol):
 class BackendClass(Protocol):
     """What a backend registers: its options checked once, and a way to make it."""
 
-    def check_options(self, start_method: Any, options: Any, names: Tuple[str, str, str],
-                      unset: Any) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
+    def check_options(self, start_method: object, options: object, names: Tuple[str, str, str],
+                      unset: object) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
         """``(start_method, options)`` checked for this backend, or ``ValueError``/``TypeError``
         naming ``names`` (what the backend and the two arguments are called where they were given); ``unset``
-        marks an argument not given."""
+        marks an argument not given. The options are keyword arguments the backend passes
+        on, e.g. to Ray."""
 
-    def __call__(self, num_workers: int, start_method: Optional[str], pickler: Any,
+    def __call__(self, num_workers: int, start_method: Optional[str], pickler: Pickler,
                  options: Optional[Dict[str, Any]]) -> WorkerBackend: ...
 
 
@@ -181,11 +186,11 @@ BUILT_IN = {
     "processes": "extsrc.engine.processes:ProcessBackend",
     "ray": "extsrc.ray.backend:RayBackend",
 }
-_registered: Dict[str, Any] = {}
+_registered: Dict[str, Union[str, BackendClass]] = {}
 _lock = threading.Lock()
 
 
-def register_backend(name: str, backend: Union[str, Type[Any]]) -> None:
+def register_backend(name: str, backend: Union[str, BackendClass]) -> None:
     """Makes ``WorkerPool(backend=name)`` use ``backend``: a class with the constructor and
     ``check_options`` of :class:`BackendClass`, or ``"module:Class"`` imported on first use."""
     if not isinstance(name, str) or not name:
@@ -218,7 +223,8 @@ def backend_class(name: str, argument: str = "backend") -> BackendClass:
         raise ValueError(f"{argument} must be one of {backend_names()}, got {name!r}")
     if isinstance(entry, str):
         module, _, attribute = entry.partition(":")
-        entry = getattr(importlib.import_module(module), attribute)
+        loaded: BackendClass = getattr(importlib.import_module(module), attribute)
         with _lock:
-            _registered.setdefault(name, entry)
+            _registered.setdefault(name, loaded)
+        return loaded
     return entry

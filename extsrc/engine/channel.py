@@ -22,10 +22,10 @@ import socket
 import struct
 import time
 from collections import deque
-from typing import Any, Deque, List, Sequence, Tuple
+from typing import Callable, Deque, List, Protocol, Sequence, Tuple
 
 from extsrc import forking
-from extsrc.engine.protocol import from_wire, to_wire
+from extsrc.engine.protocol import Message, from_wire, to_wire
 from extsrc.closing import close_when_collected
 
 _HEADER = struct.Struct("<IB")  # payload bytes, descriptors attached
@@ -36,6 +36,13 @@ _ANCILLARY_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 # The pool's end never blocks longer than this on one frame: a worker writes
 # each frame in one go, and a peer stuck for this long is broken anyway.
 POOL_END_TIMEOUT_S = 30.0
+
+
+class DupFd(Protocol):
+    """A descriptor duplicated for a spawn/forkserver child (``multiprocessing.reduction.DupFd``):
+    ``detach()`` there gives the child's own."""
+
+    def detach(self) -> int: ...
 
 
 class Channel:
@@ -69,12 +76,12 @@ class Channel:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def send(self, message: Any, fds: Sequence[int] = ()) -> None:
+    def send(self, message: Message, fds: Sequence[int] = ()) -> None:
         """Sends ``message`` (and ``fds``, duplicated into the peer). Raises ``OSError`` if
         the peer is gone."""
         self._send_frame(_frame(message, len(fds)), fds)
 
-    def send_many(self, messages: Sequence[Any]) -> None:
+    def send_many(self, messages: Sequence[Message]) -> None:
         """Sends ``messages`` (none with descriptors) in one write, in order: the peer is woken
         once for all of them. Raises ``OSError`` if the peer is gone."""
         self._send_frame(b"".join([_frame(message, 0) for message in messages]), ())
@@ -113,10 +120,11 @@ class Channel:
         filled = self._filled
         if filled < _HEADER.size:
             return False
+        length: int  # (struct's results are untyped)
         length, _count = _HEADER.unpack_from(self._inbox, 0)
         return _HEADER.size + length <= filled
 
-    def recv(self) -> Tuple[Any, List[int]]:
+    def recv(self) -> Tuple[Message, List[int]]:
         """Worker end: the next message and the descriptors that came with it (now owned by
         the caller); waits for it. Raises ``EOFError`` when the peer closed its end."""
         while not self.buffered():
@@ -157,7 +165,7 @@ class Channel:
         self._filled += got
         return got
 
-    def recv_available(self) -> List[Any]:
+    def recv_available(self) -> List[Message]:
         """Pool end: every message that has arrived whole, without waiting (may be none).
 
         Workers never send descriptors, so this reads plain bytes, as many as
@@ -228,7 +236,7 @@ class Channel:
         except OSError:
             pass
 
-    def __reduce__(self):
+    def __reduce__(self) -> Tuple[Callable[[DupFd], Channel], Tuple[DupFd]]:
         # Only for handing the worker's end to a spawn/forkserver worker in Process.start().
         from multiprocessing import reduction
 
@@ -270,10 +278,10 @@ class OwnedFds:
         close_when_collected(self.close)
 
 
-def _frame(message: Any, fd_count: int) -> bytes:
+def _frame(message: Message, fd_count: int) -> bytes:
     payload = pickle.dumps(to_wire(message), protocol=pickle.HIGHEST_PROTOCOL)
     return _HEADER.pack(len(payload), fd_count) + payload
 
 
-def _rebuild_worker_end(dup) -> Channel:
+def _rebuild_worker_end(dup: DupFd) -> Channel:
     return Channel(socket.socket(fileno=dup.detach()), pool_end=False)

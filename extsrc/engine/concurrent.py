@@ -31,16 +31,19 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
+from typing import (Any, Awaitable, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Set, Tuple,
+                    TypeAlias, Union)
 
 from extsrc.engine.threads import OwnedThread
 
 _ENDED = object()  # an async callback raised StopIteration
-Job = Tuple[int, Any]  # (position, the callback's argument)
-Deliver = Callable[[int, Any], None]  # (position, value); raises to fail that position
+Job = Tuple[int, object]  # (position, the callback's argument)
+Deliver = Callable[[int, object], None]  # (position, value); raises to fail that position
+AsyncCallback = Callable[[Any], Awaitable[object]]  # called with a job's argument
+Call: TypeAlias = "asyncio.Task[Tuple[object, int]]"  # one call of an async callback: (value, ns it took)
 
 
-def is_async(callback: Any) -> bool:
+def is_async(callback: object) -> bool:
     """Whether calling ``callback`` gives a coroutine (``async def``, also as ``__call__``
     or under ``functools.partial``)."""
     while hasattr(callback, "func") and hasattr(callback, "args"):  # functools.partial
@@ -63,7 +66,7 @@ class Event(NamedTuple):
     (``in_callback``), an exception from ``deliver``, or a :class:`Hung` job."""
 
     position: int
-    error: Any  # BaseException or Hung
+    error: Union[BaseException, Hung]
     in_callback: bool
 
 
@@ -91,6 +94,7 @@ class _Run:
         return self.event is None or position < self.event.position
 
     def finished(self, position: int, ok: bool, value: Any, ns: int) -> None:
+        # value: what the callback returned, or (not ok) what it raised.
         if not self.wanted(position):
             return
         if not ok:
@@ -111,7 +115,7 @@ class AsyncEngine:
     """Runs an ``async def`` callback, up to ``concurrency`` calls at once, on this
     process's event loop."""
 
-    def __init__(self, callback: Callable[[Any], Any], concurrency: int):
+    def __init__(self, callback: AsyncCallback, concurrency: int):
         self.callback = callback
         self.concurrency = concurrency
         self._busy = 0  # calls in flight, over all the runs sharing the limit (run_shared)
@@ -122,7 +126,7 @@ class AsyncEngine:
         """The worker's event loop (see :func:`worker_loop`)."""
         return worker_loop()
 
-    def call(self, argument: Any) -> Any:
+    def call(self, argument: object) -> object:
         """One call awaited to its end (batch mode); ``StopIteration`` raised inside the
         coroutine (which Python turns into a ``RuntimeError``) comes out as itself."""
         value, _ = self.loop.run_until_complete(self._one(argument))
@@ -145,13 +149,13 @@ class AsyncEngine:
     def _has_room(self, flying: int, shared: bool) -> bool:
         return (self._busy if shared else flying) < self.concurrency
 
-    def _freed(self, _task: Any) -> None:
+    def _freed(self, _task: Call) -> None:
         self._busy -= 1
         waiting, self._room = self._room, []
         for wake in waiting:  # in the order they began to wait: earlier runs first
             wake.set()
 
-    async def _one(self, argument: Any) -> Tuple[Any, int]:
+    async def _one(self, argument: object) -> Tuple[object, int]:
         began = time.perf_counter_ns()
         try:
             value = await self.callback(argument)
@@ -161,15 +165,15 @@ class AsyncEngine:
             value = _ENDED  # the coroutine raised StopIteration: the end of the epoch
         return value, time.perf_counter_ns() - began
 
-    async def _run(self, jobs: Any, deliver: Deliver, limit_s: Optional[float],
+    async def _run(self, jobs: Iterator[Job], deliver: Deliver, limit_s: Optional[float],
                    shared: bool) -> Outcome:
         loop = asyncio.get_running_loop()
         run = _Run(deliver)
-        flying: Dict["asyncio.Task[Any]", Tuple[int, float]] = {}  # task -> (position, started)
-        finished: List["asyncio.Task[Any]"] = []  # this run's calls that ended, not yet reported
+        flying: Dict[Call, Tuple[int, float]] = {}  # task -> (position, started)
+        finished: List[Call] = []  # this run's calls that ended, not yet reported
         wake = asyncio.Event()  # set when one of this run's calls ends, or room frees (shared)
 
-        def ended(task: "asyncio.Task[Any]") -> None:
+        def ended(task: Call) -> None:
             finished.append(task)
             wake.set()
 
@@ -221,7 +225,7 @@ class AsyncEngine:
                 await asyncio.wait(flying)
 
     @staticmethod
-    def _report(run: _Run, task: "asyncio.Task[Any]", position: int) -> None:
+    def _report(run: _Run, task: Call, position: int) -> None:
         error = asyncio.CancelledError() if task.cancelled() else task.exception()
         if error is not None:
             run.finished(position, False, error, 0)
@@ -233,7 +237,7 @@ class AsyncEngine:
             run.finished(position, True, value, ns)
 
     @staticmethod
-    def _cut_hung(run: _Run, flying: Dict[Any, Tuple[int, float]], limit_s: float, now: float) -> None:
+    def _cut_hung(run: _Run, flying: Dict[Call, Tuple[int, float]], limit_s: float, now: float) -> None:
         for task, (position, started) in sorted(flying.items(), key=lambda r: r[1][0]):
             if now - started >= limit_s and run.wanted(position) and not task.done():
                 run.cut(Event(position, Hung(now - started, _task_stack(task)), True))
@@ -254,7 +258,7 @@ def worker_loop() -> asyncio.AbstractEventLoop:
     return _loop
 
 
-def _task_stack(task: "asyncio.Task[Any]") -> str:
+def _task_stack(task: Call) -> str:
     frames = task.get_stack()
     lines = []
     for frame in frames:
@@ -267,23 +271,22 @@ def _task_stack(task: "asyncio.Task[Any]") -> str:
     return "".join(dict.fromkeys(lines))  # each frame once, outermost first
 
 
-_STOP = object()  # tells a worker thread to end
-
-
 class ThreadEngine:
     """Calls a plain callback on ``concurrency`` threads of this process."""
 
-    def __init__(self, callback: Callable[[Any], Any], concurrency: int):
+    def __init__(self, callback: Callable[[Any], object], concurrency: int):  # takes a job's argument
         self.callback = callback
         self.concurrency = concurrency
-        self._jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        # (run, token, argument) of each job; None tells a thread to end.
+        self._jobs: "queue.SimpleQueue[Optional[Tuple[int, int, object]]]" = queue.SimpleQueue()
+        # (run, token, ok, value, ns): value as in _Run.finished.
         self._results: "queue.SimpleQueue[Tuple[int, int, bool, Any, int]]" = queue.SimpleQueue()
         self._threads: List[OwnedThread] = []
         self._running: Dict[int, int] = {}  # run token -> thread ident, for a hung job's stack
         self._tokens = 0
         self._run_id = 0
         self._live_run = 0  # jobs of any other run are skipped, not called
-        self._dropped: set = set()  # tokens of this run no longer wanted (after the deciding one)
+        self._dropped: Set[int] = set()  # tokens of this run no longer wanted (after the deciding one)
 
     def _ensure_threads(self) -> None:
         """Started in the worker on first use; a thread lost to a hung call is replaced."""
@@ -301,7 +304,7 @@ class ThreadEngine:
         ident = threading.get_ident()
         while True:
             job = jobs.get()
-            if job is _STOP:
+            if job is None:
                 return
             run_id, token, argument = job
             if run_id != self._live_run or token in self._dropped:
@@ -365,4 +368,4 @@ class ThreadEngine:
 
     def close(self) -> None:
         for _ in self._threads:
-            self._jobs.put(_STOP)
+            self._jobs.put(None)

@@ -41,7 +41,8 @@ def cuda_initialized() -> bool:
     except OSError:
         return False
     count = ctypes.c_int(0)
-    return driver.cuDeviceGetCount(ctypes.byref(count)) != _CUDA_ERROR_NOT_INITIALIZED
+    status: int = driver.cuDeviceGetCount(ctypes.byref(count))  # a CUresult
+    return status != _CUDA_ERROR_NOT_INITIALIZED
 
 
 FORK_AFTER_CUDA = (

@@ -26,12 +26,14 @@ share stay shared), so they must be picklable by the source's pickler.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
+
+from extsrc.engine.kinds import Source
 
 # worker_init(worker_index, num_workers)
 WorkerInit = Callable[[int, int], None]
 # begin_epoch(source, epoch_idx): the source is the iterable itself
-BeginEpoch = Callable[[Any, int], None]
+BeginEpoch = Callable[[Source, int], None]
 # assign(iteration, num_workers) -> the index of the worker that makes the whole batch
 Assign = Callable[[int, int], int]
 

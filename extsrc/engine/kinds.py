@@ -18,9 +18,12 @@ BATCH_GENERATOR: SourceKind = "generator"  # batch mode: each item of source() i
 # Kinds whose state lives in the one worker that runs them (pinned), and that cannot be
 # rewound to resume in the middle of an epoch.
 STREAMS = (BATCH_ITERABLE, BATCH_GENERATOR)
+# A source as the user gave it: a callable, an iterable or a generator function, told apart by
+# classify(). Untyped: what it takes and gives is the user's, checked where it is used.
+Source = Any
 
 
-def classify(source: Any, batch: bool) -> SourceKind:
+def classify(source: Source, batch: bool) -> SourceKind:
     """The kind of a source; raises ``TypeError`` for one that fits no mode."""
     if not batch:
         if not callable(source):

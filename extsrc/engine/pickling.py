@@ -18,13 +18,13 @@ import inspect
 import io
 import pickle
 import types
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Dict, Optional, Protocol, Tuple, Type, TypeVar
 
 from extsrc.errors import SourcePicklingError
 
 _BY_VALUE_FLAG = "_extsrc_pickle_by_value"
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., object])
 
 
 def pickle_by_value(fn: F) -> F:
@@ -43,11 +43,11 @@ def pickle_by_value(fn: F) -> F:
     return fn
 
 
-def _by_value_pickler_class():
+def _by_value_pickler_class() -> Type[pickle.Pickler]:
     import cloudpickle
 
     class _Pickler(cloudpickle.Pickler):
-        def reducer_override(self, obj):
+        def reducer_override(self, obj: object) -> object:
             if isinstance(obj, types.FunctionType) and getattr(obj, _BY_VALUE_FLAG, False):
                 return self._dynamic_function_reduce(obj)
             if isinstance(obj, types.CodeType) and obj.co_filename != _FILENAME_CARRIED:
@@ -77,26 +77,40 @@ class DefaultPickler:
     """
 
     @staticmethod
-    def pickler_class() -> type:
+    def pickler_class() -> Type[pickle.Pickler]:
         """The ``cloudpickle.Pickler`` subclass ``dumps`` uses (for subclasses to extend)."""
         return _by_value_pickler_class()
 
     @staticmethod
-    def dumps(obj: Any) -> bytes:
+    def dumps(obj: object) -> bytes:
         buffer = io.BytesIO()
         _by_value_pickler_class()(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
         return buffer.getvalue()
 
     @staticmethod
-    def loads(data: bytes) -> Any:
+    def loads(data: bytes) -> Any:  # whatever was pickled
         return pickle.loads(data)
 
 
 # What a user may pass as ``pickler=`` (resolved once into a :class:`Pickler`): ``None``, a
 # module or object with ``dumps``/``loads`` (``pickle``, ``dill``, ``cloudpickle``, one's own),
 # a ``(pickler, dumps_kwargs[, loads_kwargs])`` tuple, or a ``Pickler``. Any: modules and
-# objects with differing signatures all fit.
+# objects with differing signatures all fit; Pickler() checks what it got.
 PicklerSpec = Any
+# The keyword arguments of a pickler's dumps or loads (the pickler's own).
+PicklerKwargs = Dict[str, Any]
+
+
+class Serializer(Protocol):
+    """What a ``Pickler`` wraps: a module or object with ``dumps`` and ``loads`` (``pickle``,
+    ``dill``, ``cloudpickle``, :class:`DefaultPickler`, one's own). ``loads`` gives what was
+    pickled."""
+
+    @property
+    def dumps(self) -> Callable[..., bytes]: ...
+
+    @property
+    def loads(self) -> Callable[..., Any]: ...
 
 
 class Pickler:
@@ -111,9 +125,9 @@ class Pickler:
     travels by name), so a spawned worker can rebuild it to load the sources.
     """
 
-    def __init__(self, spec: Any = None):
-        dumps_kwargs: dict = {}
-        loads_kwargs: dict = {}
+    def __init__(self, spec: PicklerSpec = None):
+        dumps_kwargs: PicklerKwargs = {}
+        loads_kwargs: PicklerKwargs = {}
         if isinstance(spec, tuple):
             if not 1 <= len(spec) <= 3:
                 raise TypeError(
@@ -131,7 +145,7 @@ class Pickler:
                 "pickler must be a module or object with dumps() and loads() "
                 f"(e.g. pickle, dill, cloudpickle), got {spec!r}"
             )
-        self.impl = spec
+        self.impl: Serializer = spec
         self.dumps_kwargs = dict(dumps_kwargs)
         self.loads_kwargs = dict(loads_kwargs)
 
@@ -145,7 +159,7 @@ class Pickler:
         impl = self.impl
         return getattr(impl, "__name__", type(impl).__name__)
 
-    def dumps(self, obj: Any, what: str = "source") -> bytes:
+    def dumps(self, obj: object, what: str = "source") -> bytes:
         """Pickles ``obj``; raises :class:`SourcePicklingError` naming ``what`` and the fixes.
 
         An exception of a pickler given by the user that is not a ``PicklingError`` (e.g. a
@@ -178,7 +192,7 @@ class Pickler:
                 "multiprocessing_context='fork' in extsrc.torch.from_dataset)."
             ) from exc
 
-    def loads(self, data: bytes) -> Any:
+    def loads(self, data: bytes) -> Any:  # whatever was pickled
         return self.impl.loads(data, **self.loads_kwargs)
 
     def __copy__(self) -> "Pickler":
@@ -188,18 +202,19 @@ class Pickler:
         copied.dumps_kwargs, copied.loads_kwargs = dict(self.dumps_kwargs), dict(self.loads_kwargs)
         return copied
 
-    def __deepcopy__(self, memo: dict) -> "Pickler":
+    def __deepcopy__(self, memo: Dict[int, object]) -> "Pickler":
         copied = self.__copy__()
         memo[id(self)] = copied
         copied.dumps_kwargs = copy.deepcopy(self.dumps_kwargs, memo)
         copied.loads_kwargs = copy.deepcopy(self.loads_kwargs, memo)
         return copied
 
-    def __reduce__(self):
+    def __reduce__(self) -> Tuple[Callable[[object, PicklerKwargs, PicklerKwargs], "Pickler"],
+                                  Tuple[object, PicklerKwargs, PicklerKwargs]]:
         # What a worker gets: it only loads. A subclass of DefaultPickler that changes only
         # dumps travels as DefaultPickler, so that the worker need not import the subclass's
         # module (the DALI layer's would import DALI: about 0.35 s per spawned worker).
-        impl = self.impl
+        impl: object = self.impl
         if isinstance(impl, types.ModuleType):
             impl = _ModuleRef(impl.__name__)
         elif (isinstance(impl, type) and issubclass(impl, DefaultPickler)
@@ -213,13 +228,13 @@ class _ModuleRef:
         self.name = name
 
 
-def _rebuild_pickler(impl, dumps_kwargs, loads_kwargs) -> Pickler:
+def _rebuild_pickler(impl: object, dumps_kwargs: PicklerKwargs, loads_kwargs: PicklerKwargs) -> Pickler:
     if isinstance(impl, _ModuleRef):
         impl = importlib.import_module(impl.name)
     return Pickler((impl, dumps_kwargs, loads_kwargs))
 
 
-def _short_repr(obj: Any, limit: int = 120) -> str:
+def _short_repr(obj: object, limit: int = 120) -> str:
     try:
         text = repr(obj)
     except Exception:
@@ -265,22 +280,22 @@ def loads_exception(payload: bytes) -> Optional[BaseException]:
 
 
 class _MainByNamePickler(pickle.Pickler):
-    def reducer_override(self, obj: Any) -> Any:
+    def reducer_override(self, obj: object) -> Any:  # a reduce value, or NotImplemented (untyped)
         if (isinstance(obj, type) and obj.__module__ == "__main__"
                 and "<locals>" not in obj.__qualname__):
             return _main_attribute, (obj.__qualname__,)
         return NotImplemented
 
 
-def _main_attribute(qualname: str) -> Any:
+def _main_attribute(qualname: str) -> object:
     """``__main__.<qualname>`` of the process loading the pickle."""
     return attribute_at("__main__", qualname)
 
 
-def attribute_at(module_name: str, path: str) -> Any:
+def attribute_at(module_name: str, path: str) -> object:
     """``module_name.path`` (a dotted path), the module imported if it is not yet: what a pickle
     that names an object by where its module holds it loads."""
-    value: Any = importlib.import_module(module_name)
+    value: object = importlib.import_module(module_name)
     for part in path.split("."):
         value = getattr(value, part)
     return value

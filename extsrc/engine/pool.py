@@ -71,7 +71,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 from extsrc.engine import policy
 from extsrc.engine import workers as worker_processes
@@ -86,6 +86,8 @@ from extsrc.engine.spec import UNSET, PoolSpec
 from extsrc.closing import close_when_collected
 
 if TYPE_CHECKING:
+    from _thread import LockType as Waiter
+
     from extsrc.engine.pickling import Pickler, PicklerSpec
 
 # While the consumer holds batches, the I/O thread looks for ended leases at least this often
@@ -188,18 +190,18 @@ class WorkerPool:
 
     def __init__(self, num_workers: int = 1, start_method: Optional[str] = UNSET,
                  pickler: "PicklerSpec" = None, backend: str = "processes",
-                 ray_options: Optional[Dict[str, Any]] = None):
+                 ray_options: Optional[Dict[str, Any]] = None):  # options of the Ray actors
         self.spec = PoolSpec(num_workers, start_method, pickler, backend, ray_options)
         maker = backend_class(self.spec.backend)
         self._backend: WorkerBackend = maker(self.spec.num_workers, self.spec.start_method,
                                              self.spec.pickler, self.spec.backend_options)
         self.lock = threading.RLock()
-        self._waiters: List[Any] = []
+        self._waiters: List[Waiter] = []
         self._pid = os.getpid()
         self._state = PoolState.NEW
         self._closed_fully = False  # close() ran to its end (_state is CLOSED from its start)
         self._error: Optional[BaseException] = None
-        self._reported: set = set()  # clients that raised the fault already
+        self._reported: Set[int] = set()  # clients that raised the fault already
         self._clients: List["weakref.ReferenceType[PoolClient]"] = []
         self._client_gone = _waking(weakref.ref(self))  # the callback of those references
         self._loads: List[_Load] = []
@@ -268,7 +270,7 @@ class WorkerPool:
     def __enter__(self) -> "WorkerPool":
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __del__(self) -> None:
@@ -383,7 +385,8 @@ class WorkerPool:
         self.notice_io_end()
         if self._state is PoolState.BROKEN and client_id is not None and client_id not in self._reported:
             self._reported.add(client_id)
-            raise self._error  # type: ignore[misc]
+            assert self._error is not None, "a broken pool has its error"
+            raise self._error
         if self._state in (PoolState.CLOSED, PoolState.BROKEN):
             error = self._error or PoolClosedError("the pool was closed")
             if isinstance(error, PoolClosedError):
@@ -431,7 +434,7 @@ class WorkerPool:
         self._pins += 1
         return worker
 
-    def waiter(self) -> Any:
+    def waiter(self) -> Waiter:
         """*engine*, lock held: a held lock that the next change releases.
 
         The caller leaves the pool's lock, then acquires the waiter (with its
@@ -442,7 +445,7 @@ class WorkerPool:
         self._waiters.append(waiter)
         return waiter
 
-    def wait(self, waiter: Any, timeout: Optional[float]) -> None:
+    def wait(self, waiter: Waiter, timeout: Optional[float]) -> None:
         """*engine*, consumer thread, lock not held: waits until ``waiter`` (from :meth:`waiter`)
         is released or ``timeout`` seconds passed (``None``: no limit), at most
         :data:`IO_WATCH_S` at a time. The caller then looks again (:meth:`check_usable` finds an
@@ -458,7 +461,7 @@ class WorkerPool:
         while waiters:  # in place: waking them allocates nothing (the I/O thread may be out of memory)
             waiters.pop().release()
 
-    def _take_waiters(self) -> List[Any]:
+    def _take_waiters(self) -> List[Waiter]:
         """Lock held: the waiters to release once the lock is left (a consumer woken while the
         I/O thread still holds the lock would only block on it again)."""
         waiters, self._waiters = self._waiters, []
@@ -715,10 +718,10 @@ class WorkerPool:
         self.wake()
 
 
-def _waking(pool: "weakref.ReferenceType[WorkerPool]") -> Callable[[Any], None]:
+def _waking(pool: "weakref.ReferenceType[WorkerPool]") -> Callable[["weakref.ReferenceType[PoolClient]"], None]:
     """The callback of a pool's references to its sources: a source collected wakes the I/O
     thread, which then looks whether any is left. It holds the pool weakly (no cycle)."""
-    def client_gone(_reference: Any) -> None:
+    def client_gone(_reference: "weakref.ReferenceType[PoolClient]") -> None:
         live = pool()
         if live is not None:
             live.wake()

@@ -14,7 +14,7 @@ import os
 import select
 import threading
 from collections import deque
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from extsrc.engine import workers as worker_processes
 from extsrc.engine import policy
@@ -22,13 +22,18 @@ from extsrc.engine.backend import Arrival, Fault, HeldBy, Received, Wakeable
 from extsrc.engine.channel import OwnedFds
 from extsrc.engine.cuda_state import FORK_AFTER_CUDA, cuda_initialized
 from extsrc.engine.protocol import (
-    AddSlot, DropSlot, SetupFailed, SourceSetup, Task, TaskDone, TaskFailed, WorkerSetup,
+    AddSlot, DropSlot, SetupFailed, SourceSetup, Task, TaskDone, TaskFailed, ToWorker, WorkerSetup,
 )
 from extsrc.engine.workers import WorkerHandle
 from extsrc.errors import WorkerDiedError
 from extsrc.engine.spec import START_METHODS
 from extsrc.shm.limits import DESCRIPTOR_ERRNOS, check_descriptors, out_of_descriptors
 
+if TYPE_CHECKING:
+    from extsrc.engine.pickling import Pickler
+
+# What the I/O thread's poll found: (descriptor, events) pairs.
+Events = List[Tuple[int, int]]
 
 
 def setup_failed(message: SetupFailed, kind: str = "extsrc worker") -> Fault:
@@ -48,24 +53,24 @@ class ProcessBackend:
     concurrent_samples = True
 
     @staticmethod
-    def check_options(start_method: Any, options: Any, names: Tuple[str, str, str],
-                      unset: Any) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
+    def check_options(start_method: object, options: object, names: Tuple[str, str, str],
+                      unset: object) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
         if start_method is unset:
             start_method = "fork"
-        if start_method not in START_METHODS:
+        if not isinstance(start_method, str) or start_method not in START_METHODS:
             raise ValueError(f"{names[1]} must be one of {START_METHODS}, got {start_method!r}")
         if options is not None:
             raise ValueError(f"{names[2]} is for {names[0]}='ray', got it with {names[0]}='processes'")
         return start_method, None
 
-    def __init__(self, num_workers: int, start_method: Optional[str], pickler: Any,
+    def __init__(self, num_workers: int, start_method: Optional[str], pickler: Pickler,
                  options: Optional[Dict[str, Any]] = None):
         assert start_method is not None
         self.num_workers = num_workers
         self.start_method = start_method
         self.pickler = pickler
         self._workers: List[WorkerHandle] = []
-        self._poller: Any = None
+        self._poller: Optional[select.poll] = None
         self._sockets: Dict[int, WorkerHandle] = {}
         self._sentinels: Dict[int, WorkerHandle] = {}
         self._waker: Optional[Wakeable] = None
@@ -151,7 +156,7 @@ class ProcessBackend:
     def take_back(self, source_id: int) -> List[Task]:
         removed: List[Task] = []
         for worker in self._workers:
-            kept: Deque[Tuple[Any, Optional[OwnedFds]]] = deque()
+            kept: Deque[Tuple[ToWorker, Optional[OwnedFds]]] = deque()
             for message, fds in worker.outbox:
                 if isinstance(message, Task) and message.source_id == source_id:
                     removed.append(message)
@@ -187,10 +192,12 @@ class ProcessBackend:
 
     # -- the I/O thread, no lock --------------------------------------------------------------
 
-    def wait(self, timeout: Optional[float]) -> Any:
-        return self._poller.poll(None if timeout is None else timeout * 1000)
+    def wait(self, timeout: Optional[float]) -> Events:
+        poller = self._poller
+        assert poller is not None, "wait() after stop()"
+        return poller.poll(None if timeout is None else timeout * 1000)
 
-    def receive(self, events: Any) -> Received:
+    def receive(self, events: Events) -> Received:
         arrivals: List[Arrival] = []
         woken = False
         for fd, _event in events:

@@ -21,18 +21,18 @@ from __future__ import annotations
 import itertools
 import pickle
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Set, Tuple
 
 from extsrc.engine import policy
 from extsrc.engine.assembly import PendingBatch, rebuild_exception
 from extsrc.engine.hooks import WorkerHooks
-from extsrc.engine.kinds import SAMPLE, STREAMS, SourceKind
+from extsrc.engine.kinds import SAMPLE, STREAMS, Source, SourceKind
 from extsrc.engine.protocol import Result, SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.spec import AUTO_OUTPUTS, SourceSpec
 from extsrc.engine.stats import StatsCollector
 from extsrc.errors import OrderWarning, SampleError, SharedMemoryError, SourceTimeoutError
 from extsrc.shm import limits
-from extsrc.shm.layout import LayoutPlan
+from extsrc.shm.layout import LayoutPlan, Region
 from extsrc.shm.segment import backend
 from extsrc.shm.slots import SlotPool, SlotState
 
@@ -53,7 +53,7 @@ class Run(NamedTuple):
 class Producer:
     """See the module docstring. Created by :class:`~extsrc.ParallelSource`."""
 
-    def __init__(self, source: Any, kind: SourceKind, spec: SourceSpec, pool: WorkerPool,
+    def __init__(self, source: Source, kind: SourceKind, spec: SourceSpec, pool: WorkerPool,
                  name: Optional[str]):
         self.source = source
         self.kind = kind
@@ -84,7 +84,7 @@ class Producer:
         self._range_cache: Optional[List[Tuple[int, int]]] = None
         local = pool.workers_backend.local_processes  # else no /proc of the workers to read
         self.notes: List[str] = []  # warnings from the workers, raised by the consumer (commit)
-        self._noted: set = set()  # each once
+        self._noted: Set[str] = set()  # each once
         self.stats = (StatsCollector(pool.num_workers, pool.worker_pids if local else None,
                                      spec.concurrency)
                       if spec.collects_stats else None)
@@ -160,7 +160,7 @@ class Producer:
     # -- I/O thread, lock held (the PoolClient protocol) ---------------------------------------
 
     def worker_source(self, pickler: Optional[Pickler]) -> SourceSetup:
-        callback: Any = self.source
+        callback: object = self.source  # as it is (fork), or pickled
         hooks = self.spec.hooks.in_workers
         carried = (hooks.worker_init, hooks.begin_epoch)  # code to send with the callback
         hooks_pickled = False
@@ -312,7 +312,7 @@ class Producer:
             for task in tasks:
                 self.pool.submit(task, worker)
 
-    def _widen_for_small(self, regions: Any, region_bytes: int) -> None:
+    def _widen_for_small(self, regions: Tuple[Optional[Region], ...], region_bytes: int) -> None:
         """With the default prefetch, once every output's layout is known, the prefetch for
         small batches (:func:`extsrc.engine.policy.small_batch_prefetch`). Decided once, when
         the layout is first known; used while the pool finds the source's tasks short."""
@@ -363,7 +363,7 @@ class Producer:
     def _total_need(self, region_bytes: int) -> int:
         return max(region_bytes, 1) * (self.slots.keep + 1)
 
-    def _check_outputs(self, pending: PendingBatch, message: TaskDone) -> Any:
+    def _check_outputs(self, pending: PendingBatch, message: TaskDone) -> Result:
         """num_outputs="auto": learns the number of outputs from the first results; results
         of another number (another worker's samples) become the batch's error."""
         outputs = len(message.spilled)

@@ -130,6 +130,11 @@ class SetupFailed(NamedTuple):
     traceback: str
 
 
+ToWorker = Union[AddSlot, DropSlot, Task, Stop]  # what a pool sends a worker
+FromWorker = Union[TaskDone, TaskFailed, SetupFailed]  # what a worker sends its pool
+Message = Union[ToWorker, FromWorker]
+
+
 # -- on the wire ------------------------------------------------------------------------------
 
 # The two messages of every batch travel as plain tuples led by a tag, their regions as plain
@@ -139,21 +144,21 @@ _TASK_TAG = 1
 _TASK_DONE_TAG = 2
 
 
-def to_wire(message: Any) -> Any:
+def to_wire(message: Message) -> Tuple[object, ...]:
     """What :mod:`extsrc.engine.channel` pickles for ``message``; :func:`from_wire` undoes it."""
-    cls = message.__class__
-    if cls is Task:
+    if message.__class__ is Task:
         regions = tuple(None if r is None else tuple(r) for r in message.regions)
         return (_TASK_TAG,) + message[:-1] + (regions,)
-    if cls is TaskDone:
+    if message.__class__ is TaskDone:
         return (_TASK_DONE_TAG,) + message
     return message
 
 
-def from_wire(value: Any) -> Any:
-    """The message that :func:`to_wire` turned into ``value``."""
+def from_wire(value: Any) -> Message:
+    """The message that :func:`to_wire` turned into ``value`` (as unpickled)."""
     if value.__class__ is not tuple:
-        return value
+        message: Message = value  # one that pickles as itself (a NamedTuple)
+        return message
     if value[0] == _TASK_TAG:
         regions = tuple(None if r is None else _new(Region, r) for r in value[-1])
         return _new(Task, value[1:-1] + (regions,))
@@ -175,7 +180,7 @@ class SourceSetup:
     source_id: int
     name: str
     kind: SourceKind  # see extsrc.engine.kinds
-    callback: Any  # the callable/iterable (fork), or its pickled bytes (spawn, forkserver)
+    callback: Any  # the source (fork), or its pickled bytes (spawn, forkserver)
     pickled: bool
     batch_size: int
     num_outputs: Union[None, int, str]  # as in SourceSpec: None, a count, or AUTO_OUTPUTS

@@ -17,18 +17,19 @@ import pickle
 import math
 import time
 import traceback
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Type, Union
 
 import numpy as np
 
+from extsrc.arrays import Array
 from extsrc.engine.policy import SMALL_TASK_FACTOR, STREAM_BYTES
-from extsrc.engine.concurrent import AsyncEngine, Hung, ThreadEngine, is_async
+from extsrc.engine.concurrent import AsyncEngine, Deliver, Hung, Job, Outcome, ThreadEngine, is_async
 from extsrc.engine.pickling import Pickler, dumps_exception
 from extsrc.engine.protocol import Result, SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.samples import SampleChecker, at
 from extsrc.engine.hooks import WorkerHooks
-from extsrc.engine.kinds import BATCH_CALLABLE, BATCH_GENERATOR, SAMPLE
-from extsrc.engine.sink import WriterSink
+from extsrc.engine.kinds import BATCH_CALLABLE, BATCH_GENERATOR, SAMPLE, Source
+from extsrc.engine.sink import Describe, TaskSink, WriterSink
 from extsrc.errors import (EpochLengthError, ExhaustedIteratorError, ExtsrcError, SampleError,
                            SharedMemoryError, SourceTimeoutError)
 from extsrc.engine.spec import AUTO_OUTPUTS
@@ -44,7 +45,7 @@ from extsrc.sample_info import BatchInfo, SampleInfo, noting_sample_info
 SAMPLE_TIMEOUT_SHARE = 0.8
 
 
-def _nbytes(value: Any) -> int:
+def _nbytes(value: object) -> int:
     if isinstance(value, np.ndarray):
         return value.nbytes
     if isinstance(value, (tuple, list)):
@@ -122,11 +123,12 @@ class SampleBuffers:
     __slots__ = ("write", "position", "num_outputs")
 
     def __init__(self, num_outputs: Optional[int] = None) -> None:
-        self.write: Any = None
+        self.write: TaskSink  # the running task's (set by the runner before each call)
         self.position = 0
         self.num_outputs = 1 if num_outputs is None else num_outputs
 
-    def array(self, shape: Any, dtype: Any = np.uint8, output: int = 0) -> np.ndarray:
+    # The arguments are the callback's, checked here.
+    def array(self, shape: Any, dtype: Any = np.uint8, output: int = 0) -> Array:
         if type(output) is not int or not 0 <= output < self.num_outputs:
             output = self._checked_output(shape, dtype, output)
         if type(shape) is int and shape >= 0:
@@ -149,7 +151,7 @@ class SampleBuffers:
             raise SharedMemoryError(exc.errno, self._where(shape, dtype, output) + f" asks for "
                                     f"{format_bytes(nbytes)}: {exc.strerror}") from None
 
-    def _checked_output(self, shape: Any, dtype: Any, output: Any) -> int:
+    def _checked_output(self, shape: object, dtype: object, output: object) -> int:
         """``output`` as an int (a NumPy integer), or the error naming the call and sample."""
         count = self.num_outputs
         if isinstance(output, np.integer) and 0 <= output < count:
@@ -159,7 +161,7 @@ class SampleBuffers:
         raise SampleError(self._where(shape, dtype, output) + f": expected output {expected}, "
                           f"got {output!r}")
 
-    def _checked_shape(self, shape: Any, dtype: Any, output: int) -> Tuple[int, ...]:
+    def _checked_shape(self, shape: Any, dtype: object, output: int) -> Tuple[int, ...]:
         """``shape`` as a tuple of ints (from NumPy integers, a list, an array), or the error."""
         try:
             dims = [shape] if np.ndim(shape) == 0 else list(shape)
@@ -171,7 +173,7 @@ class SampleBuffers:
         raise SampleError(self._where(shape, dtype, output) + ": expected a shape of ints >= 0 "
                           f"(an int or a sequence of them), got {shape!r}")
 
-    def _where(self, shape: Any, dtype: Any, output: Any) -> str:
+    def _where(self, shape: object, dtype: Any, output: object) -> str:
         """The call and the sample it was for, for an error (only then: describing costs)."""
         try:
             shown = np.dtype(dtype).name
@@ -181,7 +183,7 @@ class SampleBuffers:
                 f"{self.write.describe(self.position)}")
 
 
-def load_source(setup: SourceSetup, pickler: Optional[Pickler]) -> Tuple[Any, WorkerHooks]:
+def load_source(setup: SourceSetup, pickler: Optional[Pickler]) -> Tuple[Source, WorkerHooks]:
     """The source's callback and its worker hooks in a worker (unpickled if they were pickled)."""
     if not setup.pickled:
         return setup.callback, setup.hooks
@@ -207,7 +209,7 @@ class SourceRunner:
     (:mod:`extsrc.engine.sink`), by default the slots' shared memory.
     """
 
-    def __init__(self, setup: SourceSetup, callback: Any, worker: int,
+    def __init__(self, setup: SourceSetup, callback: Source, worker: int,
                  hooks: Optional[WorkerHooks] = None, writer: Optional[WriterSink] = None):
         hooks = WorkerHooks() if hooks is None else hooks
         if hooks.worker_init is not None:
@@ -218,7 +220,7 @@ class SourceRunner:
         self.callback = callback
         declared = None if isinstance(setup.num_outputs, str) else setup.num_outputs  # str: AUTO_OUTPUTS
         self.writer: WriterSink = slot_writer(setup) if writer is None else writer
-        self.iterator: Any = None
+        self.iterator: Iterator[object] = iter(())  # the pass of an iterable or generator
         self.iterator_epoch = -1
         self.one_pass_ended = False  # the source is its own iterator, and it ran out
         # The running pass is the source itself again after it ran out: its __iter__ may have
@@ -234,7 +236,7 @@ class SourceRunner:
         self.learns_outputs = setup.num_outputs == AUTO_OUTPUTS
         # Under an order that moves records, whether the callback reads idx_in_epoch but never
         # record: noted until it reads record or was warned about (then plain SampleInfo again).
-        self.info_class: Any = SampleInfo
+        self.info_class: Type[SampleInfo] = SampleInfo
         self.reads: Optional[List[bool]] = None
         if setup.kind == SAMPLE and setup.order is not None and (
                 setup.order.shuffle or setup.order.shard != (0, 1)):
@@ -243,7 +245,7 @@ class SourceRunner:
         self.cpu_clock = self.cpu.read if self.cpu is not None else _no_cpu_clock
         # Samples in flight together (concurrency > 1, or an async def callback): the worker's
         # event loop or threads, made on first use (after the fork). None: one at a time.
-        self.engine: Any = None
+        self.engine: Union[AsyncEngine, ThreadEngine, None] = None
         self.call_batch = callback
         self.sample_limit_s = None if setup.timeout is None else setup.timeout * SAMPLE_TIMEOUT_SHARE
         self.busy_until = 0  # the clock at the end of the last task whose busy time was counted
@@ -256,19 +258,20 @@ class SourceRunner:
     def run(self, task: Task) -> Result:
         """Runs one task; returns a :class:`TaskDone` or :class:`TaskFailed`."""
         if self.setup.kind == SAMPLE:
-            if self.engine is not None:
-                return self._run_concurrent(task)
+            engine = self.engine
+            if engine is not None:
+                return self._run_concurrent(task, engine)
             return self._run_samples(task)
         return self._run_batch(task)
 
     # -- sample mode, samples in flight together -------------------------------------------------
 
-    def _run_concurrent(self, task: Task) -> Result:
+    def _run_concurrent(self, task: Task, engine: Union[AsyncEngine, ThreadEngine]) -> Result:
         """Up to ``concurrency`` samples of the task in flight (see :mod:`extsrc.engine.concurrent`);
         each is written as soon as it is back; the outcome is that of a sequential run."""
         jobs, deliver, conclude = self._plan_concurrent(task)
         try:
-            outcome = self.engine.run(jobs, deliver, self.sample_limit_s)
+            outcome = engine.run(jobs, deliver, self.sample_limit_s)
         except BaseException as exc:  # a bug in the engine: fail the task rather than the worker
             return self._failed(task, task.start, None, exc, from_callback=False)
         return conclude(outcome)
@@ -284,14 +287,16 @@ class SourceRunner:
         :attr:`overlaps`: the worker starts the samples of its next task while this one's are
         in flight, all of them within the one ``concurrency`` of the worker. The task's result
         is the same as :meth:`run`'s; only the timing differs."""
+        engine = self.engine
         jobs, deliver, conclude = self._plan_concurrent(task)
         try:
-            outcome = await self.engine.run_shared(jobs, deliver, self.sample_limit_s)
+            assert isinstance(engine, AsyncEngine), "only a source whose tasks overlap runs them so"
+            outcome = await engine.run_shared(jobs, deliver, self.sample_limit_s)
         except Exception as exc:  # a bug in the engine: fail the task rather than the worker
             return self._failed(task, task.start, None, exc, from_callback=False)
         return conclude(outcome)
 
-    def _plan_concurrent(self, task: Task) -> Tuple[Any, Any, Any]:
+    def _plan_concurrent(self, task: Task) -> Tuple[Iterator[Job], Deliver, Callable[[Outcome], Result]]:
         """``(jobs, deliver, conclude)`` of a task run by the engine: its samples as jobs, where
         each one goes when it is back, and the task's result from the engine's outcome."""
         base = task.iteration * self.setup.batch_size
@@ -306,7 +311,7 @@ class SourceRunner:
                                   task.region_bytes, task.regions, describe)
         columns = self._columns_of_samples
 
-        def deliver(position: int, value: Any) -> None:
+        def deliver(position: int, value: object) -> None:
             write.add(columns([value], position, describe), position, 1)
 
         info_class = self.info_class
@@ -317,8 +322,8 @@ class SourceRunner:
         return jobs, deliver, lambda outcome: self._conclude(task, write, records, stopped, began,
                                                              outcome)
 
-    def _conclude(self, task: Task, write: Any, records: Sequence[int], stopped: bool,
-                  began: int, outcome: Any) -> Result:
+    def _conclude(self, task: Task, write: TaskSink, records: Sequence[int], stopped: bool,
+                  began: int, outcome: Outcome) -> Result:
         """The result of a task the engine ran, from its outcome."""
         ended = self.clock()
         # Tasks that overlap (run_overlapping) count the worker's busy time once: each counts
@@ -383,7 +388,7 @@ class SourceRunner:
         else:
             buffers.write = write
 
-            def produce(info: SampleInfo) -> Any:
+            def produce(info: SampleInfo) -> Any:  # the callback's sample
                 buffers.position = info.idx_in_batch
                 return callback(info, buffers)
         iteration, epoch_idx = task.iteration, task.epoch_idx
@@ -391,7 +396,7 @@ class SourceRunner:
         # ones one by one (the callback's memory is then reused for the next sample instead
         # of being faulted in anew); small ones in one copy per task, or, once the layout is
         # known, each into its row as it comes (below).
-        waiting: List[Any] = []
+        waiting: List[Any] = []  # the callback's samples, checked by the writer
         waiting_bytes = 0
         chunk_start = task.start
         position = task.start
@@ -492,7 +497,7 @@ class SourceRunner:
             "StopIteration for a record of the order."
         )
 
-    def _flush(self, write: Any, waiting: List[Any], chunk_start: int) -> None:
+    def _flush(self, write: TaskSink, waiting: List[Any], chunk_start: int) -> None:
         if waiting:
             write.add(self._columns_of_samples(waiting, chunk_start, write.describe), chunk_start,
                       len(waiting))
@@ -523,7 +528,7 @@ class SourceRunner:
         record = records[0] if len(records) else idx
         return SampleInfo(idx, position, task.iteration, task.epoch_idx, record, self.seed)
 
-    def _learn_outputs(self, first: Any, where: str) -> int:
+    def _learn_outputs(self, first: object, where: str) -> int:
         """num_outputs="auto": the number of outputs, from this worker's first sample or batch."""
         if not isinstance(first, (tuple, list)) or not first:
             raise SampleError(
@@ -538,7 +543,8 @@ class SourceRunner:
             return f"num_outputs={AUTO_OUTPUTS!r}, as many as this worker's first sample had"
         return f"num_outputs={self.num_outputs}"
 
-    def _columns_of_samples(self, produced, start, describe) -> List[Sequence[Any]]:
+    def _columns_of_samples(self, produced: Sequence[Any], start: int, describe: Describe
+                            ) -> List[Sequence[Any]]:
         num_outputs = self.num_outputs
         if num_outputs is None:
             if not self.learns_outputs:
@@ -602,7 +608,7 @@ class SourceRunner:
 
     # -- what the worker does with the written samples -----------------------------------------
 
-    def _done(self, task: Task, write: Any, count: int, stopped: bool, busy_ns: int,
+    def _done(self, task: Task, write: TaskSink, count: int, stopped: bool, busy_ns: int,
               timed: Tuple[Tuple[int, int], ...], waited_ns: Optional[int] = None) -> Result:
         """The answer to ``task`` once its ``count`` samples went to ``write`` (what
         ``self.writer.begin`` gave): the writer's (:meth:`WriterSink.answer`). ``waited_ns``:
@@ -633,7 +639,7 @@ class SourceRunner:
             "info.idx_in_epoch is the position, not the record).",
         )
 
-    def _iterator_for(self, epoch_idx: int):
+    def _iterator_for(self, epoch_idx: int) -> Iterator[object]:
         if self.iterator_epoch != epoch_idx:
             source = self.callback
             if self.setup.kind == BATCH_GENERATOR:
@@ -658,7 +664,7 @@ class SourceRunner:
             "iterable whose __iter__ starts a new pass"
         )
 
-    def _columns_of_batch(self, batch, info: BatchInfo) -> List[Sequence[Any]]:
+    def _columns_of_batch(self, batch: Any, info: BatchInfo) -> List[Sequence[Any]]:  # the callback's batch
         num_outputs = self.num_outputs
         if num_outputs is None and self.learns_outputs:
             num_outputs = self._learn_outputs(batch, f"batch {info}")
@@ -703,7 +709,7 @@ class SourceRunner:
 
     # -- failures ------------------------------------------------------------------------------
 
-    def _failed(self, task: Task, position: int, where: Optional[Any], exc: BaseException,
+    def _failed(self, task: Task, position: int, where: Union[SampleInfo, BatchInfo, None], exc: BaseException,
                 from_callback: bool = True) -> TaskFailed:
         return failure(task, self.worker, position, where, exc, from_callback)
 
@@ -722,7 +728,7 @@ class SourceRunner:
         self.writer.close()
 
 
-def failure(task: Task, worker: int, position: int, where: Optional[Any], exc: BaseException,
+def failure(task: Task, worker: int, position: int, where: Union[SampleInfo, BatchInfo, None], exc: BaseException,
             from_callback: bool = True) -> TaskFailed:
     """The :class:`TaskFailed` of ``task`` for ``exc``, raised at sample ``position`` (``where``:
     its ``SampleInfo``/``BatchInfo``, if tied to one) by the callback or, if not

@@ -8,10 +8,11 @@ output, what was expected and what came.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from extsrc.arrays import Array, DType
 from extsrc.errors import SampleError
 
 VALID_KINDS = frozenset("biufc")  # bool, ints, unsigned, floats, complex
@@ -31,7 +32,7 @@ def describe_value(value: object) -> str:
     return f"{type(value).__name__} {text}"
 
 
-def describe_dtype(dtype: np.dtype, other: Optional[np.dtype] = None) -> str:
+def describe_dtype(dtype: DType, other: Optional[DType] = None) -> str:
     """``dtype``'s name, with its byte order when that is what tells it from ``other``."""
     if other is not None and dtype != other and dtype.name == other.name:
         order = {"<": "little-endian", ">": "big-endian"}.get(dtype.str[0], "native")
@@ -49,10 +50,10 @@ def to_sample_array(
     value: object,
     output: int,
     where: str,
-    dtype: Optional[np.dtype] = None,
+    dtype: Optional[DType] = None,
     ndim: Optional[int] = None,
     num_outputs: Union[None, int, str] = None,  # as declared: None, a count or AUTO_OUTPUTS
-) -> np.ndarray:
+) -> Array:
     """``value`` as a sample array, or :class:`SampleError` saying what was expected.
 
     ``where`` names the sample (``"sample SampleInfo(...)"``). Accepts NumPy
@@ -107,13 +108,14 @@ def to_sample_array(
 class SampleChecker:
     """The checks of one source's outputs (declared dtype/ndim), used by the writer."""
 
-    def __init__(self, num_outputs: Union[None, int, str], dtypes, ndims):
+    def __init__(self, num_outputs: Union[None, int, str], dtypes: Sequence[Optional[str]],
+                 ndims: Sequence[Optional[int]]):
         self.num_outputs = num_outputs
         self.dtypes = tuple(None if d is None else np.dtype(d) for d in dtypes)
         self.ndims = tuple(ndims)
 
     def check(self, value: object, output: int, position: int, where: str,
-              first: Optional[np.ndarray], first_where: str) -> np.ndarray:
+              first: Optional[Array], first_where: str) -> Array:
         """Sample ``position`` of ``output`` as an array; ``first`` is the first sample of
         the same output in the task (all must share dtype and ndim)."""
         try:

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
 
-import numpy as np
-
+from extsrc.arrays import Array, DType
 from extsrc.engine.protocol import Result, Task, TaskDone
 from extsrc.shm.layout import Region, Spilled
 
@@ -33,7 +32,7 @@ class Checker(Protocol):
     """Checks a sample of an output (:class:`~extsrc.engine.samples.SampleChecker`)."""
 
     def check(self, value: object, output: int, position: int, where: str,
-              first: Optional[np.ndarray[Any, Any]], first_where: str) -> np.ndarray[Any, Any]: ...
+              first: Optional[Array], first_where: str) -> Array: ...
 
 
 class TaskSink(Protocol):
@@ -42,13 +41,14 @@ class TaskSink(Protocol):
     describe: Describe
 
     def add(self, columns: List[Sequence[Any]], position: int, count: int) -> None:
-        """Samples ``position .. position + count - 1``, per output (``columns[j][k]``)."""
+        """Samples ``position .. position + count - 1``, per output (``columns[j][k]``, as the
+        callback made them: checked here)."""
 
-    def direct_rows(self, sample: object, position: int) -> Optional[np.ndarray[Any, Any]]:
+    def direct_rows(self, sample: object, position: int) -> Optional[Array]:
         """Rows the runner may write small samples like ``sample`` into itself, or None."""
 
     def alloc(self, output: int, position: int, shape: Tuple[int, ...],
-              dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+              dtype: DType) -> Array:
         """Room for sample ``position`` of ``output``, for an ``in_place=True`` callback."""
 
     def finish(self) -> Tuple[Tuple[Tuple[Spilled, ...], ...], int]:
@@ -64,7 +64,7 @@ class WriterSink(Protocol):
               regions: Tuple[Optional[Region], ...], describe: Describe) -> TaskSink:
         """Starts the samples ``start..stop-1`` of a batch bound for slot ``slot_id``."""
 
-    def answer(self, task: Task, write: Any, done: TaskDone) -> Result:
+    def answer(self, task: Task, write: TaskSink, done: TaskDone) -> Result:
         """What the worker sends back for ``task``, whose samples went to ``write`` (what
         :meth:`begin` gave): ``done`` as the engine would answer, or the sink's own message."""
 

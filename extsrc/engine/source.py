@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import (TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple,
-                    Union)
+from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -29,10 +28,10 @@ from extsrc.closing import close_when_collected
 from extsrc.engine.assembly import BatchOutput
 from extsrc.engine.concurrent import is_async
 from extsrc.engine.hooks import Hooks
-from extsrc.engine.kinds import BATCH_CALLABLE, STREAMS, SourceKind, classify
+from extsrc.engine.kinds import BATCH_CALLABLE, STREAMS, Source, SourceKind, classify
 from extsrc.engine.pool import WorkerPool
 from extsrc.engine.producer import Producer
-from extsrc.engine.spec import UNSET, SourceSpec
+from extsrc.engine.spec import UNSET, DTypes, NDims, SourceSpec
 from extsrc.engine.stats import SourceStats, publish
 from extsrc.engine.take import EpochState, Taker
 from extsrc.errors import EmptyEpochError, StateMismatchError
@@ -168,7 +167,7 @@ class ParallelSource:
 
     def __init__(
         self,
-        source: Any,
+        source: Source,
         batch_size: int,
         *,
         num_outputs: Union[None, int, str] = None,  # a count, or AUTO_OUTPUTS
@@ -180,8 +179,8 @@ class ParallelSource:
         pool: Optional[WorkerPool] = None,
         prefetch: Optional[int] = None,
         last_batch: str = "drop",
-        dtype: Any = None,  # a NumPy dtype (anything np.dtype() takes), or one per output
-        ndim: Union[None, int, Sequence[Optional[int]]] = None,
+        dtype: DTypes = None,  # a NumPy dtype (anything np.dtype() takes), or one per output
+        ndim: NDims = None,
         timeout: Optional[float] = None,
         batches_held: int = 2,
         name: Optional[str] = None,
@@ -252,7 +251,7 @@ class ParallelSource:
     def pool(self) -> WorkerPool:
         return self._pool
 
-    def worker_pids(self) -> list:
+    def worker_pids(self) -> List[int]:
         """The pids of the workers serving this source (empty before start and after close)."""
         return self._pool.worker_pids()
 
@@ -314,7 +313,7 @@ class ParallelSource:
     def __enter__(self) -> "ParallelSource":
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __del__(self) -> None:
@@ -444,7 +443,7 @@ class ParallelSource:
                     f"this one has batch={self.spec.batch}; its positions count other things"
                 )
         if order is not None and saved_order is not None and saved_order != order.describe():
-            differs = [k for k in order.describe() if saved_order.get(k) != order.describe()[k]]
+            differs = [k for k, value in order.describe().items() if saved_order.get(k) != value]
             raise StateMismatchError(
                 f"set_state: the state was saved with the order {saved_order}, and this source has "
                 f"{order.describe()} (differing in {', '.join(differs)}); resuming would load "
@@ -507,7 +506,8 @@ class ParallelSource:
 
 
 def _own_or_shared_pool(pool: Optional[WorkerPool], **pool_args: Any) -> Tuple[WorkerPool, bool]:
-    """``(pool, whether the source owns it)``: ``pool``, or one made of the given arguments."""
+    """``(pool, whether the source owns it)``: ``pool``, or one made of the given arguments
+    (``pool_args``: the source's arguments of the pool as given, ``UNSET`` where not)."""
     given = {k: v for k, v in pool_args.items() if v is not UNSET}
     if pool is None:
         return WorkerPool(**{"num_workers": 1, **given}), True
@@ -522,7 +522,7 @@ def _own_or_shared_pool(pool: Optional[WorkerPool], **pool_args: Any) -> Tuple[W
     return pool, False
 
 
-def _checked_kind(source: Any, spec: SourceSpec, pool: WorkerPool, order: Optional[Order]) -> SourceKind:
+def _checked_kind(source: Source, spec: SourceSpec, pool: WorkerPool, order: Optional[Order]) -> SourceKind:
     """The source's kind (:mod:`extsrc.engine.kinds`), once what it needs was checked against
     the spec and the pool."""
     if spec.batches_per_epoch == 0 and order is not None:  # 0 only with an order
@@ -546,7 +546,7 @@ def _checked_kind(source: Any, spec: SourceSpec, pool: WorkerPool, order: Option
     return kind
 
 
-def _parse_state(state: Any) -> tuple:
+def _parse_state(state: object) -> Tuple[int, ...]:
     expected = "a dict {'epoch_idx': int, 'iteration': int} as returned by get_state()"
     if not isinstance(state, dict):
         raise ValueError(f"set_state expects {expected}, got {type(state).__name__} {state!r}")

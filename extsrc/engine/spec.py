@@ -16,11 +16,14 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from extsrc.arrays import DType
 from extsrc.checks import is_int, is_number
 from extsrc.engine.hooks import Hooks
 from extsrc.order import Order
 
 if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
+
     from extsrc.engine.pickling import Pickler
 
 START_METHODS = ("fork", "spawn", "forkserver")
@@ -28,6 +31,9 @@ LAST_BATCH_POLICIES = ("drop", "partial", "pad")
 # num_outputs=AUTO_OUTPUTS: each sample is a tuple of arrays, as many as the source's first
 # sample has (learnt in the workers, so the consumer need not run the callback to know it).
 AUTO_OUTPUTS = "auto"
+# A source's dtype= and ndim=: one value for every output, or one per output.
+DTypes = Union[None, "DTypeLike", Sequence[Optional["DTypeLike"]]]
+NDims = Union[None, int, Sequence[Optional[int]]]
 
 
 class _Unset:
@@ -47,7 +53,10 @@ class _Unset:
         return (_Unset, ())
 
 
-UNSET: Any = _Unset()
+UNSET: Any = _Unset()  # untyped: the default of parameters of every type
+
+
+# The checks below take whatever the caller passed, and say what is wrong with it.
 
 
 def positive_int(name: str, value: Any) -> int:
@@ -61,14 +70,14 @@ def optional_positive_int(name: str, value: Any) -> Optional[int]:
     return None if value is None else positive_int(name, value)
 
 
-def non_negative_number(name: str, value: Any) -> float:
+def non_negative_number(name: str, value: object) -> float:
     """``value`` if it is a number >= 0, or ``ValueError`` naming ``name``."""
     if not is_number(value) or not value >= 0:
         raise ValueError(f"{name} must be a number >= 0, got {value!r}")
     return value
 
 
-def check_backend(name: str, value: Any, start_method: Any = UNSET, options: Any = None,
+def check_backend(name: str, value: object, start_method: object = UNSET, options: object = None,
                   names: Tuple[str, str] = ("start_method", "ray_options"),
                   ) -> Tuple[str, Optional[str], Optional[Dict[str, Any]]]:
     """``(backend, start_method, backend options)`` checked: ``value`` must name a backend
@@ -83,7 +92,7 @@ def check_backend(name: str, value: Any, start_method: Any = UNSET, options: Any
     return value, checked_method, checked_options
 
 
-def per_output(name: str, value: Any, count: int) -> Tuple[Any, ...]:
+def per_output(name: str, value: object, count: int) -> Tuple[object, ...]:
     """One value per output: a list/tuple must have ``count`` entries; anything else repeats."""
     if isinstance(value, (list, tuple)):
         if len(value) != count:
@@ -92,11 +101,11 @@ def per_output(name: str, value: Any, count: int) -> Tuple[Any, ...]:
     return (value,) * count
 
 
-def _dtype(value: Any, output: int) -> Optional[np.dtype[Any]]:
+def _dtype(value: Any, output: int) -> Optional[DType]:
     if value is None:
         return None
     try:
-        dtype = np.dtype(value)
+        dtype: DType = np.dtype(value)
     except TypeError as exc:
         raise TypeError(f"dtype of output {output}: expected a NumPy dtype, got {value!r} ({exc})") from None
     if dtype.kind not in "biufc":
@@ -112,7 +121,7 @@ def _ndim(value: Any, output: int) -> Optional[int]:
     return int(value)
 
 
-def _flag(name: str, value: Any) -> bool:
+def _flag(name: str, value: object) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {value!r}")
     return bool(value)
@@ -164,8 +173,8 @@ class SourceSpec:
     batch: bool = False
     prefetch: Optional[int] = None
     last_batch: str = "drop"
-    dtype: InitVar[Any] = None  # anything np.dtype() takes, or one per output
-    ndim: InitVar[Union[None, int, Sequence[Optional[int]]]] = None  # or one per output
+    dtype: InitVar[DTypes] = None  # anything np.dtype() takes, or one per output
+    ndim: InitVar[NDims] = None  # or one per output
     timeout: Optional[float] = None
     batches_held: int = 2
     order: Optional[Order] = None
@@ -174,10 +183,10 @@ class SourceSpec:
     concurrency: int = 1  # samples in flight at once per worker (extsrc.engine.concurrent)
     in_order: bool = True  # False: a finished batch may be handed out before earlier ones
     hooks: Hooks = field(default_factory=Hooks)
-    dtypes: Tuple[Optional[np.dtype[Any]], ...] = field(init=False)  # one per output
+    dtypes: Tuple[Optional[DType], ...] = field(init=False)  # one per output
     ndims: Tuple[Optional[int], ...] = field(init=False)  # one per output
 
-    def __post_init__(self, dtype: Any, ndim: Any) -> None:
+    def __post_init__(self, dtype: DTypes, ndim: NDims) -> None:
         _set(self, batch_size=positive_int("batch_size", self.batch_size),
              batch=_flag("batch", self.batch), in_place=_flag("in_place", self.in_place),
              in_order=_flag("in_order", self.in_order),
@@ -192,8 +201,8 @@ class SourceSpec:
         if self.hooks.batch_info and not self.batch:
             raise ValueError("hooks.batch_info=True needs batch=True (it is what a batch callback is given)")
 
-    def _check_outputs(self, dtypes: Any, ndims: Any) -> None:
-        num_outputs: Any = self.num_outputs
+    def _check_outputs(self, dtypes: DTypes, ndims: NDims) -> None:
+        num_outputs = self.num_outputs
         if num_outputs == AUTO_OUTPUTS:
             if dtypes is not None or ndims is not None:
                 raise ValueError(f"dtype= and ndim= need a known num_outputs, not {AUTO_OUTPUTS!r}")
@@ -201,7 +210,7 @@ class SourceSpec:
                 raise ValueError(f"in_place=True needs a known num_outputs, not {AUTO_OUTPUTS!r}")
         else:
             num_outputs = optional_positive_int("num_outputs", num_outputs)
-        outputs = 1 if num_outputs is None else 0 if num_outputs == AUTO_OUTPUTS else num_outputs
+        outputs = 1 if num_outputs is None else 0 if isinstance(num_outputs, str) else num_outputs
         _set(self, num_outputs=num_outputs,
              dtypes=tuple(_dtype(d, j) for j, d in enumerate(per_output("dtype", dtypes, outputs))),
              ndims=tuple(_ndim(n, j) for j, n in enumerate(per_output("ndim", ndims, outputs))))
@@ -270,7 +279,7 @@ class SourceSpec:
         return 1 if self.num_outputs is None else int(self.num_outputs)
 
 
-def _set(record: Any, **values: Any) -> None:
+def _set(record: object, **values: object) -> None:
     """Stores checked values into a frozen record, from its ``__post_init__``."""
     for name, value in values.items():
         object.__setattr__(record, name, value)

@@ -34,6 +34,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from extsrc.arrays import Array
 from extsrc.shm.limits import format_bytes
 
 # Groups of callback timings kept for the percentiles (the most recent ones), in arrays made
@@ -530,7 +531,7 @@ def publish(stats: SourceStats) -> None:
         print(stats, file=sys.stderr, flush=True)
 
 
-def _weighted_percentiles(values: np.ndarray, weights: np.ndarray,
+def _weighted_percentiles(values: Array, weights: Array,
                           quantiles: Tuple[float, ...]) -> Tuple[Optional[float], ...]:
     """Percentiles of ``values``, each standing for ``weights`` samples."""
     if not len(values):

@@ -422,8 +422,11 @@ class Taker:
         layout, so each wrote its samples to its own overflow area), so that every batch of
         a uniform output is dense. Raises :class:`SharedMemoryError` naming the copy when the
         process's memory limits leave no room for it."""
-        single = not isinstance(outcome, tuple)
-        outputs: Tuple[Output, ...] = (outcome,) if single else outcome  # type: ignore[assignment]
+        outputs: Tuple[Output, ...]
+        if isinstance(outcome, tuple):
+            single, outputs = False, outcome
+        else:
+            single, outputs = True, (outcome,)
         if all(isinstance(samples, np.ndarray) or samples.is_dense or not samples
                for samples in outputs):
             return outcome

@@ -54,7 +54,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 # start() waits this long for the new thread's first line before it takes the thread for dead
 # (no memory for its first frame). A thread the OS made is scheduled within milliseconds even
@@ -80,12 +80,12 @@ class OwnedThread:
     __slots__ = ("name", "started", "ended", "_ident", "_target", "_done", "_began", "_claim",
                  "_begun", "_runs", "_lost", "_give_up_at")
 
-    def __init__(self, target: Callable[[], Any], name: str):
+    def __init__(self, target: Callable[[], object], name: str):
         self.name = name
         self.started = False  # true from just before the C call that makes the thread
         self.ended = False
         self._ident: Optional[int] = None  # stored by the thread itself, first thing
-        self._target: Optional[Callable[[], Any]] = target
+        self._target: Optional[Callable[[], object]] = target
         self._done = _thread.allocate_lock()  # held until target's end: join() waits on it
         self._done.acquire()
         self._began = _thread.allocate_lock()  # held until the thread runs: start() waits on it

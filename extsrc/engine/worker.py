@@ -27,12 +27,12 @@ import resource
 import select
 import signal
 import traceback
-from typing import Any, Dict, List, Mapping, Optional, Set
+from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 from extsrc import forking
-from extsrc.engine.channel import Channel
+from extsrc.engine.channel import Channel, DupFd
 from extsrc.engine.concurrent import AsyncEngine, worker_loop
-from extsrc.engine.protocol import AddSlot, DropSlot, SetupFailed, Stop, Task, WorkerSetup
+from extsrc.engine.protocol import AddSlot, DropSlot, Message, Result, SetupFailed, Stop, Task, WorkerSetup
 from extsrc.engine.runner import SourceRunner, load_source
 from extsrc.engine.worker_malloc import keep_freed_memory
 
@@ -59,14 +59,14 @@ class LifelineEnd:
         if poller.poll(0):  # the write end closed before the signal was armed
             os._exit(0)
 
-    def __reduce__(self):
+    def __reduce__(self) -> Tuple[Callable[[DupFd], LifelineEnd], Tuple[DupFd]]:
         # Only for handing the end to a spawn/forkserver worker in Process.start().
         from multiprocessing import reduction
 
         return (_rebuild_lifeline_end, (reduction.DupFd(self.fd),))
 
 
-def _rebuild_lifeline_end(dup) -> LifelineEnd:
+def _rebuild_lifeline_end(dup: DupFd) -> LifelineEnd:
     return LifelineEnd(dup.detach())
 
 
@@ -162,7 +162,7 @@ def _serve_overlapping(channel: Channel, runners: Dict[int, SourceRunner], index
         if not ended.done():
             ended.set_result(None)
 
-    def send(result: Any) -> None:
+    def send(result: Result) -> None:
         try:
             channel.send(result)
         except OSError:
@@ -195,7 +195,7 @@ def _serve_overlapping(channel: Channel, runners: Dict[int, SourceRunner], index
             if ended.done() or not channel.buffered():
                 return
 
-    def handle(message: Any, fds: List[int]) -> None:
+    def handle(message: Message, fds: List[int]) -> None:
         if isinstance(message, Task):
             runner = runners[message.source_id]
             if runner.overlaps:

@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from extsrc.engine.policy import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES  # why: there
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
 
 # glibc's mallopt() parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -43,7 +46,7 @@ def user_chose() -> bool:
     return "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
 
 
-def _mallopt() -> Optional[Any]:
+def _mallopt() -> Optional[CFuncPtr]:
     """The C library's ``mallopt``; None where there is none (not glibc)."""
     try:
         return ctypes.CDLL(None).mallopt

@@ -24,12 +24,14 @@ import signal
 import sys
 import threading
 import time
+import types
 from collections import deque
-from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from multiprocessing.process import BaseProcess
+from typing import Callable, Deque, Dict, Iterator, List, Optional, Protocol, Sequence, Set, Tuple, cast
 
 from extsrc import forking
 from extsrc.engine.channel import Channel, OwnedFds
-from extsrc.engine.protocol import Stop, Task, WorkerSetup
+from extsrc.engine.protocol import Stop, Task, ToWorker, WorkerSetup
 from extsrc.engine.threads import OwnedThread
 from extsrc.engine.worker import LifelineEnd, worker_main
 from extsrc.closing import close_when_collected
@@ -51,6 +53,13 @@ DESCRIPTORS_TO_START_ONE = 10
 # a fork server still starting. One landing later than this is raised at once, so that Ctrl-C
 # still ends the wait for a fork server that stopped answering.
 INTERRUPT_HOLD_S = 10.0
+
+
+class MakesProcesses(Protocol):
+    """A ``multiprocessing`` context (``context.Process`` starts its kind of process)."""
+
+    def Process(self, *, target: Callable[[WorkerSetup, Channel, LifelineEnd], None],
+                args: Tuple[WorkerSetup, Channel, LifelineEnd], name: str, daemon: bool) -> BaseProcess: ...
 
 
 class Lifeline:
@@ -98,15 +107,17 @@ class Lifeline:
 class WorkerHandle:
     """One worker process: its channel, the tasks it holds, the messages waiting for it."""
 
-    def __init__(self, index: int, process: Any, channel: Channel, lifeline: Lifeline):
+    def __init__(self, index: int, process: BaseProcess, channel: Channel, lifeline: Lifeline):
+        pid = process.pid
+        assert pid is not None, "a process that started has a pid"
         self.index = index
         self.process = process
-        self.pid: int = process.pid
+        self.pid = pid
         self.channel = channel
         self.lifeline = lifeline
         self.outstanding: Dict[int, Task] = {}  # ticket -> task, in the order sent
         self.busy_since = time.monotonic()
-        self.outbox: Deque[Tuple[Any, Optional[OwnedFds]]] = deque()  # (message, fds to send)
+        self.outbox: Deque[Tuple[ToWorker, Optional[OwnedFds]]] = deque()  # (message, fds to send)
 
     @property
     def sentinel(self) -> int:
@@ -119,7 +130,7 @@ class WorkerHandle:
                 fds.close()
 
 
-def launch(context: Any, setup: WorkerSetup, run_main: bool) -> WorkerHandle:
+def launch(context: MakesProcesses, setup: WorkerSetup, run_main: bool) -> WorkerHandle:
     """Starts one worker process with ``setup``, in the calling thread (a forkserver worker in
     the thread of :func:`launch_on_a_thread`).
 
@@ -146,11 +157,11 @@ def launch(context: Any, setup: WorkerSetup, run_main: bool) -> WorkerHandle:
         lifeline.close_write_end()  # a worker started all the same dies with it
         raise
     # The pool reaps its workers itself (see the module docstring).
-    multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
+    multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]  # private: not in the stubs
     return WorkerHandle(setup.index, process, pool_end, lifeline)
 
 
-def launch_on_a_thread(context: Any, setups: Sequence[WorkerSetup], run_main: bool,
+def launch_on_a_thread(context: MakesProcesses, setups: Sequence[WorkerSetup], run_main: bool,
                        workers: List[WorkerHandle]) -> Optional[KeyboardInterrupt]:
     """Starts a forkserver worker for each of ``setups`` (:func:`launch`) on a thread of its own,
     adds them to ``workers`` and returns an interrupt that landed meanwhile, for the pool to
@@ -259,11 +270,11 @@ class _MainHiding:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.starts: Set[object] = set()  # tokens of the starts in _main_hidden(True) now
-        self._saved: Dict[str, Any] = {}  # what __main__ had before the first of them
-        self._main: Any = None  # set while the values are hidden
+        self._saved: Dict[str, object] = {}  # what __main__ had before the first of them
+        self._main: Optional[types.ModuleType] = None  # set while the values are hidden
         forking.register(self)
 
-    def enter(self, main: Any, token: object) -> None:
+    def enter(self, main: types.ModuleType, token: object) -> None:
         with self._lock:
             self.starts.add(token)
             if self._main is None:
@@ -314,8 +325,10 @@ def stop(workers: Sequence[WorkerHandle], ask: bool) -> None:
         if not alive:
             break
         for process in alive:
+            pid = process.pid
+            assert pid is not None, "a process that started has a pid"
             try:
-                os.kill(process.pid, sig)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         for process in alive:
@@ -437,9 +450,11 @@ class Waker:
             end.close()
 
 
-def context_for(start_method: Optional[str]) -> multiprocessing.context.BaseContext:
+def context_for(start_method: Optional[str]) -> MakesProcesses:
     """The context of ``start_method`` (``None``: the platform's default)."""
-    return multiprocessing.get_context(start_method)
+    # The stubs type a context of a method given by name as BaseContext, which has no Process:
+    # every context there is has one.
+    return cast(MakesProcesses, multiprocessing.get_context(start_method))
 
 
 def alive(workers: List[WorkerHandle]) -> List[WorkerHandle]:

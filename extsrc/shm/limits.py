@@ -23,7 +23,7 @@ import os
 import resource
 import shutil
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, overload
+from typing import Dict, List, Optional, Tuple, Type, overload
 
 from extsrc.errors import SharedMemoryError
 
@@ -371,7 +371,7 @@ def with_advice(error: SharedMemoryError, kind: str, total_needed: int) -> Share
 DESCRIPTOR_ERRNOS = (errno.EMFILE, errno.ENFILE)
 
 
-def out_of_descriptors(exc: OSError, what: str, error_type: type = SharedMemoryError) -> OSError:
+def out_of_descriptors(exc: OSError, what: str, error_type: Type[OSError] = SharedMemoryError) -> OSError:
     """``exc`` (``EMFILE``/``ENFILE``) as an ``error_type`` that names the limit and what to do.
 
     ``what`` is what needed the descriptor (``"shared memory for source '#0', slot 3"``).

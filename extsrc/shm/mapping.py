@@ -21,11 +21,12 @@ import ctypes
 import ctypes.util
 import errno
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, TypedDict
 
 import numpy as np
 
 from extsrc import forking
+from extsrc.arrays import Array, DType
 from extsrc.closing import close_when_collected
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -51,12 +52,21 @@ class MapError(OSError):
     """``mmap(2)`` refused; ``errno`` says why (``ENOMEM``: address space or memory limit)."""
 
 
+class ArrayInterface(TypedDict):
+    """NumPy's ``__array_interface__`` (version 3) of a mapping: its bytes as uint8."""
+
+    shape: Tuple[int]
+    typestr: str
+    data: Tuple[int, bool]  # (address, read-only)
+    version: int
+
+
 class _Exporter:
     """Shows ``nbytes`` at an address to NumPy and keeps ``owner`` alive while any array uses it."""
 
     __slots__ = ("__array_interface__", "owner")
 
-    def __init__(self, interface: Dict[str, Any], owner: object):
+    def __init__(self, interface: ArrayInterface, owner: object):
         self.__array_interface__ = interface
         self.owner = owner
 
@@ -79,7 +89,7 @@ class Mapping:
         self.address = 0
         self.size = size
         self.leased = False  # a held batch lives here: a forked child must see it
-        self.on_close: list = []  # called with (address, size) right before it is unmapped
+        self.on_close: List[Callable[[int, int], None]] = []  # called with (address, size) right before it is unmapped
         self._pid = os.getpid()
         self._inherited = True
         # Mapped, advised and registered under the fork lock: a fork by another thread in
@@ -91,7 +101,7 @@ class Mapping:
                 code = ctypes.get_errno() or errno.ENOMEM
                 raise MapError(code, f"mmap of {size} bytes failed: {os.strerror(code)}")
             self.address = address
-            self._interface = {
+            self._interface: ArrayInterface = {
                 "shape": (size,), "typestr": "|u1", "data": (address, False), "version": 3,
             }
             self._advise(inherited=False)
@@ -111,7 +121,7 @@ class Mapping:
         only if a held batch lives in it."""
         self._advise(inherited=self.leased)
 
-    def array(self, offset: int, dtype: np.dtype, shape: Tuple[int, ...]) -> np.ndarray:
+    def array(self, offset: int, dtype: DType, shape: Tuple[int, ...]) -> Array:
         """An array over ``offset`` onwards that keeps this mapping alive (for writers)."""
         return view(array_base(self, self), offset, dtype, shape)
 
@@ -149,7 +159,7 @@ class Mapping:
         return f"<Mapping {self.size} bytes at {self.address:#x}>"
 
 
-def array_base(mapping: Mapping, owner: object) -> np.ndarray:
+def array_base(mapping: Mapping, owner: object) -> Array:
     """All of ``mapping`` as a uint8 array whose views keep ``owner`` alive.
 
     ``owner`` must keep ``mapping`` alive (a lease holding it, or the
@@ -160,12 +170,13 @@ def array_base(mapping: Mapping, owner: object) -> np.ndarray:
     return np.asarray(_Exporter(mapping._interface, owner))
 
 
-def view(base: np.ndarray, offset: int, dtype: np.dtype, shape: Tuple[int, ...]) -> np.ndarray:
+def view(base: Array, offset: int, dtype: DType, shape: Tuple[int, ...]) -> Array:
     """An array of ``dtype`` and ``shape`` at byte ``offset`` of ``base`` (no copy)."""
-    return np.ndarray(shape, dtype, buffer=base, offset=offset)
+    array: Array = np.ndarray(shape, dtype, buffer=base, offset=offset)  # (NumPy's stub: untyped)
+    return array
 
 
-def owner_of(array: Any) -> Optional[object]:
+def owner_of(array: object) -> Optional[object]:
     """What keeps ``array``'s memory alive if it is extsrc shared memory (a lease, a
     mapping), else ``None``. Follows the array's ``base`` chain; no copy, no side effect."""
     base = array

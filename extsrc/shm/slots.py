@@ -51,9 +51,8 @@ import weakref
 from collections import deque
 from typing import Callable, Deque, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
-import numpy as np
-
 from extsrc import forking
+from extsrc.arrays import Array
 from extsrc.errors import InternalError
 from extsrc.shm.mapping import Mapping, array_base, owner_of
 from extsrc.shm.segment import Segment
@@ -163,7 +162,7 @@ class Lease:
         head = () if self.region is None else (self.region,)
         return head + tuple(self.overflow.values())
 
-    def base(self, mapping: Mapping) -> np.ndarray:
+    def base(self, mapping: Mapping) -> Array:
         """All of ``mapping`` (one of :attr:`mappings`) as a uint8 array whose views keep
         this lease alive. Callers keep it no longer than they need to make views."""
         return array_base(mapping, self)

@@ -23,6 +23,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from extsrc.arrays import Array
 from extsrc.engine import policy
 
 STREAM_MIN_BYTES = policy.STREAM_MIN_BYTES  # below it, NumPy's copy (see the policy's reason)
@@ -56,7 +57,7 @@ def why_not() -> str:
     return _why_not
 
 
-def copy(destination: np.ndarray, source: np.ndarray) -> None:
+def copy(destination: Array, source: Array) -> None:
     """``destination[...] = source`` for arrays of one dtype and shape; past the caches when
     both are C-contiguous, the copy is at least :data:`STREAM_MIN_BYTES` and the compiled
     part is there. Raises what NumPy's assignment raises for arrays that differ."""

@@ -19,10 +19,11 @@ allow.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar, Union
 
 import numpy as np
 
+from extsrc.arrays import Array, DType
 from extsrc.engine import policy
 from extsrc.errors import SampleError, SharedMemoryError
 from extsrc.shm import limits, streaming
@@ -30,13 +31,16 @@ from extsrc.shm.layout import Region, Spilled, align
 from extsrc.shm.mapping import Mapping
 from extsrc.shm.segment import Segment
 
+if TYPE_CHECKING:
+    from extsrc.engine.protocol import Task
+
 Describe = Callable[[int], str]  # sample position -> "sample SampleInfo(...)"
 _Done = TypeVar("_Done")
 
 
 class Checker(Protocol):
     def check(self, value: object, output: int, position: int, where: str,
-              first: Optional[np.ndarray], first_where: str) -> np.ndarray: ...
+              first: Optional[Array], first_where: str) -> Array: ...
 
 
 class OverflowArea:
@@ -55,7 +59,7 @@ class OverflowArea:
             self.batch_seq = batch_seq
             self.cursor = 0
 
-    def alloc(self, dtype: np.dtype, shape: Tuple[int, ...]) -> Tuple[int, np.ndarray]:
+    def alloc(self, dtype: DType, shape: Tuple[int, ...]) -> Tuple[int, Array]:
         """Room for one sample: ``(byte offset in the segment, a writable array there)``."""
         nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
         offset = align(self.cursor)
@@ -68,7 +72,7 @@ class OverflowArea:
         assert self.mapping is not None
         return offset, self.mapping.array(offset, dtype, shape)
 
-    def put(self, array: np.ndarray) -> int:
+    def put(self, array: Array) -> int:
         """Copies ``array`` in; returns its byte offset in the segment."""
         offset, destination = self.alloc(array.dtype, array.shape)
         if array.nbytes:
@@ -151,7 +155,7 @@ class TaskWriter:
         for slot_id in list(self.slots):
             self.drop_slot(slot_id)
 
-    def answer(self, task: Any, write: "TaskWrite", done: _Done) -> _Done:
+    def answer(self, task: Task, write: object, done: _Done) -> _Done:
         """The answer to a task written here: the engine's own (see :mod:`extsrc.engine.sink`,
         the seam this writer serves)."""
         return done
@@ -199,12 +203,12 @@ class TaskWrite:
         self.describe = describe
         self.region_map = slot.region_view(region_bytes) if region_bytes else None
         self.spilled: List[List[Spilled]] = [[] for _ in regions]
-        self.first: List[Optional[np.ndarray]] = [None] * len(regions)
+        self.first: List[Optional[Array]] = [None] * len(regions)
         self.first_at = [0] * len(regions)  # its position, described only when an error needs it
-        self._rows: List[Optional[np.ndarray]] = [None] * len(regions)
+        self._rows: List[Optional[Array]] = [None] * len(regions)
         self._given: Dict[Tuple[int, int], Tuple[int, Optional[Spilled]]] = {}  # see alloc
 
-    def _region_rows(self, j: int) -> Optional[np.ndarray]:
+    def _region_rows(self, j: int) -> Optional[Array]:
         """Output ``j``'s region for samples ``start..stop-1`` (rows), or None without one."""
         rows = self._rows[j]
         region = self.regions[j]
@@ -214,7 +218,7 @@ class TaskWrite:
             self._rows[j] = rows
         return rows
 
-    def alloc(self, output: int, position: int, shape: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    def alloc(self, output: int, position: int, shape: Tuple[int, ...], dtype: DType) -> Array:
         """A writable array in shared memory for sample ``position`` of ``output``.
 
         Its place in the output's region when ``shape`` and ``dtype`` are the
@@ -229,9 +233,9 @@ class TaskWrite:
         rows = self._region_rows(output)
         region = self.regions[output]
         if rows is not None and region is not None and dtype.str == region.dtype and shape == region.shape:
-            array = rows[position - self.start]
-            self._given[(output, position)] = (array.__array_interface__["data"][0], None)
-            return array
+            row: Array = rows[position - self.start]  # (NumPy's stub: untyped)
+            self._given[(output, position)] = (row.__array_interface__["data"][0], None)
+            return row
         try:
             offset, array = self.slot.overflow.alloc(dtype, shape)
         except SharedMemoryError as exc:
@@ -240,7 +244,7 @@ class TaskWrite:
         self._given[(output, position)] = (array.__array_interface__["data"][0], placed)
         return array
 
-    def direct_rows(self, sample: object, position: int) -> Optional[np.ndarray]:
+    def direct_rows(self, sample: object, position: int) -> Optional[Array]:
         """Rows the runner may write small samples into itself, one by one as they come.
 
         Given when the task has one output whose region is known, the source's
@@ -337,7 +341,7 @@ class TaskWrite:
                 offset = self.slot.overflow.put(array)
                 self.spilled[j].append(Spilled(sample_position, array.dtype.str, array.shape, offset))
 
-    def _note_first(self, j: int, sample: np.ndarray, position: int) -> None:
+    def _note_first(self, j: int, sample: Array, position: int) -> None:
         if self.first[j] is None:
             self.first[j], self.first_at[j] = sample, position
 
@@ -358,7 +362,7 @@ def _sample_bytes(value: object) -> int:
         return 0
 
 
-def _is_in_place(column: Sequence[object], destination: np.ndarray) -> bool:
+def _is_in_place(column: Sequence[object], destination: Array) -> bool:
     """Whether every sample is already the row of ``destination`` it belongs in."""
     if len(column) != len(destination):
         return False
@@ -372,7 +376,7 @@ def _is_in_place(column: Sequence[object], destination: np.ndarray) -> bool:
     return True
 
 
-def _write_dense(column, destination: np.ndarray) -> bool:
+def _write_dense(column: Union[Array, Sequence[Any]], destination: Array) -> bool:
     """Fast path: every sample has the region's dtype and shape; one C-level copy.
 
     False (nothing written) when a sample differs: the caller checks samples one by one.
