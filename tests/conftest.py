@@ -1,7 +1,8 @@
 """Shared fixtures: every test must leave no worker process and no /dev/shm entry.
 
 Tests marked ``cuda`` (``tests/gpu/``, ``tests/dali/test_cuda.py``) are skipped
-without an NVIDIA GPU, asked once per run.
+without an NVIDIA GPU, asked once per run; tests marked ``ray`` are also ``slow`` (the fast
+lane, ``-m "not slow"``, leaves them out).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ def _has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # The Ray tests start a local Ray (seconds each), or a cluster: not for the fast lane.
+    for item in items:
+        if "ray" in item.keywords:
+            item.add_marker(pytest.mark.slow)
     cuda_items = [item for item in items if "cuda" in item.keywords]
     if not cuda_items or _has_gpu():
         return

@@ -4,6 +4,8 @@ returned at once and left them all until the interpreter's exit.) The same for a
 dropped and whose close() from the garbage collector an interrupt cuts short. Each runs in its own
 interpreter."""
 
+import pytest
+
 from faultkit import run_fault
 
 _PRELUDE = '''
@@ -65,6 +67,7 @@ def run(report):
 '''
 
 
+@pytest.mark.slow
 def test_a_close_interrupted_anywhere_is_finished_by_the_next_close():
     result = run_fault(INTERRUPTED_CLOSES, timeout=120)
     assert result.type is None, result.traceback or result.stderr[-3000:]
@@ -102,6 +105,7 @@ def run(report):
 '''
 
 
+@pytest.mark.slow
 def test_a_close_from_the_garbage_collector_that_an_interrupt_cut_short_is_finished_there():
     result = run_fault(INTERRUPTED_COLLECTIONS, timeout=120)
     assert result.type is None, result.traceback or result.stderr[-3000:]

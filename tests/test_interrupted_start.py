@@ -8,6 +8,8 @@ the descriptors, threads and child processes it had before. Each case runs in it
 interpreter with a time limit (a hang fails the test).
 """
 
+import pytest
+
 from faultkit import run_isolated
 
 WALK = '''
@@ -120,6 +122,7 @@ def test_an_interrupt_anywhere_in_making_or_closing_the_wake_up_pipe_leaves_no_d
 # Forkserver workers start on a thread of extsrc's, where no interrupt lands; fork and spawn
 # workers start in the consumer's thread, where an interrupt right after multiprocessing forked
 # or spawned one and before it was recorded still leaves it behind (see the README).
+@pytest.mark.slow
 def test_an_interrupt_anywhere_in_a_forkserver_start_leaves_nothing_after_close():
     result = run_isolated(WALK, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]

@@ -67,6 +67,7 @@ def run(callback, concurrency, **kwargs):
         return take_all(source)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", [None, Order(RECORDS, shuffle=True, seed=5)])
 def test_same_batches_for_any_concurrency_async_and_threads(server, order):
     count = None if order is not None else RECORDS

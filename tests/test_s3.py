@@ -81,6 +81,7 @@ def epoch(callback, concurrency):
         return [[bytes(s) for s in batch] for batch in source], list(order.epoch(0))
 
 
+@pytest.mark.slow
 def test_a_bucket_read_through_boto3_and_aiobotocore_gives_the_same_batches(s3):
     reference, records = epoch(Boto3Objects(s3.endpoint_url), 1)
     assert [s for b in reference for s in b] == [content(r) for r in records]

@@ -160,6 +160,7 @@ with extsrc.ParallelSource(sample, 4, num_workers=2, start_method="fork",
 '''
 
 
+@pytest.mark.slow
 def test_small_batches_go_ahead_only_as_far_as_the_address_space_allows():
     # Under ulimit -v with room for the default prefetch only, the widened prefetch would map
     # more slots than the room holds, and the consumer's own next batch would find none left.

@@ -176,6 +176,7 @@ print(stats)
 '''
 
 
+@pytest.mark.slow
 def test_beside_cpu_hogs_the_diagnosis_names_the_busy_machine_not_the_consumer():
     import os
 

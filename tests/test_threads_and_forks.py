@@ -297,6 +297,7 @@ def test_an_interrupted_thread_start_leaves_no_thread_stuck_and_join_waits_for_a
     assert int(out.split()[out.split().index("interrupted") + 1]) >= 2, out
 
 
+@pytest.mark.slow
 def test_an_interrupt_in_threading_code_while_forkserver_workers_start_keeps_no_worker_half_started():
     # A KeyboardInterrupt at the k-th call or return of threading's Python code in the consumer's
     # thread while a forkserver source starts its two workers, for every k up to the last. Each

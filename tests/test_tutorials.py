@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("nvidia.dali")
+pytestmark = pytest.mark.slow  # each tutorial runs in a fresh interpreter, twice with DALI
 
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIALS = sorted(p.name for p in (ROOT / "tutorials").glob("[0-9][0-9]_*.py"))

@@ -383,6 +383,7 @@ print("WALKED", walked > 3, "INTERRUPTED", interrupted == walked - 1)
 '''
 
 
+@pytest.mark.slow
 def test_a_close_interrupted_wherever_a_ctrl_c_can_land_is_finished_by_the_next_close():
     result = run_isolated(_INTERRUPTED_CLOSES, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]

@@ -61,6 +61,7 @@ def run_two_epochs(api, folder):
     return epochs
 
 
+@pytest.mark.slow
 def test_the_tutorial_pipeline_gives_the_same_batches_as_dali(image_folder):
     theirs = run_two_epochs(nvidia.dali, image_folder)
     ours = run_two_epochs(extsrc, image_folder)

@@ -8,6 +8,8 @@ a Ctrl-C landing anywhere in the wait.
 import sys
 import threading
 
+import pytest
+
 from extsrc.dali.run_thread import RunThread
 from extsrc.engine.threads import OwnedThread
 
@@ -50,6 +52,7 @@ def test_an_interrupted_join_neither_ends_the_thread_nor_stops_a_later_join_from
         assert thread.ended
 
 
+@pytest.mark.slow
 def test_a_dali_run_call_is_handed_over_once_after_its_wait_was_interrupted_at_any_line():
     runner = RunThread("extsrc-test-run")
     try:
