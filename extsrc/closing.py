@@ -43,3 +43,18 @@ def close_when_collected(close: Callable[[], None]) -> None:
             raise interrupt
     finally:
         interrupt = None  # no cycle through the traceback's frames
+
+
+class ClosedWhenCollected:
+    """A base for objects that close themselves when collected: its ``__del__`` calls
+    :func:`close_when_collected` with the object's ``close``. The function is bound when the
+    class is made, not looked up when ``__del__`` runs: at interpreter exit the modules' names
+    are set to None before the last objects go ("'NoneType' object is not callable")."""
+
+    __slots__ = ()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __del__(self, _collected: Callable[[Callable[[], None]], None] = close_when_collected) -> None:
+        _collected(self.close)

@@ -155,6 +155,31 @@ def test_interpreter_exit_with_a_live_source_is_quiet_and_leaves_no_worker():
     assert not any(alive(int(p)) for p in out.stdout.split())
 
 
+def test_interpreter_exit_with_a_live_dataset_loader_is_quiet_and_leaves_no_worker():
+    # The loader's objects go after the modules' names were cleared at exit: their __del__ must
+    # not look a module name up then ("Exception ignored in ... 'NoneType' object is not callable").
+    pytest.importorskip("torch")
+    out = run_script(
+        """
+        import torch, extsrc.torch
+
+        class Records(torch.utils.data.Dataset):
+            def __len__(self):
+                return 100
+
+            def __getitem__(self, i):
+                return {"x": torch.zeros(3), "y": i}
+
+        loader = extsrc.torch.from_dataset(Records(), batch_size=8, num_workers=2)
+        next(iter(loader))
+        print(*loader.source.worker_pids())
+        """
+    )
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    time.sleep(0.2)
+    assert not any(alive(int(p)) for p in out.stdout.split())
+
+
 def test_workers_exit_when_the_parent_is_killed():
     out = run_script(
         """

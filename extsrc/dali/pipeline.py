@@ -373,8 +373,8 @@ class Pipeline(_dali_pipeline.Pipeline):
         if self._extsrc_exits_close.pop():
             self.close()
 
-    def __del__(self):
-        close_when_collected(self.close)
+    def __del__(self, _collected=close_when_collected):  # bound here: at exit names may be None
+        _collected(self.close)
         try:
             super().__del__()
         except Exception:

@@ -26,7 +26,7 @@ from typing import Callable, Deque, List, Protocol, Sequence, Tuple
 
 from extsrc import forking
 from extsrc.engine.protocol import Message, from_wire, to_wire
-from extsrc.closing import close_when_collected
+from extsrc.closing import ClosedWhenCollected
 
 _HEADER = struct.Struct("<IB")  # payload bytes, descriptors attached
 MAX_FDS = 8  # per message; AddSlot sends 2
@@ -243,7 +243,7 @@ class Channel:
         return (_rebuild_worker_end, (reduction.DupFd(self.sock.fileno()),))
 
 
-class OwnedFds:
+class OwnedFds(ClosedWhenCollected):
     """Duplicates of descriptors waiting to be sent; closed once sent or dropped.
 
     A forked child closes its copies at once (see :mod:`extsrc.forking`): a
@@ -273,9 +273,6 @@ class OwnedFds:
     def forget_after_fork(self) -> None:
         fds, self.fds = self.fds, ()
         forking.close_inherited(fds)
-
-    def __del__(self) -> None:
-        close_when_collected(self.close)
 
 
 def _frame(message: Message, fd_count: int) -> bytes:

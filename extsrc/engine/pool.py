@@ -83,7 +83,7 @@ from extsrc.errors import ForkedChildError, InternalError, PoolClosedError
 from extsrc import forking
 from extsrc.shm.limits import DESCRIPTOR_ERRNOS, out_of_descriptors, thread_start_error
 from extsrc.engine.spec import UNSET, PoolSpec
-from extsrc.closing import close_when_collected
+from extsrc.closing import ClosedWhenCollected
 
 if TYPE_CHECKING:
     from _thread import LockType as Waiter
@@ -161,7 +161,7 @@ class _TaskTime:
         self.depth = policy.task_depth(self.seconds, self.base_depth)
 
 
-class WorkerPool:
+class WorkerPool(ClosedWhenCollected):
     """Workers shared by one or more :class:`~extsrc.ParallelSource` s.
 
     Create the pool, create the sources with ``pool=pool``, then ``start()``
@@ -272,9 +272,6 @@ class WorkerPool:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        close_when_collected(self.close)
 
     # -- life cycle -----------------------------------------------------------------------------
 

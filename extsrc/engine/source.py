@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Iterator, List
 
 import numpy as np
 
-from extsrc.closing import close_when_collected
+from extsrc.closing import ClosedWhenCollected
 from extsrc.engine.assembly import BatchOutput
 from extsrc.engine.concurrent import is_async
 from extsrc.engine.hooks import Hooks
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from extsrc.engine.pickling import PicklerSpec
 
 
-class ParallelSource:
+class ParallelSource(ClosedWhenCollected):
     """Runs ``source`` in worker processes; each ``for`` loop over it is one epoch.
 
     Sample mode (``batch=False``): ``source(SampleInfo)`` returns one sample,
@@ -315,9 +315,6 @@ class ParallelSource:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        close_when_collected(self.close)
 
     def _check_open(self) -> None:
         self._pool.check_owner()

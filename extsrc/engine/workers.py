@@ -34,7 +34,7 @@ from extsrc.engine.channel import Channel, OwnedFds
 from extsrc.engine.protocol import Stop, Task, ToWorker, WorkerSetup
 from extsrc.engine.threads import OwnedThread
 from extsrc.engine.worker import LifelineEnd, worker_main
-from extsrc.closing import close_when_collected
+from extsrc.closing import ClosedWhenCollected
 
 # A worker asked to stop finishes its current callback first; most are done in
 # milliseconds, and one second covers a loaded machine. After that: SIGTERM,
@@ -62,7 +62,7 @@ class MakesProcesses(Protocol):
                 args: Tuple[WorkerSetup, Channel, LifelineEnd], name: str, daemon: bool) -> BaseProcess: ...
 
 
-class Lifeline:
+class Lifeline(ClosedWhenCollected):
     """The pool's end of a worker's lifeline (see :mod:`extsrc.engine.worker`).
 
     Only the pool's process holds the write end (a forked child closes its
@@ -99,9 +99,6 @@ class Lifeline:
         fd, self._write_fd = self._write_fd, -1
         if fd >= 0:
             forking.close_inherited((fd,))
-
-    def __del__(self) -> None:
-        close_when_collected(self.close)
 
 
 class WorkerHandle:
@@ -371,7 +368,7 @@ def describe_exit(worker: WorkerHandle, start_method: Optional[str]) -> Tuple[st
     return how, hint
 
 
-class Waker:
+class Waker(ClosedWhenCollected):
     """Wakes the pool's I/O thread; safe from any thread, at any time.
 
     A small C-level lock (taken in ``with`` statements only, so no
@@ -438,9 +435,6 @@ class Waker:
                 self._open = False
                 for end in self._ends:  # each close() is idempotent: a cut close is finished
                     end.close()
-
-    def __del__(self) -> None:
-        close_when_collected(self.close)
 
     def forget_after_fork(self) -> None:
         # The lock may have been held by a thread that is not in the child: a fresh one.

@@ -27,7 +27,7 @@ import numpy as np
 
 from extsrc import forking
 from extsrc.arrays import Array, DType
-from extsrc.closing import close_when_collected
+from extsrc.closing import ClosedWhenCollected
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -71,7 +71,7 @@ class _Exporter:
         self.owner = owner
 
 
-class Mapping:
+class Mapping(ClosedWhenCollected):
     """``size`` bytes of a segment mapped shared at ``address`` in this process.
 
     Valid until :meth:`close` (explicit) or until it is garbage, whichever
@@ -151,9 +151,6 @@ class Mapping:
         """In a pool's fork worker: unmaps this inherited mapping (see :mod:`extsrc.forking`)."""
         if self._pid != os.getpid():
             self.close()
-
-    def __del__(self) -> None:
-        close_when_collected(self.close)
 
     def __repr__(self) -> str:
         return f"<Mapping {self.size} bytes at {self.address:#x}>"

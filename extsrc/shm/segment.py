@@ -30,7 +30,7 @@ from extsrc.errors import SharedMemoryError
 from extsrc.shm import limits
 from extsrc.shm.layout import align
 from extsrc.shm.mapping import PAGE, Mapping, MapError
-from extsrc.closing import close_when_collected
+from extsrc.closing import ClosedWhenCollected
 
 BACKENDS = ("memfd", "devshm")
 
@@ -45,7 +45,7 @@ def backend() -> str:
     return "memfd" if hasattr(os, "memfd_create") else "devshm"
 
 
-class Segment:
+class Segment(ClosedWhenCollected):
     """One shared-memory file, owned through its descriptor ``fd``.
 
     :meth:`reserve` grows it with memory actually allocated; :meth:`map`
@@ -148,9 +148,6 @@ class Segment:
         fd, self.fd = self.fd, -1  # forgotten first, as in close()
         if fd >= 0:
             forking.close_inherited((fd,))
-
-    def __del__(self) -> None:
-        close_when_collected(self.close)
 
     def __repr__(self) -> str:
         return f"<Segment {self.label!r} fd={self.fd} ({self.kind})>"
