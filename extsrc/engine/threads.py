@@ -205,22 +205,31 @@ def defer_on_wake_up(defer: bool) -> bool:
     For the pool's I/O thread while the workers' tasks are short: woken by every answer, it
     preempted a worker each time (two context switches, the worker's caches cooled) to
     handle one answer; deferring, it handles the answers of a time slice together, and the
-    workers hold enough tasks to run meanwhile (see :data:`extsrc.engine.pool.QUEUE_COVER_S`).
+    workers hold enough tasks to run meanwhile (see :data:`extsrc.engine.policy.QUEUE_COVER_S`).
     With long tasks it preempts: wake-ups are then rare, and a batch is handed on at once.
-    Only the default policy and ``SCHED_BATCH`` are switched: a thread under a real-time
-    policy (``chrt``) stays so (as ``SCHED_BATCH`` it would starve behind its own workers).
-    Without the call (other systems), or refused (a sandbox), nothing changes."""
+    Only a thread whose own policy (the one it had at its first call) is the default one is
+    switched, and only between that and ``SCHED_BATCH``: a thread the user put under
+    another policy (``chrt -b``, ``chrt -i``, a real-time one) keeps it (as ``SCHED_BATCH`` a
+    real-time thread would starve behind its own workers). Without the call (other
+    systems), or refused (a sandbox), nothing changes."""
     if not hasattr(os, "sched_setscheduler") or not hasattr(os, "SCHED_BATCH"):
         return False
-    wanted = os.SCHED_BATCH if defer else os.SCHED_OTHER
     try:
         policy = os.sched_getscheduler(0)  # 0: the calling thread
     except OSError:
         return False
-    if policy != wanted and policy in (os.SCHED_OTHER, os.SCHED_BATCH):
+    own = getattr(_own_policy, "policy", None)
+    if own is None:
+        own = _own_policy.policy = policy
+    wanted = os.SCHED_BATCH if defer else os.SCHED_OTHER
+    if own == os.SCHED_OTHER and policy != wanted and policy in (os.SCHED_OTHER, os.SCHED_BATCH):
         try:
             os.sched_setscheduler(0, wanted, os.sched_param(0))
         except OSError:
             return policy == os.SCHED_BATCH
         policy = wanted
     return policy == os.SCHED_BATCH
+
+
+# The policy each thread had at its first defer_on_wake_up(): the one it goes back to.
+_own_policy = _thread._local()

@@ -270,3 +270,29 @@ def test_a_thread_defers_on_wake_up_and_back_and_no_other_thread_changes():
     thread.join()
     assert seen == [(True, os.SCHED_BATCH), (True, os.SCHED_BATCH), (False, os.SCHED_OTHER)]
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+@pytest.mark.parametrize("policy", ["SCHED_BATCH", "SCHED_IDLE"])
+def test_a_thread_the_user_put_under_another_policy_keeps_it(policy):
+    # A program run under `chrt -b` or `chrt -i`: its threads, the pool's I/O thread among them,
+    # inherit the policy, and deferring and back must leave it as the user chose.
+    import os
+
+    from extsrc.engine.threads import defer_on_wake_up
+
+    if not hasattr(os, policy):
+        pytest.skip("thread scheduling policies are Linux's")
+    chosen = getattr(os, policy)
+    seen = []
+
+    def body():
+        os.sched_setscheduler(0, chosen, os.sched_param(0))  # no privilege needed for these
+        defer_on_wake_up(True)
+        seen.append(os.sched_getscheduler(0))
+        defer_on_wake_up(False)
+        seen.append(os.sched_getscheduler(0))
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert seen == [chosen, chosen]
