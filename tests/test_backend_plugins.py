@@ -1,9 +1,12 @@
 """A backend registered by name, as a third party would add one (extsrc.engine.backend)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from extsrc import ParallelSource, WorkerPool
+import extsrc
+from extsrc import InternalError, ParallelSource, WorkerPool
 from extsrc.engine.backend import backend_names, register_backend, unregister_backend
 from extsrc.engine.processes import ProcessBackend
 
@@ -21,6 +24,22 @@ class RecordingBackend(ProcessBackend):
         super().assign(worker, task)
 
 
+class MisnumberingBackend(ProcessBackend):
+    """Worker processes whose answers, from the third on, name a ticket no task has."""
+
+    name = "misnumbering-processes"
+
+    def receive(self, events):
+        received = super().receive(events)
+        arrivals = []
+        for arrival in received.arrivals:
+            self.answered = getattr(self, "answered", 0) + 1
+            if self.answered > 2:
+                arrival = dataclasses.replace(arrival, ticket=arrival.ticket + 1_000_000)
+            arrivals.append(arrival)
+        return dataclasses.replace(received, arrivals=tuple(arrivals))
+
+
 class SequentialBackend(ProcessBackend):
     """Worker processes that run a task's samples one at a time only."""
 
@@ -31,10 +50,10 @@ class SequentialBackend(ProcessBackend):
 @pytest.fixture(scope="module", autouse=True)
 def registered():
     # Registered for this module's tests only: other tests see the built-in names alone.
-    for backend in (RecordingBackend, SequentialBackend):
+    for backend in (RecordingBackend, SequentialBackend, MisnumberingBackend):
         register_backend(backend.name, backend)
     yield
-    for backend in (RecordingBackend, SequentialBackend):
+    for backend in (RecordingBackend, SequentialBackend, MisnumberingBackend):
         unregister_backend(backend.name)
 
 
@@ -83,3 +102,14 @@ def test_concurrency_is_refused_on_a_backend_whose_workers_run_one_sample_at_a_t
             ParallelSource(sample_of, 2, pool=pool, concurrency=4)
     finally:
         pool.close()
+
+
+def test_a_backend_that_answers_a_ticket_no_task_has_breaks_the_pool_at_once():
+    # Unchecked, such answers were taken, batches came, and the epoch waited for ever for the
+    # answers that never came (no timeout= given).
+    with ParallelSource(sample_of, 2, num_workers=2, backend=MisnumberingBackend.name,
+                        order=extsrc.Order(64)) as source:
+        with pytest.raises(InternalError, match=r"answered ticket \d+ of source \d+ for worker \d, "
+                                                r"and that worker holds no such task"):
+            for _ in source:
+                pass

@@ -640,9 +640,20 @@ class WorkerPool(ClosedWhenCollected):
         return True
 
     def _deliver(self, arrival: Arrival) -> bool:
-        """Lock held: hands a task's answer to its source; whether a consumer may now go on."""
-        load = self._loads[arrival.worker]
-        load.outstanding.pop(arrival.ticket, None)
+        """Lock held: hands a task's answer to its source; whether a consumer may now go on. An
+        answer to no task the worker holds (a backend's bug) breaks the pool at once: nothing
+        would ever answer the task it was meant for."""
+        loads = self._loads
+        load = loads[arrival.worker] if 0 <= arrival.worker < len(loads) else None
+        task = None if load is None else load.outstanding.pop(arrival.ticket, None)
+        if load is None or task is None or task.source_id != arrival.source_id:
+            self._break(InternalError(
+                f"the {self.backend!r} backend answered ticket {arrival.ticket} of source "
+                f"{arrival.source_id} for worker {arrival.worker}, and that worker holds no such "
+                f"task (it holds tickets {sorted(load.outstanding) if load else []} of "
+                f"{self.num_workers} workers): a bug of the backend, whose answers must name a "
+                "task it was given. The workers were shut down."))
+            return True
         load.busy_since = time.monotonic()  # the next task it holds runs (or waits) since
         if arrival.result is None:
             return False  # its slot is gone: the source was closed
