@@ -37,6 +37,23 @@ _CALLER = "extsrc.fn.external_source"
 _EXTSRC_ONLY = ("last_batch", "timeout", "order", "in_place", "stats_every", "concurrency")
 
 
+def _kept_from_autograph() -> None:
+    """extsrc's code, like DALI's own, is not converted by AutoGraph when a pipeline with
+    ``enable_conditionals=True`` calls it (converted, the drop-in's own checks ran as graph
+    code, and its errors read as the user's). AutoGraph has no public way to say so: its rules
+    are DALI's private module's (``nvidia.dali._autograph``), left alone where it has none."""
+    try:
+        from nvidia.dali._autograph.core import config
+    except ImportError:
+        return
+    rules: Tuple[Any, ...] = config.CONVERSION_RULES
+    if not any(str(rule) == "DoNotConvert rule for extsrc" for rule in rules):
+        config.CONVERSION_RULES = (config.DoNotConvert("extsrc"),) + rules
+
+
+_kept_from_autograph()
+
+
 def external_source(
     source: Any = None,
     num_outputs: Optional[int] = None,
@@ -251,8 +268,11 @@ def _refuse_autograph(source: Any) -> None:
         converted = False
     if converted:
         raise ValueError(
-            "The `source` passed to a parallel external source was converted by AutoGraph "
-            "(conditional execution); define it at global scope or mark its factory with "
+            f"{_CALLER}: the `source` ({describe(source)}) was converted by AutoGraph, as "
+            "everything defined inside a pipeline with enable_conditionals=True is, and a "
+            "converted function cannot run in a worker process. To allow the `source` to be "
+            "correctly used in the workers, it must remain unconverted: define it at global "
+            "scope, or mark it (or the function that makes it) with "
             "`@nvidia.dali.pipeline.do_not_convert`."
         )
 

@@ -153,3 +153,27 @@ def test_asking_for_a_gpu_where_there_is_none_says_so():
         assert caught.value.__cause__ is None and caught.value.__suppress_context__
     finally:
         p.close()
+
+
+def test_a_source_converted_for_conditionals_is_refused_with_dalis_phrase():
+    # With enable_conditionals=True, a function defined inside the pipeline is converted by
+    # AutoGraph, which cannot run in a worker; DALI refuses it, and code matching DALI's phrase
+    # must find it in extsrc's refusal too.
+    @pipeline_def(batch_size=4, py_num_workers=1, py_start_method="spawn", enable_conditionals=True, **CPU)
+    def pipe():
+        def local_source(info):
+            return np.full((3,), info.idx_in_epoch, np.int32)
+
+        return fn.external_source(source=local_source, parallel=True, batch=False)
+
+    with pytest.raises(ValueError) as info:
+        pipe()
+    message = str(info.value)
+    assert "To allow the `source` to be correctly used" in message
+    assert "it must remain unconverted" in message
+    assert "do_not_convert" in message  # and how to keep it so
+    # extsrc's own code ran as written (as DALI's does), not converted for conditionals.
+    import traceback
+
+    converted = [frame.name for frame in traceback.extract_tb(info.tb) if frame.name.startswith("autograph__")]
+    assert converted == ["autograph__pipe"], converted
