@@ -1,6 +1,7 @@
 """in_order=False: a finished batch is handed out before an earlier one that is not."""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -56,6 +57,24 @@ def test_in_order_true_is_the_default_and_keeps_the_order():
     with ParallelSource(sample_of, BATCH, num_workers=2, order=Order(32)) as src:
         assert src.spec.in_order is True
         assert [int(b.as_array()[0, 0]) // BATCH for b in src] == list(range(8))
+
+
+def test_a_free_worker_gets_the_next_batches_while_the_other_is_stuck(tmp_path):
+    # Each batch is one task (prefetch 4, 2 workers); batch 0 is stuck, and so is the task its
+    # worker took beside it. The consumer, slower than the free worker, takes every batch the
+    # free worker made: then no answer is coming, and only the take can have the next batches
+    # dispatched (before, nothing woke the pool's thread: the loop waited for batch 0).
+    callback = HeldBack(str(tmp_path / "release"), {0}, BATCH)
+    with ParallelSource(callback, BATCH, num_workers=2, prefetch=4, order=Order(32), in_order=False,
+                        timeout=TIMEOUT_S) as src:
+        epoch = iter(src)
+        early = []
+        for _ in range(5):
+            time.sleep(0.05)  # not a timing assertion: it lets the free worker run ahead
+            early.append(iteration_of(epoch.__next__()))
+        (tmp_path / "release").touch()
+        rest = [iteration_of(batch) for batch in epoch]
+    assert 0 not in early and sorted(early + rest) == list(range(8))
 
 
 def test_a_state_saved_after_batches_came_early_resumes_with_exactly_the_rest(tmp_path):

@@ -671,6 +671,11 @@ class WorkerPool(ClosedWhenCollected):
         timed = self._task_times.get(source_id)
         return self._backend.max_outstanding if timed is None else timed.depth
 
+    def has_idle_worker(self) -> bool:
+        """*engine*, lock held: whether a worker holds no task now (an answer of another's
+        will not come soon when that one's task turned out slow)."""
+        return any(not load.outstanding for load in self._loads)
+
     def tasks_short(self, source_id: int) -> bool:
         """*engine*, lock held: whether the source's tasks are short (a worker may hold more
         than ``max_outstanding`` of them), as timed so far."""

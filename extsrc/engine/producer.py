@@ -142,10 +142,11 @@ class Producer:
             # Its overflow held the samples of a layout learned since (the first batch):
             # give that memory back once the batch is dropped.
             pending.slot.retire_when_free = True
-        if len(self.pending) - self.slots.ready < self.pool.num_workers:
+        if len(self.pending) - self.slots.ready < self.pool.num_workers or self.pool.has_idle_worker():
             # One batch fewer ahead: dispatch the next now. With a task per worker or more
-            # still being made, the next answer wakes the I/O thread anyway (a wake-up, a
-            # system call and a thread switch fewer per batch).
+            # still being made, and every worker holding one, the next answer wakes the I/O
+            # thread anyway (a wake-up, a system call and a thread switch fewer per batch); a
+            # worker with nothing to do must not wait for another's slow task to answer.
             self.pool.wake()
         while self.notes:
             note = self.notes.pop(0)
