@@ -145,3 +145,8 @@ class WorkerTraceback(Exception):
 
     def __str__(self) -> str:
         return "\n\n" + self.text.rstrip() + "\n"
+
+
+# The errors that end an epoch at their batch. Any other error of a batch (the callback's, an
+# invalid sample) is raised in the batch's place, and the epoch goes on with the next batch.
+ENDS_EPOCH = (EpochLengthError, SharedMemoryError)

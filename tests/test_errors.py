@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+import extsrc
 from extsrc import (
     ParallelSource,
     PoolClosedError,
@@ -56,6 +57,43 @@ def test_source_is_usable_for_a_new_epoch_after_a_callback_error():
         it = iter(src)
         assert [int(s[0]) for s in next(it)] == [0, 1, 2, 3]
     assert calls
+
+
+class _FailsOn:
+    """Record r's sample; records in ``bad`` raise ``KeyError`` naming themselves."""
+
+    def __init__(self, bad):
+        self.bad = frozenset(bad)
+
+    def __call__(self, info):
+        if info.record in self.bad:
+            raise KeyError(f"record {info.record} is damaged")
+        return np.array([info.record])
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_failed_batch_raises_in_its_place_and_the_epoch_goes_on(method, in_order):
+    # Records 7 and 300 of 1,000 fail: their batches raise their errors where they stand, every
+    # other batch comes once, whole, and the epoch ends after the last; also out of order.
+    order = extsrc.Order(1000)
+    with ParallelSource(_FailsOn({7, 300}), 10, num_workers=2, start_method=method, order=order,
+                        in_order=in_order) as src:
+        for _ in range(2):  # and the next epoch, on the same workers
+            epoch, got, errors = iter(src), [], []
+            while True:
+                try:
+                    got.append([int(s[0]) for s in epoch.__next__()])
+                except KeyError as error:
+                    errors.append((str(error), len(got)))
+                except StopIteration:
+                    break
+            assert sorted(message for message, _ in errors) == ["'record 300 is damaged'",
+                                                                 "'record 7 is damaged'"]
+            assert sorted(batch[0] // 10 for batch in got) == [i for i in range(100) if i not in (0, 30)]
+            assert all(batch == list(range(batch[0], batch[0] + 10)) for batch in got)
+            if in_order:
+                assert [position for _, position in errors] == [0, 29]  # in their places
 
 
 def test_an_error_after_the_end_of_epoch_is_not_raised():

@@ -102,7 +102,10 @@ class Feeder:
             # epoch (as DALI's own parallel source does), not an error.
             batch = self._after_end(position)
         except Exception:
-            self._epoch, self._expected = None, None  # next call resumes at DALI's position
+            if self._epoch.goes_on():  # a batch's error, in its place: the epoch goes on after it
+                self._expected = (position[0], position[1] + 1)
+            else:
+                self._epoch, self._expected = None, None  # next call resumes at DALI's position
             raise
         # No call between the take and this store: an interrupt lands before the take (the
         # engine's epoch keeps the batch, extsrc.engine.take) or after the batch is recorded.

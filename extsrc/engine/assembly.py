@@ -30,7 +30,8 @@ BatchOutput = Union[Output, Tuple[Output, ...]]
 
 class Decision(NamedTuple):
     """What a complete batch turns into: ``size`` samples, or the end of the epoch
-    (``size == 0``), or ``error`` to raise. ``ended``: the epoch ends with this batch."""
+    (``size == 0``), or ``error`` to raise in its place. ``ended``: the epoch ends with this
+    batch."""
 
     size: int
     ended: bool
@@ -100,7 +101,8 @@ class PendingBatch:
                     end = start + msg.samples
                     stop_at = end if stop_at is None else min(stop_at, end)
         if failure is not None and (stop_at is None or failure.position < stop_at):
-            return Decision(0, True, rebuild_exception(failure, source_name))
+            # The batch fails; the epoch ends with it only if it also ended in this batch.
+            return Decision(0, stop_at is not None, rebuild_exception(failure, source_name))
         if stop_at is None:
             return Decision(produced, False, produced=produced)
         if last_batch == "drop" or stop_at == 0:

@@ -34,8 +34,8 @@ from extsrc.engine.kinds import Source
 WorkerInit = Callable[[int, int], None]
 # begin_epoch(source, epoch_idx): the source is the iterable itself
 BeginEpoch = Callable[[Source, int], None]
-# assign(iteration, num_workers) -> the index of the worker that makes the whole batch
-Assign = Callable[[int, int], int]
+# assign(iteration, num_workers) -> the index of the worker that makes the whole batch (None: any)
+Assign = Callable[[int, int], Optional[int]]
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,10 @@ class Hooks:
       :class:`~extsrc.BatchInfo` instead of the iteration number.
     * ``assign(iteration, num_workers)``: each batch is made whole by one
       worker, batch ``iteration`` of an epoch by the worker this returns
-      (``lambda i, n: i % n`` is PyTorch DataLoader's order). By default a
-      batch's samples are spread over the workers, so it is ready sooner.
+      (``lambda i, n: i % n`` is PyTorch DataLoader's order), or by the
+      least loaded one when it returns None (one slow batch then holds back
+      only what its worker holds). By default a batch's samples are spread
+      over the workers, so it is ready sooner.
     * ``dense_arrays=True``: an output whose samples lie side by side (one
       shape and dtype) comes as one NumPy array of shape ``(batch size,
       *sample shape)``, the zero-copy view of ``Batch.as_array()`` with the

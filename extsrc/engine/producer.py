@@ -30,7 +30,7 @@ from extsrc.engine.kinds import SAMPLE, STREAMS, Source, SourceKind
 from extsrc.engine.protocol import Result, SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.spec import AUTO_OUTPUTS, SourceSpec
 from extsrc.engine.stats import StatsCollector
-from extsrc.errors import OrderWarning, SampleError, SharedMemoryError, SourceTimeoutError
+from extsrc.errors import ENDS_EPOCH, OrderWarning, SampleError, SharedMemoryError, SourceTimeoutError
 from extsrc.shm import limits
 from extsrc.shm.layout import LayoutPlan, Region
 from extsrc.shm.segment import backend
@@ -39,6 +39,10 @@ from extsrc.shm.slots import SlotPool, SlotState
 if TYPE_CHECKING:
     from extsrc.engine.pickling import Pickler
     from extsrc.engine.pool import WorkerPool
+
+# Failures that end the epoch at their batch (by their type's name, as a TaskFailed gives it).
+_ENDS_EPOCH = frozenset(error.__qualname__ for error in ENDS_EPOCH)
+
 
 class Run(NamedTuple):
     """One stretch of production: epoch ``epoch_idx`` from iteration ``first_iteration``, but
@@ -208,7 +212,11 @@ class Producer:
             # consumer found too slow, the workers are shut down (a hung thread cannot be stopped).
             self.pool.fail(rebuild_exception(message, self.name))
             return True
-        elif isinstance(message, TaskFailed) and pending is self.pending.get(pending.iteration):
+        elif (isinstance(message, TaskFailed) and message.type_name in _ENDS_EPOCH
+              and pending is self.pending.get(pending.iteration)):
+            # The callback's data ended before the order's, or the source's memory cannot be
+            # had: the epoch ends there. Any other failure fails its batch alone (its error is
+            # raised in its place, extsrc.engine.take).
             self.end_at = pending.iteration if self.end_at is None else min(self.end_at, pending.iteration)
         return pending.complete
 
@@ -327,13 +335,14 @@ class Producer:
             self.small_prefetch = widened
             self.slots.keep_at_least(widened + self.spec.batches_held)
 
-    def _assigned(self, assign: Callable[[int, int], int], iteration: int) -> int:
-        """The worker ``hooks.assign`` gives batch ``iteration``, checked."""
+    def _assigned(self, assign: Callable[[int, int], Optional[int]], iteration: int) -> Optional[int]:
+        """The worker ``hooks.assign`` gives batch ``iteration`` (None: any), checked."""
         workers = self.pool.num_workers
         worker = assign(iteration, workers)
-        if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < workers:
+        if worker is not None and (isinstance(worker, bool) or not isinstance(worker, int)
+                                   or not 0 <= worker < workers):
             raise TypeError(f"source {self.name}: hooks.assign({iteration}, {workers}) must return "
-                            f"a worker index from 0 to {workers - 1}, got {worker!r}")
+                            f"a worker index from 0 to {workers - 1}, or None, got {worker!r}")
         return worker
 
     def _room_ahead(self) -> bool:

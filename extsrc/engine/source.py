@@ -77,8 +77,9 @@ class ParallelSource(ClosedWhenCollected):
     was dropped raises :class:`~extsrc.errors.EmptyEpochError`.
 
     Errors: an exception in the callback (any ``BaseException``) is raised
-    from ``next()`` at its batch, with its type, message and worker
-    traceback, and ends the epoch; an invalid sample raises
+    from ``next()`` in the place of its batch, with its type, message and
+    worker traceback, and the epoch goes on with the next batch; an invalid
+    sample raises
     :class:`~extsrc.errors.SampleError`; a dead worker
     :class:`~extsrc.errors.WorkerDiedError` and a batch slower than
     ``timeout`` seconds :class:`~extsrc.errors.SourceTimeoutError` (after

@@ -8,6 +8,12 @@ the consumer's thread:
 
 1. **Find** (pool lock held): the epoch's next batch is READY in its slot;
    decide what it becomes (a batch, a shorter last one, the end, an error).
+   A batch that failed (its callback raised, or a sample was invalid) is taken
+   as any other, and its hand-over raises its error: the epoch goes on with
+   the next batch. Only the end of the data, the errors of
+   :data:`~extsrc.errors.ENDS_EPOCH` (an order the callback's data falls
+   short of, shared memory that cannot be had) and a fault of the pool end
+   an epoch early.
 2. **Prepare**: a :class:`~extsrc.shm.slots.Lease` over the slot's memory
    (lock held) and the batch's arrays over the lease (no lock). Nothing
    anyone else reads changes: an interrupt here drops what was prepared, and
@@ -48,8 +54,8 @@ import numpy as np
 
 from extsrc.batch import Batch
 from extsrc.engine.assembly import BatchOutput, Decision, Output, PendingBatch
-from extsrc.errors import (EmptyEpochError, EpochLengthError, EpochSupersededError, SampleError,
-                           SharedMemoryError, SourceTimeoutError)
+from extsrc.errors import (ENDS_EPOCH, EmptyEpochError, EpochLengthError, EpochSupersededError,
+                           SampleError, SharedMemoryError, SourceTimeoutError)
 from extsrc.shm import limits
 from extsrc.shm.slots import Lease
 
@@ -79,16 +85,19 @@ class EpochState(enum.Enum):
 
 
 class Taken:
-    """A committed take (step 3): the batch, its lease and where the epoch goes after it."""
+    """A committed take (step 3): the batch (or its error), its lease and where the epoch goes
+    after it."""
 
-    __slots__ = ("pending", "lease", "outcome", "iteration", "ends_epoch", "size", "asked_ns",
+    __slots__ = ("pending", "lease", "outcome", "error", "iteration", "ends_epoch", "size", "asked_ns",
                  "ready_ahead")
 
-    def __init__(self, pending: PendingBatch, lease: Lease, outcome: BatchOutput, size: int,
-                 ends_epoch: bool, asked_ns: int, ready_ahead: int):
+    def __init__(self, pending: PendingBatch, lease: Lease, outcome: Optional[BatchOutput], size: int,
+                 ends_epoch: bool, asked_ns: int, ready_ahead: int,
+                 error: Optional[BaseException] = None):
         self.pending = pending
         self.lease = lease
-        self.outcome = outcome
+        self.outcome = outcome  # None for a batch that failed: its hand-over raises `error`
+        self.error = error
         self.iteration = pending.iteration
         self.ends_epoch = ends_epoch
         self.size = size
@@ -265,21 +274,36 @@ class Taker:
                 if taken is None:
                     continue  # another thread handed it over, or it was dropped
                 epoch.last_given = taken.iteration
-                return taken.outcome
+                error = taken.error
+                if error is None:
+                    return taken.outcome  # type: ignore[return-value]  # a record without error has one
+                taken = pending = None  # nothing of this frame may keep the error (see _decide)
+                try:
+                    raise error
+                finally:
+                    error = None
             assert lease is not None and pending is not None
-            try:
-                outcome = self._finish(pending.build(lease, decision.size, producer.num_outputs,
-                                                     self.spec.hooks.dense_arrays))
-            except (SampleError, SharedMemoryError):
-                with pool.lock:
-                    if pending.iteration > epoch.next_yield:
-                        # Taken early (in_order=False): its error comes in its place.
-                        epoch.in_place = epoch.in_place | {pending.iteration}
+            error = decision.error
+            outcome: Optional[BatchOutput] = None
+            if error is None:
+                try:
+                    outcome = self._finish(pending.build(lease, decision.size, producer.num_outputs,
+                                                         self.spec.hooks.dense_arrays))
+                except (SampleError, SharedMemoryError) as exc:
+                    with pool.lock:
+                        early = pending.iteration > epoch.next_yield
+                        if early:  # taken early (in_order=False): its error comes in its place
+                            epoch.in_place = epoch.in_place | {pending.iteration}
+                        elif isinstance(exc, ENDS_EPOCH):
+                            if epoch.state is EpochState.RUNNING and epoch.next_yield == pending.iteration:
+                                self.end(epoch)  # no memory for the batch: the epoch ends with it
+                            raise
+                    if early:
                         continue
-                    if epoch.state is EpochState.RUNNING and epoch.next_yield == pending.iteration:
-                        self.end(epoch)  # the batch cannot be made: the epoch ends with its error
-                raise
-            record = Taken(pending, lease, outcome, decision.size, decision.ended, asked, ready)
+                    error = exc  # the batch cannot be made: its error is handed over in its place
+            record = Taken(pending, lease, outcome, decision.size, decision.ended, asked, ready, error)
+            error = None
+            del decision  # no local but the record's may hold a batch's error (see _decide)
             with pool.lock:
                 # 3. Commit, if nothing moved since step 1; else find again.
                 if (epoch.state is not EpochState.RUNNING or epoch.taken is not None
@@ -289,7 +313,7 @@ class Taker:
                 epoch.taken = record
                 # 4. Apply.
                 self._apply(epoch)
-            if stats is not None:
+            if stats is not None and outcome is not None:
                 stats.took(record.size, _nbytes(outcome), time.perf_counter_ns() - record.asked_ns,
                            record.ready_ahead, record.iteration == epoch.run.first_iteration)
                 if self.report is not None:
@@ -300,7 +324,15 @@ class Taker:
             if taken is None:
                 continue  # another thread handed it over while this one counted it
             epoch.last_given = taken.iteration
-            return taken.outcome
+            error = taken.error
+            if error is None:
+                return taken.outcome  # type: ignore[return-value]  # a record without error has one
+            taken = pending = lease = outcome = None  # see _decide
+            del record
+            try:
+                raise error
+            finally:
+                error = None
 
     def _apply(self, epoch: Epoch) -> None:
         """Step 4 for ``epoch.taken`` (lock held); idempotent. A record whose slot no longer holds
@@ -382,7 +414,8 @@ class Taker:
         return None
 
     def _decide(self, epoch: Epoch, pending: PendingBatch) -> Decision:
-        """What the ready batch becomes; raises at the end of the epoch or an error."""
+        """What the ready batch becomes: a batch, or the error its hand-over raises; raises at
+        the end of the epoch, and for an error that ends it (:data:`~extsrc.errors.ENDS_EPOCH`)."""
         decision = pending.decide(self.spec.last_batch, self.name)
         if (decision.ended and decision.error is None
                 and any(i >= pending.iteration + (decision.size > 0) for i in epoch.ahead)):
@@ -396,6 +429,8 @@ class Taker:
                 "over a sequence does, or the source needs an order= that knows the epoch's length")
         if decision.error is None and decision.size:
             return decision
+        if decision.error is not None and not isinstance(decision.error, ENDS_EPOCH):
+            return decision  # raised in its place by the hand-over; the epoch goes on
         self.end(epoch)
         if decision.error is not None:
             error = decision.error

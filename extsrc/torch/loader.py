@@ -304,7 +304,14 @@ class _Epoch:
         if self._taken is None:
             # __next__() rather than next(): the builtin returns into C, where an interrupt can
             # discard the batch it took (see extsrc.engine.take).
-            self._taken = self.batches.__next__()
+            try:
+                self._taken = self.batches.__next__()
+            except StopIteration:
+                raise
+            except Exception:
+                if self.batches.goes_on():  # a batch's error, raised in its place: past it
+                    self.position.handed(self.batches.last_given)
+                raise
         try:
             return self.loader._tensors(self._taken)
         except Exception:

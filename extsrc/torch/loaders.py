@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional
 
 from extsrc.engine import (EpochSupersededError, ForkedChildError, InternalError, PoolClosedError,
                            SharedMemoryError, SourceTimeoutError, WorkerDiedError)
@@ -192,7 +192,7 @@ class DatasetLoader(_Attributes):
         if count == 0:  # no batch this epoch: a DataLoader's loop ends at once
             self._end_loop("a newer iter(loader)")
             return iter(())
-        return _GoesOnAfterErrors(self, self._loop(), len(self.source) if count is None else count)
+        return _Loop(self, self._loop(), len(self.source) if count is None else count)
 
     def _loop(self) -> Any:
         epoch = self._loader.__iter__()
@@ -288,28 +288,24 @@ def in_dataloader_words(error: BaseException) -> None:
         error.args = (phrase + str(error),)
 
 
-class _GoesOnAfterErrors:
-    """A loop of a :class:`DatasetLoader` of ``count`` batches that goes on after a batch fails,
-    as a DataLoader's: the error is raised at its batch, then the source's epoch resumes after
-    it (``set_state``)."""
+class _Loop:
+    """A loop of a :class:`DatasetLoader` of ``count`` batches. A batch that fails raises its
+    error in its place and the loop goes on, as a DataLoader's (the engine's rule); an error
+    after which the workers are gone or the loop was ended ends it, in DataLoader's words."""
 
     def __init__(self, loader: DatasetLoader, epoch: Any, count: int):
         self._loader = loader
         self._epoch = epoch
         self._count = count
         self._done = False
-        self._failed: Any = None  # the loop whose batch failed, until the loop goes on after it
-        self._step: Optional[Tuple[str, Any]] = None  # what going on after it takes (decided once)
 
-    def __iter__(self) -> "_GoesOnAfterErrors":
+    def __iter__(self) -> "_Loop":
         return self
 
     def __len__(self) -> int:
         return self._count
 
     def __next__(self) -> Any:
-        if self._failed is not None:  # going on after an error was interrupted: finish it
-            self._go_on_after()
         if self._done:
             raise StopIteration
         epoch = self._epoch
@@ -323,45 +319,6 @@ class _GoesOnAfterErrors:
             self._done = True
             in_dataloader_words(exc)
             raise
-        except Exception:
-            self._failed = epoch  # first: an interrupt below leaves the next call to finish
-            self._go_on_after()
-            raise
-
-    def _go_on_after(self) -> None:
-        """Goes on after the batch of ``self._failed`` (a loop) that raised: decided once, and
-        safe to run again when an interrupt cut it short."""
-        if self._step is None:
-            self._step = self._step_after(self._failed)
-        action, after = self._step
-        loader = self._loader
-        if action == "resume":
-            loader.source.set_state(after.state({}))
-            self._epoch = loader._loop()
-        elif action == "done":
-            self._done = True
-            if after is not None:  # the last batch failed: the loop is over
-                after.finished = True
-                loader._loop_finished(after)
-        self._step = None
-        self._failed = None
-
-    def _step_after(self, failed: Any) -> Tuple[str, Any]:
-        """``("resume", position)``: the source's epoch ended with the error, and goes on from
-        ``position`` (after the failed batch and those handed on before it: errors come in
-        their place, also with in_order=False); ``("done", loop position or None)``; or
-        ``("as is", None)``: the loop goes on by itself (the error was raised here, making
-        tensors), or was ended, or the loader closed."""
-        position, loader = failed.position, self._loader
-        if position.ended_by is not None or loader._closed or failed.goes_on():
-            return "as is", None
-        if loader.source.pool.broken or loader.source.pool.closed:
-            return "done", None  # the workers are gone (e.g. worker_init_fn failed)
-        after = LoopPosition(position.epoch_idx, position.next_iteration, position.ahead)
-        after.handed(position.next_iteration)
-        if after.next_iteration >= self._count:
-            return "done", position
-        return "resume", after
 
 
 class IterableLoader(_Attributes):

@@ -17,7 +17,7 @@ from extsrc.torch.loaders import DatasetLoader, InProcessLoader, IterableLoader
 from extsrc.torch.sampling import IndexTable, draw_batches
 from extsrc.torch.structure import Collation, unpack_whole
 from extsrc.torch.workers import (AsyncDatasetSamples, DatasetSamples, IndexedBatches, IterableBatches,
-                                  OrderBatches, WorkerStart, round_robin)
+                                  OrderBatches, WorkerStart, any_worker, round_robin)
 
 
 class Plan(Protocol):
@@ -87,13 +87,15 @@ class WorkerPlan:
     def _source(self, callback: Any, batch_size: int, start: WorkerStart, name: str = "",
                 **shape: Any) -> ParallelSource:
         """A source of ``num_workers`` workers, as DataLoader's: ``prefetch_factor`` batches
-        ahead per worker, batch i made whole by worker i % num_workers."""
+        ahead per worker, batch i made whole by worker i % num_workers (with ``in_order=False``
+        by one with room)."""
         args = self.args
         return ParallelSource(
             callback, batch_size, num_workers=args.num_workers, start_method=args.start_method,
             pickler=args.pickler, prefetch=(args.prefetch_factor or DEFAULT_PREFETCH_FACTOR) * args.num_workers,
             timeout=args.timeout or None, name=f"from_dataset({type(args.dataset).__name__}{name})",
-            hooks=Hooks(worker_init=start, assign=round_robin, dense_arrays=True),
+            hooks=Hooks(worker_init=start, assign=round_robin if args.in_order else any_worker,
+                        dense_arrays=True),
             in_order=args.in_order, **shape)
 
 

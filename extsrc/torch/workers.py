@@ -53,6 +53,12 @@ def round_robin(iteration: int, num_workers: int) -> int:
     return iteration % num_workers
 
 
+def any_worker(iteration: int, num_workers: int) -> None:
+    """DataLoader's order with ``in_order=False``: each batch made whole by a worker with
+    room for it, so that one slow batch holds back only what its worker holds."""
+    return None
+
+
 def _note(error: Exception, call: str) -> None:
     if hasattr(error, "add_note"):  # Python 3.11+
         error.add_note(f"(extsrc.torch: raised by {call})")
