@@ -40,10 +40,11 @@ def _has_gpu() -> bool:
 
 def pytest_collection_modifyitems(config, items):
     # The Ray tests start a local Ray (seconds each), or a cluster: not for the fast lane.
+    # (Markers, not keywords: a parameter's id "cuda" or "ray" is a keyword too.)
     for item in items:
-        if "ray" in item.keywords:
+        if item.get_closest_marker("ray") is not None:
             item.add_marker(pytest.mark.slow)
-    cuda_items = [item for item in items if "cuda" in item.keywords]
+    cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
     if not cuda_items or _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")

@@ -12,7 +12,7 @@ from extsrc.engine import ParallelSource, gpu_visible
 from extsrc.torch.tensors import batch_tensors, each_tensor, map_tensors
 
 
-def _parse_device(device: Any) -> Optional[torch.device]:
+def parse_device(device: Any) -> Optional[torch.device]:
     """``None`` for the CPU, else a CUDA ``torch.device``; ``ValueError`` for anything else."""
     if device is None:
         return None
@@ -29,7 +29,7 @@ def _parse_device(device: Any) -> Optional[torch.device]:
     return parsed
 
 
-def _require_cuda(what: str) -> None:
+def require_cuda(what: str) -> None:
     if torch.cuda.is_available():
         return
     if torch.version.cuda is None:
@@ -128,7 +128,7 @@ class TorchLoader:
         self._source = source
         self._owns_source = owns_source
         self._rebuild = rebuild
-        self._device = _parse_device(device)
+        self._device = parse_device(device)
         self._pin = pin_memory
         self._page_lock: Optional[PageLock] = None
         self._stream: Any = None
@@ -141,7 +141,7 @@ class TorchLoader:
         if self._device is None and not pin_memory:
             return
         source.start()  # fork workers must exist before CUDA is initialised
-        _require_cuda("device=" + repr(device) if self._device is not None else "pin_memory=True")
+        require_cuda("device=" + repr(device) if self._device is not None else "pin_memory=True")
         index = self._device.index if self._device is not None else None
         if index is None:
             index = torch.cuda.current_device()

@@ -9,11 +9,14 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional
 
+import torch
+
 from extsrc.engine import (EpochSupersededError, ForkedChildError, InternalError, PoolClosedError,
                            SharedMemoryError, SourceTimeoutError, WorkerDiedError)
 from extsrc.torch.arguments import DATALOADER_ATTRIBUTES, Loading, draw_seed
-from extsrc.torch.loader import LoopPosition, TorchLoader
+from extsrc.torch.loader import LoopPosition, TorchLoader, parse_device, require_cuda
 from extsrc.torch.structure import Collation, Flattener
+from extsrc.torch.tensors import map_tensors
 from extsrc.torch.workers import OrderBatches, WorkerStart, fetch, grouped
 
 if TYPE_CHECKING:
@@ -80,6 +83,11 @@ class InProcessLoader(_Attributes):
         self._batches = None if order is None else OrderBatches(order, args.batch_size, args.batches(len(order)))
         self._collate = None if args.default else args.collate_fn  # None: as the workers collate
         self._flatten, self._rebuild = Flattener(), Collation()
+        self._device = parse_device(args.device)  # refused or honoured as with workers
+        if self._device is not None:
+            require_cuda(f"device={args.device!r}")
+            self._device = torch.device("cuda", torch.cuda.current_device() if self._device.index is None
+                                        else self._device.index)
         self._next_epoch = 0
         self._resume = 0  # the batch the next loop begins at (load_state_dict)
         self._loop: Optional[_InProcessLoop] = None  # the last loop begun
@@ -106,10 +114,16 @@ class InProcessLoader(_Attributes):
     def _fetched(self, indices: Any) -> Any:
         return self._collated(fetch(self._args.dataset, indices, self._args.batch_sampler is not None))
 
+    device = property(lambda self: self._device or torch.device("cpu"), doc="Where the tensors are.")
+
     def _collated(self, samples: Any) -> Any:
         if self._collate is not None:
-            return self._collate(samples)
-        return self._rebuild.of_columns(self._flatten.columns(samples, "the batch"))
+            batch = self._collate(samples)
+        else:
+            batch = self._rebuild.of_columns(self._flatten.columns(samples, "the batch"))
+        if self._device is None:
+            return batch
+        return map_tensors(lambda tensor: tensor.to(self._device), batch)
 
     def state_dict(self) -> dict:
         """The epoch and the next batch a loop would get (the loader's own order only): after

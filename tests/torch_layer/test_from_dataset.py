@@ -250,3 +250,21 @@ def test_a_dataset_spawned_workers_cannot_receive_is_refused_with_the_loader_s_o
                           multiprocessing_context="spawn") as loader:
             next(iter(loader))
     assert "multiprocessing_context='fork'" in str(raised.value)
+
+
+@pytest.mark.parametrize("device", [None, "cpu", "cuda", "cuda:0", "mps", "meta", "cuda:x", 3])
+def test_device_is_honoured_or_refused_the_same_with_and_without_workers(device):
+    # num_workers=0 took any device= and gave CPU tensors, silently; with workers the same
+    # device= gave CUDA tensors or an error saying why not.
+    outcomes = []
+    for workers in (0, 2):
+        try:
+            with from_dataset(Records(8), batch_size=4, num_workers=workers, device=device) as loader:
+                outcomes.append(("tensors on", str(next(iter(loader))[0].device)))
+        except (ValueError, RuntimeError) as error:
+            outcomes.append((type(error).__name__, str(error)))
+    assert outcomes[0] == outcomes[1]
+    if device in (None, "cpu"):
+        assert outcomes[0] == ("tensors on", "cpu")
+    elif not torch.cuda.is_available() or device in ("mps", "meta", "cuda:x"):
+        assert outcomes[0][0] in ("ValueError", "RuntimeError"), outcomes[0]
