@@ -185,3 +185,26 @@ class HeldBack:
         if iteration in self.ends:
             raise StopIteration
         return np.array(info[:4], dtype=np.float64 if info.idx_in_epoch == self.float_at else np.int64)
+
+
+def http_404_urllib(info):
+    """Raises what urllib raises for a missing object: an HTTPError, whose __init__ takes
+    arguments its args lack (a plain pickle cannot rebuild it)."""
+    import email.message
+    import io
+    import urllib.error
+
+    raise urllib.error.HTTPError(f"http://store/{info.idx_in_epoch}", 404, "Not Found",
+                                 email.message.Message(), io.BytesIO(b"no such object"))
+
+
+def http_404_aiohttp(info):
+    """Raises what aiohttp's raise_for_status() raises for a missing object: a
+    ClientResponseError, whose request_info holds headers that do not pickle."""
+    import aiohttp
+    from multidict import CIMultiDict, CIMultiDictProxy
+    from yarl import URL
+
+    url = URL(f"http://store/{info.idx_in_epoch}")
+    request = aiohttp.RequestInfo(url, "GET", CIMultiDictProxy(CIMultiDict(Accept="*/*")), url)
+    raise aiohttp.ClientResponseError(request, (), status=404, message="Not Found")

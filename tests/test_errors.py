@@ -96,6 +96,35 @@ def test_a_failed_batch_raises_in_its_place_and_the_epoch_goes_on(method, in_ord
                 assert [position for _, position in errors] == [0, 29]  # in their places
 
 
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_an_http_error_arrives_as_its_own_type_with_its_status(method):
+    # urllib's HTTPError cannot be rebuilt by a plain pickle, and aiohttp's ClientResponseError
+    # holds headers that do not pickle: both arrived as CallbackError, so `except HTTPError as e:
+    # e.code` never matched.
+    import urllib.error
+
+    from sources import http_404_urllib
+
+    with ParallelSource(http_404_urllib, 2, start_method=method) as src:
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            next(iter(src))
+    assert caught.value.code == 404 and caught.value.url == "http://store/0"
+    assert "HTTP Error 404: Not Found" in str(caught.value)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_an_aiohttp_response_error_arrives_with_its_status_and_request(method):
+    aiohttp = pytest.importorskip("aiohttp")
+    from sources import http_404_aiohttp
+
+    with ParallelSource(http_404_aiohttp, 2, start_method=method) as src:
+        with pytest.raises(aiohttp.ClientResponseError) as caught:
+            next(iter(src))
+    error = caught.value
+    assert error.status == 404 and str(error.request_info.real_url) == "http://store/0"
+    assert error.request_info.headers["Accept"] == "*/*"  # a plain dict now: the values travel
+
+
 def test_an_error_after_the_end_of_epoch_is_not_raised():
     def source(info):
         if info.idx_in_epoch == 5:

@@ -12,6 +12,7 @@ worker. Everything importable travels by reference.
 
 from __future__ import annotations
 
+import collections.abc
 import copy
 import importlib
 import inspect
@@ -252,22 +253,31 @@ def dumps_exception(exc: BaseException) -> Optional[bytes]:
     consumer's ``__main__``: under spawn/forkserver a worker has the class
     (rebuilt by value with the callback) but not the consumer's main module,
     so a plain pickle would fail in the worker, and one by value would make
-    a class of its own that ``except`` in the consumer does not catch. The
-    consumer falls back to :class:`~extsrc.errors.CallbackError` when the
-    payload does not load there (:func:`loads_exception`).
+    a class of its own that ``except`` in the consumer does not catch. An
+    exception that a plain pickle cannot rebuild (its ``__init__`` wants
+    arguments its ``args`` lack, as urllib's ``HTTPError``; an attribute
+    that does not pickle, as the headers of aiohttp's
+    ``ClientResponseError``) travels as its class, ``args`` and attributes,
+    rebuilt without ``__init__``; what of those does not pickle travels as
+    plain data (:func:`_portable`), so that ``except HTTPError as e:
+    e.code`` still works in the consumer. The consumer falls back to
+    :class:`~extsrc.errors.CallbackError` when the payload does not load
+    there (:func:`loads_exception`).
     """
-    try:
-        payload = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
-        pickle.loads(payload)
-        return payload
-    except Exception:
-        pass
-    try:
-        buffer = io.BytesIO()
-        _MainByNamePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(exc)
-        return buffer.getvalue()
-    except Exception:
-        return None
+    of_main = type(exc).__module__ == "__main__"
+    picklers: Tuple[Type[pickle.Pickler], ...] = (
+        (_MainByNamePickler, _RebuildingPickler) if of_main else (pickle.Pickler, _RebuildingPickler))
+    for pickler in picklers:
+        try:
+            buffer = io.BytesIO()
+            pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(exc)
+            payload = buffer.getvalue()
+            if not of_main:  # what loads here loads in the consumer (a class of __main__ cannot)
+                pickle.loads(payload)
+            return payload
+        except Exception:
+            continue
+    return None
 
 
 def loads_exception(payload: bytes) -> Optional[BaseException]:
@@ -285,6 +295,48 @@ class _MainByNamePickler(pickle.Pickler):
                 and "<locals>" not in obj.__qualname__):
             return _main_attribute, (obj.__qualname__,)
         return NotImplemented
+
+
+class _RebuildingPickler(_MainByNamePickler):
+    """Pickles the exception being dumped as its class, ``args`` and attributes, made portable
+    (see :func:`dumps_exception`)."""
+
+    def reducer_override(self, obj: object) -> Any:
+        if isinstance(obj, BaseException) and not getattr(self, "_rebuilding", False):
+            self._rebuilding = True  # the exception itself only, not one among its attributes
+            state = {name: _portable(value) for name, value in vars(obj).items()}
+            return _rebuilt_exception, (type(obj), _portable(obj.args), state)
+        return super().reducer_override(obj)
+
+
+def _rebuilt_exception(cls: type, args: Any, state: Dict[str, Any]) -> BaseException:
+    """An exception of ``cls`` with ``args`` and the attributes ``state``, made without its
+    ``__init__`` (which may want what did not travel)."""
+    error: BaseException = cls.__new__(cls, *args)
+    error.args = tuple(args)
+    error.__dict__.update(state)
+    return error
+
+
+def _portable(value: Any, depth: int = 4) -> Any:
+    """``value`` if it pickles; else a namedtuple, list or tuple of portable items, a dict of a
+    mapping's, and at the last (or ``depth`` levels down) the value's ``repr``."""
+    try:
+        pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        return value
+    except Exception:
+        pass
+    if depth > 0:
+        try:
+            if isinstance(value, tuple) and hasattr(type(value), "_fields"):
+                return type(value)(*(_portable(item, depth - 1) for item in value))
+            if type(value) in (list, tuple):
+                return type(value)(_portable(item, depth - 1) for item in value)
+            if isinstance(value, collections.abc.Mapping):
+                return {key: _portable(item, depth - 1) for key, item in value.items()}
+        except Exception:
+            pass
+    return repr(value)
 
 
 def _main_attribute(qualname: str) -> object:
