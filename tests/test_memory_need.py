@@ -6,7 +6,10 @@ size, the batch size, the slots it keeps); a request beyond every limit is a
 Each case runs in its own interpreter with a time limit (a hang guard).
 """
 
+import numpy as np
 import pytest
+
+import extsrc
 
 from faultkit import run_fault, unshare_small_dev_shm
 
@@ -97,3 +100,43 @@ def test_a_small_dev_shm_is_named_with_dockers_shm_size_before_anything_is_taken
     message = _check_nothing_taken(result)
     assert "/dev/shm has 256.0 MiB in all" in message and "Docker's --shm-size" in message
     assert "--shm-size=" in message  # the container advice
+
+
+def _ragged_by_epoch(info):
+    """Epoch 0: samples of about 4 MiB, epoch 1 and after: of about 4 KiB; each a little
+    shorter than the one before in its batch (a ragged output), filled with its index."""
+    if info.idx_in_epoch >= 32:
+        raise StopIteration
+    size = (4 << 20 if info.epoch_idx == 0 else 4 << 10) - 64 * info.idx_in_batch
+    return np.full(size, info.idx_in_epoch & 0xFF, np.uint8)
+
+
+def _epoch_checked(source):
+    for k, batch in enumerate(source):
+        assert [int(sample[0]) for sample in batch] == [(4 * k + j) & 0xFF for j in range(4)]
+        assert all(int(sample[-1]) == int(sample[0]) for sample in batch)
+
+
+def _memory_after_large_then_small_epochs(watched):
+    with extsrc.ParallelSource(_ragged_by_epoch, 4, num_workers=2) as source:
+        if watched:
+            source.watch_memory(lambda address, size: None, lambda address, size: None)
+        _epoch_checked(source)
+        large = source.shared_memory_bytes()
+        _epoch_checked(source)
+        _epoch_checked(source)  # each slot written again since
+        return large, source.shared_memory_bytes()
+
+
+def test_ragged_samples_hold_memory_for_the_batches_of_now_not_the_largest_ever():
+    # A ragged output goes to the workers' overflow segments, which only grew: after an epoch
+    # of 4 MiB samples, an epoch of 4 KiB ones kept the memory of the large ones for good (and
+    # epochs of changing sizes made it grow towards workers x the largest batch per slot).
+    large, small = _memory_after_large_then_small_epochs(watched=False)
+    assert large >= 16 << 20  # the slots held large batches (16 MiB each)
+    assert small < large / 4, (small, large)
+    # Memory page-locked for DMA (CUDA's cudaHostRegister, watch_memory) is never given back:
+    # the registration keeps the pages it found, and memory given back and written again would
+    # reach the GPU as the old pages' bytes.
+    _, kept = _memory_after_large_then_small_epochs(watched=True)
+    assert kept > 2 * small, (kept, small)

@@ -312,7 +312,8 @@ class Producer:
                 pending.expect(ticket, start, stop)
                 self.in_flight[ticket] = pending
                 tasks.append(Task(self.source_id, ticket, slot.slot_id, pending.seq, run.epoch_idx,
-                                  iteration, start, stop, region_bytes, regions))
+                                  iteration, start, stop, region_bytes, not self.slots.watched,
+                                  regions))
             self.pending[iteration] = pending
             self.next_dispatch += 1
             assign = o.hooks.assign

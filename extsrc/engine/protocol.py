@@ -53,6 +53,9 @@ class Task(NamedTuple):
     the batch length. ``regions[j]`` is where output ``j`` is written in
     place, or ``None`` while its layout is not known (then all its samples go
     to overflow). ``region_bytes``: how much of the region segment is in use.
+    ``give_back``: the worker may give back overflow memory the batch does not
+    need (not while the consumer page-locks the slots' memory for DMA: a
+    registration would keep reading the pages given back).
     """
 
     source_id: int
@@ -64,6 +67,7 @@ class Task(NamedTuple):
     start: int
     stop: int
     region_bytes: int
+    give_back: bool
     regions: Tuple[Optional[Region], ...]
 
 

@@ -614,7 +614,7 @@ class SourceRunner:
         ``self.writer.begin`` gave): the writer's (:meth:`WriterSink.answer`). ``waited_ns``:
         the samples' time in flight, when they were in flight together (else ``busy_ns``).
         Raises what the writer raises."""
-        spilled, overflow = write.finish()
+        spilled, overflow = write.finish(task.give_back)
         end = task.start + count  # samples written past a StopIteration are not the batch's
         spilled = tuple(tuple(s for s in out if s.position < end) for out in spilled)
         done = TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow,

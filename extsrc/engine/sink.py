@@ -51,8 +51,9 @@ class TaskSink(Protocol):
               dtype: DType) -> Array:
         """Room for sample ``position`` of ``output``, for an ``in_place=True`` callback."""
 
-    def finish(self) -> Tuple[Tuple[Tuple[Spilled, ...], ...], int]:
-        """Per output, the samples that went to overflow, and the overflow bytes in use."""
+    def finish(self, give_back: bool = False) -> Tuple[Tuple[Tuple[Spilled, ...], ...], int]:
+        """Per output, the samples that went to overflow, and the overflow bytes in use; with
+        ``give_back``, the overflow memory the batch does not need may be given back."""
 
 
 class WriterSink(Protocol):

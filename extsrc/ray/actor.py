@@ -75,7 +75,7 @@ class PackedWrite:
         """No rows to write into: every sample goes through :meth:`add`."""
         return None
 
-    def finish(self) -> Tuple[Tuple[()], int]:
+    def finish(self, give_back: bool = False) -> Tuple[Tuple[()], int]:
         """Nothing went to a slot's overflow: the samples are returned (:meth:`answer`)."""
         return (), 0
 

@@ -75,7 +75,7 @@ class ResultWriter:
                                  task.region_bytes, task.regions, describe)
             for position, count, columns in produced.pieces:
                 write.add(list(columns), position, count)
-            spilled, overflow = write.finish()
+            spilled, overflow = write.finish(task.give_back)
         except Exception as exc:
             return failure(task, worker, getattr(exc, "position", produced.start), None, exc,
                            from_callback=False)

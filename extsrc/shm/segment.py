@@ -11,7 +11,9 @@ Memory is reserved with ``posix_fallocate`` before anything is written, after
 :func:`extsrc.shm.limits.check_reserve` compared the request with the limits
 that apply, so running short is a :class:`~extsrc.errors.SharedMemoryError`
 with the sizes involved, never a SIGBUS in the middle of a copy nor an OOM
-kill. Segments only grow.
+kill. A segment's file only grows; the memory past a point can be given
+back (:meth:`Segment.give_back`, a hole punched in it), and a later
+:meth:`Segment.reserve` reserves that part again before it is written.
 
 Descriptors reach workers by ``SCM_RIGHTS`` over their sockets
 (:mod:`extsrc.engine.channel`); a segment is closed only by the process that
@@ -21,9 +23,10 @@ once (:mod:`extsrc.forking`).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
-from typing import Optional
+from typing import List, Optional
 
 from extsrc import forking
 from extsrc.errors import SharedMemoryError
@@ -33,6 +36,28 @@ from extsrc.shm.mapping import PAGE, Mapping, MapError
 from extsrc.closing import ClosedWhenCollected
 
 BACKENDS = ("memfd", "devshm")
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Frees the pages of ``fd`` in ``offset .. offset + length`` (Linux's ``fallocate`` with
+    ``FALLOC_FL_PUNCH_HOLE``, which memfd and tmpfs files support); whether it did."""
+    fallocate = getattr(_libc(), "fallocate", None)
+    if fallocate is None:
+        return False
+    fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    fallocate.restype = ctypes.c_int
+    return bool(fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) == 0)
+
+
+_libc_handle: List[ctypes.CDLL] = []
+
+
+def _libc() -> ctypes.CDLL:
+    if not _libc_handle:
+        _libc_handle.append(ctypes.CDLL(None, use_errno=True))
+    return _libc_handle[0]
 
 
 def backend() -> str:
@@ -53,10 +78,11 @@ class Segment(ClosedWhenCollected):
     valid). Closing happens only in the process that holds the segment.
     """
 
-    __slots__ = ("fd", "kind", "label", "_pid", "__weakref__")
+    __slots__ = ("fd", "kind", "label", "_pid", "_held", "__weakref__")
 
     def __init__(self, fd: int, kind: str, label: str):
         self.fd = fd
+        self._held = os.fstat(fd).st_size  # bytes from the start this process knows reserved
         self.kind = kind
         self.label = label
         self._pid = os.getpid()
@@ -87,22 +113,42 @@ class Segment(ClosedWhenCollected):
     def size(self) -> int:
         return os.fstat(self.fd).st_size
 
+    @property
+    def allocated(self) -> int:
+        """The memory the segment holds now, in bytes (less than its size past a hole)."""
+        return os.fstat(self.fd).st_blocks * 512
+
     def reserve(self, nbytes: int, total_needed: Optional[int] = None) -> int:
-        """Grows the segment to at least ``nbytes`` (a whole number of pages); returns its size.
+        """Reserves the first ``nbytes`` (a whole number of pages), growing the segment if it is
+        smaller; returns the bytes reserved from its start.
 
         Raises :class:`SharedMemoryError` naming the sizes and the limit when
         the memory cannot be had; nothing has been written then.
         """
-        current = self.size
-        if nbytes <= current:
-            return current
+        held = self._held
+        if nbytes <= held:
+            return held
         target = align(nbytes, PAGE)
-        limits.check_reserve(target - current, self.label, current, self.kind, total_needed)
+        limits.check_reserve(target - held, self.label, held, self.kind, total_needed)
         try:
             os.posix_fallocate(self.fd, 0, target)
         except OSError as exc:
-            raise self._reserve_error(exc, current, target, total_needed) from None
+            raise self._reserve_error(exc, held, target, total_needed) from None
+        self._held = target
         return target
+
+    def give_back(self, keep: int) -> int:
+        """Gives the memory past the first ``keep`` bytes (rounded up to a page) back to the
+        system: the file keeps its size, and what it held there reads as zeros. Only for a
+        part nobody reads any more. Returns the bytes reserved from the start after it (the
+        file system refusing to punch the hole keeps them all)."""
+        keep = align(keep, PAGE)
+        size = self.size
+        if keep >= size:
+            return self._held
+        if _punch_hole(self.fd, keep, size - keep):
+            self._held = min(self._held, keep)
+        return self._held
 
     def _reserve_error(self, exc: OSError, current: int, target: int,
                        total_needed: Optional[int]) -> SharedMemoryError:

@@ -129,8 +129,9 @@ class Slot:
 
 
 def _nbytes(slot: Slot) -> int:
-    """The shared memory of ``slot`` (its region and overflow segments), in bytes."""
-    return slot.region.size + sum(s.size for s in slot.overflow)
+    """The shared memory of ``slot`` (its region and overflow segments), in bytes: what the
+    overflow segments hold, which the workers give back in part (a hole below their size)."""
+    return slot.region.size + sum(s.allocated for s in slot.overflow)
 
 
 class Lease:
@@ -276,6 +277,11 @@ class SlotPool:
                 if mapping is not None:
                     on_map(mapping.address, mapping.size)
                     mapping.on_close.append(on_unmap)
+
+    @property
+    def watched(self) -> bool:
+        """Whether :meth:`watch` was called (the memory may be page-locked for DMA)."""
+        return bool(self._watchers)
 
     def _watched(self, mapping: Mapping) -> Mapping:
         for on_map, on_unmap in self._watchers:

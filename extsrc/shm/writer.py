@@ -44,12 +44,19 @@ class Checker(Protocol):
 
 
 class OverflowArea:
-    """This worker's own segment of one slot: the samples that missed their region."""
+    """This worker's own segment of one slot: the samples that missed their region.
+
+    Its reserved memory follows what the batches use: it grows (doubling) when a sample needs
+    more, and once a task is written, more than twice what the batch uses so far is given back
+    (:meth:`give_back`), so that a slot's memory is sized by its recent batches rather than by
+    the largest spill ever (ragged samples whose sizes change from epoch to epoch). A steady
+    workload settles below that line and gives nothing back."""
 
     def __init__(self, segment: Segment):
         self.segment = segment
         self.mapping: Optional[Mapping] = None
         self.cursor = 0
+        self.reserved = 0  # bytes from the segment's start reserved for samples
         self.batch_seq = -1
 
     def start_batch(self, batch_seq: int) -> None:
@@ -64,10 +71,10 @@ class OverflowArea:
         nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
         offset = align(self.cursor)
         end = offset + nbytes
-        size = 0 if self.mapping is None else self.mapping.size
-        if self.mapping is None or end > size:  # mapped even for empty samples: they need a view
-            reserved = self.segment.reserve(max(end, 2 * size, policy.MIN_OVERFLOW))
-            self.mapping = self.segment.map(reserved)
+        if self.mapping is None or end > self.reserved:  # mapped even for empty samples: they need a view
+            self.reserved = self.segment.reserve(max(end, 2 * self.reserved, policy.MIN_OVERFLOW))
+            if self.mapping is None or self.mapping.size < self.reserved:
+                self.mapping = self.segment.map(self.reserved)
         self.cursor = end
         assert self.mapping is not None
         return offset, self.mapping.array(offset, dtype, shape)
@@ -82,6 +89,14 @@ class OverflowArea:
     @property
     def used(self) -> int:
         return self.cursor
+
+    def give_back(self) -> None:
+        """Gives the reserved memory back past twice what this batch uses so far (and past
+        :data:`~extsrc.engine.policy.MIN_OVERFLOW`): nothing of the batch lies there, and the
+        slot's previous batch is no longer read (a slot is reused only once it is dropped)."""
+        keep = max(2 * self.cursor, policy.MIN_OVERFLOW)
+        if self.reserved > keep:
+            self.reserved = self.segment.give_back(keep)
 
 
 class WorkerSlot:
@@ -181,7 +196,7 @@ class TaskWriter:
         """
         task = self.begin(slot_id, batch_seq, start, stop, region_bytes, regions, describe)
         task.add(columns, start, count)
-        return task.finish()
+        return task.finish()  # (give_back: see Task; the caller's write is one of many)
 
 
 class TaskWrite:
@@ -345,9 +360,14 @@ class TaskWrite:
         if self.first[j] is None:
             self.first[j], self.first_at[j] = sample, position
 
-    def finish(self) -> Tuple[Tuple[Tuple[Spilled, ...], ...], int]:
-        """Per output, the samples spilled to overflow; and the bytes of overflow in use."""
-        return tuple(tuple(s) for s in self.spilled), self.slot.overflow.used
+    def finish(self, give_back: bool = False) -> Tuple[Tuple[Tuple[Spilled, ...], ...], int]:
+        """Per output, the samples spilled to overflow; and the bytes of overflow in use. With
+        ``give_back`` (the task's), gives back the overflow memory this batch does not need
+        (:meth:`OverflowArea.give_back`)."""
+        overflow = self.slot.overflow
+        if give_back:
+            overflow.give_back()
+        return tuple(tuple(s) for s in self.spilled), overflow.used
 
 
 def _sample_bytes(value: object) -> int:

@@ -57,7 +57,7 @@ def test_descriptors_travel_with_their_message():
         fds = OwnedFds((read, write))
         pool_end.send(AddSlot(0, 3, "memfd"), fds.fds)
         fds.close()
-        pool_end.send(Task(0, 1, 3, 0, 0, 0, 0, 4, 0, (None,)))
+        pool_end.send(Task(0, 1, 3, 0, 0, 0, 0, 4, 0, True, (None,)))
         message, received = worker_end.recv()
         assert message == AddSlot(0, 3, "memfd") and len(received) == 2
         os.write(received[1], b"x")
@@ -82,7 +82,7 @@ def test_a_closed_peer_is_an_eof():
 
 
 def _task(ticket):
-    return Task(0, ticket, 0, ticket, 0, ticket, 0, 4, 64, ())
+    return Task(0, ticket, 0, ticket, 0, ticket, 0, 4, 64, True, ())
 
 
 def test_several_messages_sent_in_one_write_arrive_whole_and_in_order():
@@ -178,7 +178,7 @@ def test_tasks_and_their_answers_cross_whole_with_their_types():
     # the records that went in, nested regions and spilled samples included.
     from extsrc.shm.layout import Region, Spilled
 
-    task = Task(3, 77, 5, 9, 1, 12, 0, 256, 4096, (Region(0, "|u1", (16,)), None))
+    task = Task(3, 77, 5, 9, 1, 12, 0, 256, 4096, True, (Region(0, "|u1", (16,)), None))
     done = TaskDone(3, 77, 1, 256, True, ((Spilled(4, "<f4", (2, 3), 64),), ()), 128, 5,
                     ((256, 9),), 6, 7, 8, ("a note",))
     pool_end, worker_end = Channel.pair()

@@ -23,7 +23,7 @@ def _source() -> SourceSetup:
 
 def _task() -> Task:
     return Task(source_id=0, ticket=1, slot_id=0, batch_seq=0, epoch_idx=0, iteration=0,
-                start=0, stop=2, region_bytes=0, regions=())
+                start=0, stop=2, region_bytes=0, give_back=True, regions=())
 
 
 @pytest.fixture
