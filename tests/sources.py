@@ -208,3 +208,26 @@ def http_404_aiohttp(info):
     url = URL(f"http://store/{info.idx_in_epoch}")
     request = aiohttp.RequestInfo(url, "GET", CIMultiDictProxy(CIMultiDict(Accept="*/*")), url)
     raise aiohttp.ClientResponseError(request, (), status=404, message="Not Found")
+
+
+class MarksOnce:
+    """:func:`sample_of`, leaving a file named ``<epoch>-<index>`` per sample made, created
+    exclusively: a sample made twice fails its batch (FileExistsError). The test sees how many
+    samples the workers made, and that none was made again, whatever the start method."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def __call__(self, info):
+        os.close(os.open(os.path.join(self.directory, f"{info.epoch_idx}-{info.idx_in_epoch}"),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return np.array(info[:4], np.int64)
+
+
+def wait_for_files(directory: str, count: int, deadline_s: float = 120) -> int:
+    """How many files ``directory`` holds once it holds ``count`` (or the deadline passed, which
+    only a broken feature reaches)."""
+    deadline = time.monotonic() + deadline_s
+    while len(os.listdir(directory)) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return len(os.listdir(directory))

@@ -255,6 +255,8 @@ class Pipeline(_dali_pipeline.Pipeline):
         super().start_py_workers()
         if self._extsrc_pool is not None:
             self._extsrc_pool.start()
+            for feeder in self._extsrc_feeders:  # their first batches are made from now on
+                feeder.source.start()
 
     def build(self) -> None:
         """Starts the workers (see :meth:`start_py_workers`), then builds DALI's backend.

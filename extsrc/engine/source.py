@@ -30,7 +30,7 @@ from extsrc.engine.concurrent import is_async
 from extsrc.engine.hooks import Hooks
 from extsrc.engine.kinds import BATCH_CALLABLE, STREAMS, Source, SourceKind, classify
 from extsrc.engine.pool import WorkerPool
-from extsrc.engine.producer import Producer
+from extsrc.engine.producer import Producer, Run
 from extsrc.engine.spec import UNSET, DTypes, NDims, SourceSpec
 from extsrc.engine.stats import SourceStats, publish
 from extsrc.engine.take import EpochState, Taker
@@ -215,6 +215,7 @@ class ParallelSource(ClosedWhenCollected):
         self._next_epoch = 0
         self._resume_iteration = 0
         self._resume_skip: FrozenSet[int] = frozenset()  # handed out after it (in_order=False)
+        self._early: Optional[Run] = None  # the next epoch's run, filled by start() ahead of iter()
         self._closed = False
         self._close_done = False  # close() ran to its end
 
@@ -285,10 +286,22 @@ class ParallelSource(ClosedWhenCollected):
 
     # -- life cycle ------------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Starts the workers now (with fork: call it before CUDA is initialised)."""
+    def start(self, fill: bool = True) -> None:
+        """Starts the workers now (with fork: call it before CUDA is initialised), and with
+        ``fill`` the next epoch's production: its first ``prefetch`` batches are made while the
+        program does something else (compiles a model), and the ``iter()`` that starts that
+        epoch takes them. ``fill=False`` starts only the workers; production then begins at
+        ``iter()``. Nothing is filled while a loop runs, or after the source's last epoch."""
         self._check_open()
         self._pool.start()
+        if not fill:
+            return
+        with self._pool.lock:
+            current = self._taker.current
+            if self._early is None and (current is None or not current.goes_on()):
+                self._early = self._producer.request(self._next_epoch, self._resume_iteration,
+                                                     self._resume_skip)
+                self._pool.notify()
 
     def close(self) -> None:
         """Stops the workers (of an owned pool) and frees the shared memory no batch holds.
@@ -302,6 +315,7 @@ class ParallelSource(ClosedWhenCollected):
         # next call: each step may be repeated.
         self._closed = True
         with self._pool.lock:
+            self._early = None
             self._taker.close()
             self._pool.notify()
         if self._owns_pool:
@@ -336,7 +350,9 @@ class ParallelSource(ClosedWhenCollected):
             self._pool.check_usable(self._producer.source_id)
             if self._producer.stats is not None and self._producer.stats.batches == 0:
                 self._producer.stats.reset()  # the window starts with the first epoch
-            run = self._producer.request(self._next_epoch, self._resume_iteration, self._resume_skip)
+            run, self._early = self._early, None
+            if run is None or self._producer.requested is not run:  # none filled since start()
+                run = self._producer.request(self._next_epoch, self._resume_iteration, self._resume_skip)
             assert run is not None
             epoch = self._taker.begin(run)
             self._next_epoch += 1
@@ -418,6 +434,11 @@ class ParallelSource(ClosedWhenCollected):
             raise ValueError("resuming in the middle of an epoch needs a callable source, not an iterable")
         self._check_open()
         with self._pool.lock:
+            early = self._early
+            if early is not None and (early.epoch_idx, early.first_iteration, early.skip) == (
+                    epoch_idx, iteration, skip):
+                return  # start() fills that very position already (the DALI drop-in's first run)
+            self._early = None
             self._taker.supersede("set_state()")
             self._producer.request(None)
             self._next_epoch, self._resume_iteration, self._resume_skip = epoch_idx, iteration, skip

@@ -388,3 +388,22 @@ def test_a_close_interrupted_wherever_a_ctrl_c_can_land_is_finished_by_the_next_
     result = run_isolated(_INTERRUPTED_CLOSES, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "WALKED True INTERRUPTED True" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_build_starts_making_the_first_batches_before_the_first_run(tmp_path, start_method):
+    # DALI's own parallel source starts working at the first run() (NVIDIA/DALI#5583): with
+    # extsrc, build() (or start_py_workers()) does, so a model compiled meanwhile waits for
+    # nothing. The batches made early are the ones run() gives, none made twice.
+    from sources import MarksOnce, wait_for_files
+
+    @pipeline_def(batch_size=4, py_num_workers=2, py_start_method=start_method, **CPU)
+    def pipe():
+        return fn.external_source(MarksOnce(str(tmp_path)), parallel=True, batch=False,
+                                  order=extsrc.Order(16))
+
+    with pipe() as p:
+        p.build()
+        assert wait_for_files(str(tmp_path), 8) >= 8  # two batches' samples, before any run()
+        firsts = [int(np.array(p.run()[0].at(0))[0]) for _ in range(4)]
+    assert firsts == [0, 4, 8, 12]
