@@ -109,6 +109,17 @@ class PendingBatch:
             return Decision(0, True, produced=stop_at)
         return Decision(stop_at, True, produced=stop_at)
 
+    def overflow_use(self) -> Dict[int, Optional[int]]:
+        """Per worker that answered, the bytes of its overflow segment the batch's samples take
+        (``None`` when one of its tasks failed: what it wrote before is not known)."""
+        use: Dict[int, Optional[int]] = {}
+        for msg in self.results.values():
+            if isinstance(msg, TaskFailed):
+                use[msg.worker] = None
+            elif use.get(msg.worker, 0) is not None:
+                use[msg.worker] = max(use.get(msg.worker) or 0, msg.overflow_bytes if any(msg.spilled) else 0)
+        return use
+
     def overflow_sizes(self, size: int) -> Dict[int, int]:
         """Bytes to map of each worker's overflow segment to read the first ``size`` samples."""
         sizes: Dict[int, int] = {}

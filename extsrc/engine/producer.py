@@ -196,6 +196,7 @@ class Producer:
         pending.add(message)
         if pending.complete:
             self.slots.filled(pending.slot)
+            self.slots.fit_overflow(pending.slot, pending.overflow_use())
         if isinstance(message, TaskDone):
             if self.stats is not None:
                 self.stats.task_done(message.worker, message.busy_ns, message.timed,

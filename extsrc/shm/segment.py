@@ -137,6 +137,12 @@ class Segment(ClosedWhenCollected):
         self._held = target
         return target
 
+    def recount(self) -> int:
+        """The bytes reserved from the start, counted again: another process may have given
+        part back (:meth:`give_back` on its own descriptor)."""
+        self._held = min(self._held, self.allocated)
+        return self._held
+
     def give_back(self, keep: int) -> int:
         """Gives the memory past the first ``keep`` bytes (rounded up to a page) back to the
         system: the file keeps its size, and what it held there reads as zeros. Only for a

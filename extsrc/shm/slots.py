@@ -49,10 +49,11 @@ from __future__ import annotations
 import enum
 import weakref
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional, Protocol, Sequence, Set, Tuple
+from typing import Callable, Deque, Dict, FrozenSet, List, Optional, Protocol, Sequence, Set, Tuple
 
 from extsrc import forking
 from extsrc.arrays import Array
+from extsrc.engine import policy
 from extsrc.errors import InternalError
 from extsrc.shm.mapping import Mapping, array_base, owner_of
 from extsrc.shm.segment import Segment
@@ -99,7 +100,8 @@ class Slot:
     """Memory for one batch; its state is changed only by its :class:`SlotPool`."""
 
     __slots__ = ("slot_id", "state", "region", "region_map", "overflow", "overflow_maps",
-                 "batch_seq", "lease_seq", "lease_generation", "retire_when_free")
+                 "batch_seq", "lease_seq", "lease_generation", "retire_when_free",
+                 "overflow_bound", "writers")
 
     def __init__(self, slot_id: int, label: str, num_workers: int):
         self.slot_id = slot_id
@@ -118,6 +120,11 @@ class Slot:
         self.lease_seq = 0
         self.lease_generation = 0
         self.retire_when_free = False
+        # Per worker, bytes its overflow segment may hold at most (after a task, a worker
+        # keeps twice what it wrote; UNKNOWN after a failed task); and the workers whose
+        # overflow holds samples of the batch the slot holds now.
+        self.overflow_bound: List[int] = [0] * num_workers
+        self.writers: FrozenSet[int] = frozenset()
 
     def close_segments(self) -> None:
         self.region.close()
@@ -169,6 +176,9 @@ class Lease:
         return array_base(mapping, self)
 
 
+_UNKNOWN = 1 << 62  # an overflow bound: what a failed task left there is not known
+
+
 def lease_of(array: object) -> Optional[Lease]:
     """The lease that keeps ``array`` (an array of a batch, or a view of one) valid, if any."""
     owner = owner_of(array)
@@ -202,6 +212,8 @@ class SlotPool:
         self._next_id = 0
         self._closed = False
         self._watchers: List[Tuple[Callable[[int, int], None], Callable[[int, int], None]]] = []
+        self.recent_spills: Deque[int] = deque(maxlen=max(keep, 2))  # overflow use of batches
+        self.overflow_high = 0  # the largest overflow_bound of any slot (0: nothing held)
 
     # -- state changes ---------------------------------------------------------------------
 
@@ -292,6 +304,45 @@ class SlotPool:
     def filled(self, slot: Slot) -> None:
         """Every task of the slot's batch reported back: FILLING -> READY, DRAINING -> FREE."""
         self._move(slot, SlotState.FREE if slot.state is SlotState.DRAINING else SlotState.READY)
+
+    def fit_overflow(self, slot: Slot, use: Dict[int, Optional[int]]) -> None:
+        """Producer, lock held, once every task of ``slot``'s batch reported: ``use`` gives, per
+        worker that answered, the overflow bytes its samples take (``None``: the task failed,
+        what it wrote is unknown).
+
+        A worker keeps the overflow of a slot it writes to at twice what the batch uses; this
+        gives back, past twice what the recent batches use, the overflow of the slots' other
+        workers too, which may not write to that slot again for long (or the slot may wait
+        FREE): with ragged samples that shrink, memory follows the batches of now, whoever
+        wrote them. Not once the memory is watched (see :attr:`watched`)."""
+        writers = set()
+        for worker, nbytes in use.items():
+            if nbytes is None:
+                slot.overflow_bound[worker] = _UNKNOWN
+            elif nbytes:
+                writers.add(worker)
+                slot.overflow_bound[worker] = max(2 * nbytes, policy.MIN_OVERFLOW)
+        slot.writers = frozenset(writers)
+        batch_use = max((n for n in use.values() if n), default=0)
+        if not batch_use and not self.overflow_high:
+            return  # nothing spilled, nothing held
+        self.recent_spills.append(batch_use)
+        self.overflow_high = max(self.overflow_high, *slot.overflow_bound)
+        keep = max(2 * max(self.recent_spills), policy.MIN_OVERFLOW)
+        if self.overflow_high > keep and not self.watched:
+            self.overflow_high = max(self._give_back_overflow(s, keep) for s in self.slots.values())
+
+    def _give_back_overflow(self, slot: Slot, keep: int) -> int:
+        """Gives back the overflow ``slot`` holds past ``keep`` bytes in the segments nobody
+        writes or reads now; returns the largest bound left."""
+        if slot.state in (SlotState.FILLING, SlotState.DRAINING):
+            return max(slot.overflow_bound)  # workers may be writing
+        readers = slot.writers if slot.state is not SlotState.FREE else frozenset()
+        for worker, bound in enumerate(slot.overflow_bound):
+            if bound > keep and worker not in readers:
+                slot.overflow[worker].give_back(keep)
+                slot.overflow_bound[worker] = keep
+        return max(slot.overflow_bound)
 
     def abandon(self, slot: Slot) -> None:
         """Nobody will take the slot's batch: READY -> FREE, FILLING -> DRAINING."""

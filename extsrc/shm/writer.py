@@ -58,6 +58,7 @@ class OverflowArea:
         self.cursor = 0
         self.reserved = 0  # bytes from the segment's start reserved for samples
         self.batch_seq = -1
+        self.recount = True  # a segment another worker may have written to (a replacement)
 
     def start_batch(self, batch_seq: int) -> None:
         # Tasks of one batch share the area; a new batch in this slot starts over (the
@@ -65,12 +66,22 @@ class OverflowArea:
         if batch_seq != self.batch_seq:
             self.batch_seq = batch_seq
             self.cursor = 0
+            self.recount = self.reserved > 0
+
+    def _recount(self) -> None:
+        # The consumer may have given back part of this area since the last batch (see
+        # SlotPool.fit_overflow): what is reserved is counted again before anything is written,
+        # so that running short stays a SharedMemoryError.
+        self.recount = False
+        self.reserved = self.segment.recount()
 
     def alloc(self, dtype: DType, shape: Tuple[int, ...]) -> Tuple[int, Array]:
         """Room for one sample: ``(byte offset in the segment, a writable array there)``."""
         nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
         offset = align(self.cursor)
         end = offset + nbytes
+        if self.recount:
+            self._recount()
         if self.mapping is None or end > self.reserved:  # mapped even for empty samples: they need a view
             self.reserved = self.segment.reserve(max(end, 2 * self.reserved, policy.MIN_OVERFLOW))
             if self.mapping is None or self.mapping.size < self.reserved:

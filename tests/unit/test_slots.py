@@ -193,3 +193,51 @@ def test_a_batch_whose_slot_left_the_pool_while_leased_is_still_its_leases(pool)
     slots.commit(first, first_lease)  # applied again after an interrupt: nothing changes
     assert first.state is SlotState.RETIRED and slots.held >= 2
     assert not slots.holds(first, 0, second_lease) and not slots.holds(first, 1, first_lease)
+
+
+def _spill(slot, worker, nbytes):
+    """As a worker writing ``nbytes`` of overflow into ``slot`` would leave its segment."""
+    slot.overflow[worker].reserve(nbytes)
+    return nbytes
+
+
+def test_overflow_a_worker_left_in_a_slot_goes_back_once_recent_batches_are_small(pool):
+    # Worker 1 wrote 16 MiB of ragged samples into slot A, then only worker 0 writes, small
+    # batches into slot B: A's memory must not wait for worker 1 to write to A again.
+    slots, _ = pool
+    big = 16 << 20
+    first = slots.acquire(4096, 4096, batch_seq=0)
+    a = slots.acquire(4096, 4096, batch_seq=1)
+    slots.filled(a)
+    slots.fit_overflow(a, {0: 0, 1: _spill(a, 1, big)})
+    slots.abandon(a)  # nobody reads it any more: FREE
+    slots.abandon(first)
+    slots.filled(first)
+    assert a.overflow[1].allocated >= big
+    for seq in range(2, 5):
+        b = slots.acquire(4096, 4096, batch_seq=seq)
+        assert b is first  # a waits FREE
+        slots.filled(b)
+        slots.fit_overflow(b, {0: _spill(b, 0, 4096)})
+        slots.abandon(b)
+    assert a.overflow[1].allocated < big // 8  # given back (1 MiB kept)
+
+
+def test_overflow_a_batch_is_read_from_or_is_watched_is_never_given_back(pool):
+    slots, _ = pool
+    big = 16 << 20
+    a = slots.acquire(4096, 4096, batch_seq=0)
+    slots.filled(a)
+    slots.fit_overflow(a, {1: _spill(a, 1, big)})  # READY: its batch lies in worker 1's overflow
+    for seq in range(1, 4):
+        b = slots.acquire(4096, 4096, batch_seq=seq)
+        slots.filled(b)
+        slots.fit_overflow(b, {0: _spill(b, 0, 4096)})
+        slots.abandon(b)
+    assert a.state is SlotState.READY and a.overflow[1].allocated >= big
+    slots.abandon(a)
+    slots.watch(lambda address, size: None, lambda address, size: None)
+    b = slots.acquire(4096, 4096, batch_seq=9)
+    slots.filled(b)
+    slots.fit_overflow(b, {0: _spill(b, 0, 4096)})
+    assert a.overflow[1].allocated >= big  # page-locked memory is kept

@@ -115,3 +115,25 @@ def test_large_samples_arrive_whole_in_place_one_or_several_at_a_time(count):
         writer.close()
         region.close()
         overflow.close()
+
+
+def test_overflow_given_back_by_the_consumer_is_reserved_again_before_a_write(slot):
+    # The consumer gives back overflow no recent batch uses (SlotPool.fit_overflow); a worker
+    # that counted it as reserved would write into pages nobody reserved, and running short
+    # would be a SIGBUS in the copy instead of a SharedMemoryError before it.
+    writer, _, overflow = slot
+    big = np.ones(4 << 20, np.uint8)
+    writer.write(7, 0, 0, 1, 0, (None,), [[big]], 1, describe)
+    assert overflow.allocated >= big.nbytes
+    overflow.give_back(0)  # what the consumer does, on its own descriptor
+    assert overflow.allocated == 0
+    seen = []
+    real_fallocate = os.posix_fallocate
+    try:
+        os.posix_fallocate = lambda fd, offset, length: (seen.append(os.fstat(fd).st_blocks * 512),
+                                                          real_fallocate(fd, offset, length))[1]
+        writer.write(7, 1, 0, 1, 0, (None,), [[big]], 1, describe)
+    finally:
+        os.posix_fallocate = real_fallocate
+    assert seen == [0]  # reserved again, before anything was written
+    assert overflow.allocated >= big.nbytes
