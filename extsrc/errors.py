@@ -7,7 +7,7 @@ expected; see the README section "When things go wrong" for real messages.
 from __future__ import annotations
 
 import pickle
-from typing import Optional
+from typing import Optional, Tuple
 
 
 class ExtsrcError(Exception):
@@ -61,6 +61,16 @@ class SourceTimeoutError(ExtsrcError, TimeoutError, RuntimeError):
     def __init__(self, message: str, timeout: Optional[float] = None):
         super().__init__(message)
         self.timeout = timeout
+
+
+class TooManyErrorsError(ExtsrcError, RuntimeError):
+    """More samples of an epoch failed than the source's ``max_errors`` lets pass
+    (``on_error="skip"`` or a replacing callable); ``faults`` lists them (each a
+    ``SampleFault``: record, batch, error type and message), the message the last ones."""
+
+    def __init__(self, message: str, faults: Tuple[object, ...] = ()):
+        super().__init__(message)
+        self.faults = faults
 
 
 class SharedMemoryError(ExtsrcError, OSError, RuntimeError):

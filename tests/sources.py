@@ -231,3 +231,25 @@ def wait_for_files(directory: str, count: int, deadline_s: float = 120) -> int:
     while len(os.listdir(directory)) < count and time.monotonic() < deadline:
         time.sleep(0.01)
     return len(os.listdir(directory))
+
+
+class FailsOn:
+    """Records ``0..n-1`` (each sample: the record, twice, and a ragged tail by parity); raises
+    ``OSError`` naming the record for those in ``bad``, as a corrupt file would."""
+
+    def __init__(self, n: int, bad, outputs: int = 1):
+        self.n, self.bad, self.outputs = n, frozenset(bad), outputs
+
+    def __call__(self, info):
+        if info.idx_in_epoch >= self.n:
+            raise StopIteration
+        record = info.record
+        if record in self.bad:
+            raise OSError(f"cannot decode record {record}")
+        sample = np.array([record, record], dtype=np.int64)
+        return sample if self.outputs == 1 else (sample, np.arange(record % 3, dtype=np.float32))
+
+
+def minus_record(info, error):
+    """An ``on_error`` replacement: the record, negated, in the sample's shape."""
+    return np.array([-info.record, -info.record], dtype=np.int64)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 import nvidia.dali.fn as _dali_fn
 from nvidia.dali.pipeline import Pipeline as _DaliPipeline
@@ -34,7 +34,8 @@ from extsrc.engine import Hooks, ParallelSource, default_prefetch, positive_int
 _CALLER = "extsrc.fn.external_source"
 
 # extsrc's own arguments, for parallel sources only.
-_EXTSRC_ONLY = ("last_batch", "timeout", "order", "in_place", "stats_every", "concurrency")
+_EXTSRC_ONLY = ("last_batch", "timeout", "order", "in_place", "stats_every", "concurrency",
+                "on_error", "max_errors")
 
 
 def _kept_from_autograph() -> None:
@@ -80,6 +81,8 @@ def external_source(
     in_place: bool = False,
     stats_every: Optional[float] = None,
     concurrency: int = 1,
+    on_error: Any = "raise",
+    max_errors: Union[None, int, float] = None,
     **kwargs: Any,
 ):
     """DALI's ``fn.external_source``; with ``parallel=True`` the source runs on extsrc workers.
@@ -127,7 +130,9 @@ def external_source(
     ``Pipeline.extsrc_stats()``) to the ``extsrc`` logger that often;
     ``concurrency=N`` keeps up to ``N`` samples in flight per worker (an
     ``async def`` source on the worker's event loop, a plain one on threads;
-    see :class:`extsrc.ParallelSource`).
+    see :class:`extsrc.ParallelSource`); ``on_error`` (``"raise"``, ``"skip"``
+    or a callable ``(info, error) -> sample``) and ``max_errors`` say what a
+    sample the source fails on does (see :class:`extsrc.ParallelSource`).
 
     Errors of the source (its exceptions, with their type and message, dead
     workers, invalid samples) are raised from the pipeline's ``run()``.
@@ -136,7 +141,8 @@ def external_source(
     """
     if not parallel:
         _refuse_extsrc_options(last_batch=last_batch, timeout=timeout, order=order, in_place=in_place,
-                               stats_every=stats_every, concurrency=concurrency)
+                               stats_every=stats_every, concurrency=concurrency,
+                               on_error=on_error, max_errors=max_errors)
         # DALI's stub of external_source has no blocking= (the function takes it).
         return _dali_fn.external_source(  # type: ignore[call-overload, misc]
             source, num_outputs, cycle=cycle, name=name, device=device, layout=layout, dtype=dtype,
@@ -158,8 +164,8 @@ def external_source(
         pipe, engine_source, num_outputs=num_outputs, batch=bool(batch),
         batch_info=bool(batch_info) and bool(batch) and callable_source,
         prefetch=prefetch_queue_depth, last_batch=last_batch, order=order, in_place=in_place,
-        stats=_stats(stats_every), concurrency=concurrency,
-        dtype=engine_dtype, ndim=engine_ndim, timeout=timeout,
+        stats=_stats(stats_every), concurrency=concurrency, on_error=on_error,
+        max_errors=max_errors, dtype=engine_dtype, ndim=engine_ndim, timeout=timeout,
         name=name if name is not None else describe(source),
     )
     feeder = Feeder(parallel_source, callable_source, mode, pipe._extsrc_batches_held(), source, name)
@@ -181,12 +187,12 @@ def _stats(stats_every: Any) -> Any:
 def _refuse_extsrc_options(**given: Any) -> None:
     """extsrc's own arguments are for parallel sources: refused at their defaults' opposite."""
     defaults = {"last_batch": "drop", "timeout": None, "order": None, "in_place": False,
-                "stats_every": None, "concurrency": 1}
+                "stats_every": None, "concurrency": 1, "on_error": "raise", "max_errors": None}
     used = [k for k in _EXTSRC_ONLY if given[k] != defaults[k]]
     if used:
         raise ValueError(
             f"{', '.join(f'`{k}`' for k in used)}: `last_batch`, `timeout`, `order`, `in_place`, "
-            "`stats_every` and `concurrency` are extsrc options for parallel external sources; "
+            "`stats_every`, `concurrency`, `on_error` and `max_errors` are extsrc options for parallel external sources; "
             "set parallel=True to use them"
         )
 

@@ -173,6 +173,11 @@ class Pipeline(_dali_pipeline.Pipeline):
         """
         return {feeder.source.name: feeder.source.stats(reset) for feeder in self._extsrc_feeders}
 
+    def extsrc_faults(self) -> Dict[str, List[Any]]:
+        """The samples each parallel external source failed on and skipped or replaced
+        (``on_error=``), by name (see ``ParallelSource.faults``)."""
+        return {feeder.source.name: feeder.source.faults() for feeder in self._extsrc_feeders}
+
     # -- what the parallel external sources ask of the pipeline -----------------
 
     def _extsrc_depth(self) -> int:

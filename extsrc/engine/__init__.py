@@ -29,6 +29,7 @@ from extsrc.engine.pool import WorkerPool
 from extsrc.engine.processes import setup_failed
 from extsrc.engine.protocol import (AddSlot, DropSlot, Result, SetupFailed, SourceSetup, Task, TaskDone,
                                     TaskFailed)
+from extsrc.engine.faults import SampleFault
 from extsrc.engine.runner import SourceRunner, failure, load_source, slot_writer
 from extsrc.engine.samples import SampleChecker
 from extsrc.engine.sink import TaskSink, WriterSink
@@ -41,7 +42,7 @@ from extsrc.errors import (CallbackError, EmptyEpochError, EpochLengthError, Epo
                            ExhaustedIteratorError, ExtsrcError, ForkedChildError, InternalError,
                            OrderWarning, PoolClosedError, SampleError, SharedMemoryError,
                            SourcePicklingError, SourceTimeoutError, StateMismatchError,
-                           WorkerDiedError)
+                           TooManyErrorsError, WorkerDiedError)
 from extsrc.order import Order, RecordCache
 from extsrc.sample_info import BatchInfo, SampleInfo
 from extsrc.shm import limits, streaming
@@ -51,7 +52,7 @@ from extsrc.shm.segment import backend as shm_backend
 __all__ = [
     # sources and pools
     "ParallelSource", "WorkerPool", "Batch", "BatchOutput", "SampleInfo", "BatchInfo", "Order",
-    "RecordCache", "SourceSpec", "PoolSpec", "AUTO_OUTPUTS", "START_METHODS", "UNSET",
+    "RecordCache", "SampleFault", "SourceSpec", "PoolSpec", "AUTO_OUTPUTS", "START_METHODS", "UNSET",
     "SourceKind", "SAMPLE", "BATCH_CALLABLE", "BATCH_ITERABLE", "BATCH_GENERATOR",
     # what a layer passes in
     "Hooks", "WorkerHooks", "Pickler", "PicklerSpec", "DefaultPickler", "pickle_by_value",
@@ -71,5 +72,5 @@ __all__ = [
     "CallbackError", "EmptyEpochError", "EpochLengthError", "EpochSupersededError",
     "ExhaustedIteratorError", "ExtsrcError", "ForkedChildError", "InternalError", "OrderWarning",
     "PoolClosedError", "SampleError", "SharedMemoryError", "SourcePicklingError",
-    "SourceTimeoutError", "StateMismatchError", "WorkerDiedError",
+    "SourceTimeoutError", "StateMismatchError", "TooManyErrorsError", "WorkerDiedError",
 ]

@@ -17,6 +17,7 @@ import numpy as np
 from extsrc.arrays import Array
 from extsrc.batch import Batch
 from extsrc.errors import CallbackError, ExtsrcError, SampleError, WorkerTraceback
+from extsrc.engine.faults import SampleFault
 from extsrc.engine.pickling import loads_exception
 from extsrc.engine.protocol import TaskDone, TaskFailed
 from extsrc.engine.samples import describe_dtype
@@ -109,6 +110,16 @@ class PendingBatch:
             return Decision(0, True, produced=stop_at)
         return Decision(stop_at, True, produced=stop_at)
 
+    @property
+    def faults(self) -> Tuple[SampleFault, ...]:
+        """The samples skipped or replaced (``on_error``), by position."""
+        found = [f for m in self.results.values() if isinstance(m, TaskDone) for f in m.faults]
+        return tuple(sorted(found, key=lambda f: f.idx_in_batch))
+
+    def _skipped(self, size: int) -> Set[int]:
+        return {f.idx_in_batch for m in self.results.values() if isinstance(m, TaskDone)
+                for f in m.faults if not f.replaced and f.idx_in_batch < size}
+
     def overflow_use(self) -> Dict[int, Optional[int]]:
         """Per worker that answered, the bytes of its overflow segment the batch's samples take
         (``None`` when one of its tasks failed: what it wrote before is not known)."""
@@ -145,11 +156,13 @@ class PendingBatch:
 
         done = [(start, msg) for start, msg in self._ordered()
                 if isinstance(msg, TaskDone) and start < size]
+        skipped = self._skipped(size) if any(msg.faults for _, msg in done) else set()
         outputs: List[Output] = []
         for j in range(1 if num_outputs is None else num_outputs):
             # None too for an output the batch was dispatched without (num_outputs="auto").
             region = self.regions[j] if j < len(self.regions) else None
-            if region is not None and not any(msg.spilled and msg.spilled[j] for _, msg in done):
+            if region is not None and not skipped and not any(msg.spilled and msg.spilled[j]
+                                                              for _, msg in done):
                 dense = view(base_of(region_map), region.offset, np.dtype(region.dtype),
                              (size,) + region.shape)
                 outputs.append(dense if dense_arrays else Batch(dense=dense))
@@ -158,6 +171,8 @@ class PendingBatch:
             for start, msg in done:
                 spilled = {s.position: s for s in msg.spilled[j]} if msg.spilled else {}
                 for position in range(start, min(start + msg.samples, size)):
+                    if position in skipped:
+                        continue
                     placed = spilled.get(position)
                     if placed is None:
                         assert region is not None, "a sample in place without a region"

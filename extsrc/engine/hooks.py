@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from extsrc.engine.faults import OnError
 from extsrc.engine.kinds import Source
 
 # worker_init(worker_index, num_workers)
@@ -86,12 +87,15 @@ class Hooks:
 
 @dataclass(frozen=True)
 class WorkerHooks:
-    """The worker side of :class:`Hooks`: what a worker runs around the source's callback."""
+    """The worker side of :class:`Hooks`: what a worker runs around the source's callback; and
+    the source's ``on_error`` when it is not ``"raise"`` (:mod:`extsrc.engine.faults`)."""
 
     worker_init: Optional[WorkerInit] = None
     begin_epoch: Optional[BeginEpoch] = None
     batch_info: bool = False
+    on_error: Optional[OnError] = None
 
     @property
     def empty(self) -> bool:
-        return self.worker_init is None and self.begin_epoch is None and not self.batch_info
+        return (self.worker_init is None and self.begin_epoch is None and not self.batch_info
+                and self.on_error is None)

@@ -19,11 +19,13 @@ batches in production. All of that changes in the pool's I/O thread only:
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import pickle
 import warnings
 from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Set, Tuple
 
 from extsrc.engine import policy
+from extsrc.engine.faults import FaultLedger, budget
 from extsrc.engine.assembly import PendingBatch, rebuild_exception
 from extsrc.engine.hooks import WorkerHooks
 from extsrc.engine.kinds import SAMPLE, STREAMS, Source, SourceKind
@@ -89,6 +91,8 @@ class Producer:
         local = pool.workers_backend.local_processes  # else no /proc of the workers to read
         self.notes: List[str] = []  # warnings from the workers, raised by the consumer (commit)
         self._noted: Set[str] = set()  # each once
+        self.faults = FaultLedger(self.name, budget(
+            spec.max_errors, None if spec.order is None else len(spec.order)))
         self.stats = (StatsCollector(pool.num_workers, pool.worker_pids if local else None,
                                      spec.concurrency)
                       if spec.collects_stats else None)
@@ -166,11 +170,12 @@ class Producer:
 
     def worker_source(self, pickler: Optional[Pickler]) -> SourceSetup:
         callback: object = self.source  # as it is (fork), or pickled
-        hooks = self.spec.hooks.in_workers
-        carried = (hooks.worker_init, hooks.begin_epoch)  # code to send with the callback
+        on_error = None if self.spec.on_error == "raise" else self.spec.on_error
+        hooks = replace(self.spec.hooks.in_workers, on_error=on_error)
+        carried = (hooks.worker_init, hooks.begin_epoch, hooks.on_error)  # sent with the callback
         hooks_pickled = False
         if pickler is not None:
-            if carried == (None, None):
+            if all(c is None or isinstance(c, str) for c in carried):
                 callback = pickler.dumps(self.source, what=f"source {self.name}")
             else:  # together, so that objects they share stay shared in the worker
                 callback = pickler.dumps((self.source, *carried), what=f"source {self.name}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Tuple, Union
 
+from extsrc.engine.faults import SampleFault
 from extsrc.engine.hooks import WorkerHooks
 from extsrc.engine.kinds import SourceKind
 from extsrc.shm.layout import Region, Spilled
@@ -99,6 +100,7 @@ class TaskDone(NamedTuple):
     cpu_ns: int = -1  # the worker's CPU time so far, cumulative (-1: not read with this task)
     runq_ns: int = -1  # its main thread's time waiting for a CPU so far, cumulative (-1: unknown)
     notes: Tuple[str, ...] = ()  # warnings for the user, raised once by the consumer
+    faults: Tuple[SampleFault, ...] = ()  # samples skipped or replaced (extsrc.engine.faults)
 
 
 class TaskFailed(NamedTuple):

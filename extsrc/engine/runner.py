@@ -23,6 +23,7 @@ import numpy as np
 
 from extsrc.arrays import Array
 from extsrc.engine.policy import SMALL_TASK_FACTOR, STREAM_BYTES
+from extsrc.engine.faults import SKIPPED, SampleFault, fault_of, faults_of_task, guarded
 from extsrc.engine.concurrent import AsyncEngine, Deliver, Hung, Job, Outcome, ThreadEngine, is_async
 from extsrc.engine.pickling import Pickler, dumps_exception
 from extsrc.engine.protocol import Result, SourceSetup, Task, TaskDone, TaskFailed
@@ -191,8 +192,8 @@ def load_source(setup: SourceSetup, pickler: Optional[Pickler]) -> Tuple[Source,
     loaded = pickler.loads(setup.callback)
     if not setup.hooks_pickled:
         return loaded, setup.hooks
-    callback, worker_init, begin_epoch = loaded  # pickled together: what they share stays shared
-    return callback, WorkerHooks(worker_init, begin_epoch, setup.hooks.batch_info)
+    callback, worker_init, begin_epoch, on_error = loaded  # together: what they share stays shared
+    return callback, WorkerHooks(worker_init, begin_epoch, setup.hooks.batch_info, on_error)
 
 
 def slot_writer(setup: SourceSetup) -> TaskWriter:
@@ -249,6 +250,9 @@ class SourceRunner:
         self.call_batch = callback
         self.sample_limit_s = None if setup.timeout is None else setup.timeout * SAMPLE_TIMEOUT_SHARE
         self.busy_until = 0  # the clock at the end of the last task whose busy time was counted
+        self.faults: List[SampleFault] = []  # samples skipped or replaced, until their task answers
+        if hooks.on_error is not None and setup.kind == SAMPLE:
+            callback = self.callback = guarded(callback, hooks.on_error, self.faults, is_async(callback))
         if is_async(callback):
             self.engine = AsyncEngine(callback, setup.concurrency)
             self.call_batch = self.engine.call
@@ -551,11 +555,18 @@ class SourceRunner:
                 return [produced]
             if not produced:
                 return []
+            first = next((k for k, sample in enumerate(produced) if sample is not SKIPPED), None)
+            if first is None:
+                return []  # every sample skipped, before the outputs are known: nothing to write
             try:
-                num_outputs = self._learn_outputs(produced[0], describe(start))
+                num_outputs = self._learn_outputs(produced[first], describe(start + first))
             except SampleError as exc:
-                raise at(start, exc) from None  # the same exception, marked
+                raise at(start + first, exc) from None  # the same exception, marked
+        skipped = False
         for k, sample in enumerate(produced):
+            if sample is SKIPPED:
+                skipped = True
+                continue
             if not isinstance(sample, (tuple, list)) or len(sample) != num_outputs:
                 got = (
                     f"a {type(sample).__name__} of {len(sample)} outputs"
@@ -568,6 +579,9 @@ class SourceRunner:
                 ))
         if not produced:
             return [[] for _ in range(num_outputs)]
+        if skipped:
+            return [[SKIPPED if sample is SKIPPED else sample[j] for sample in produced]
+                    for j in range(num_outputs)]
         return [list(column) for column in zip(*produced)]
 
     # -- batch mode ----------------------------------------------------------------------------
@@ -589,6 +603,11 @@ class SourceRunner:
                 self.retried_pass = False
                 return self._failed(task, 0, info, self._exhausted(task.epoch_idx), from_callback=False)
             return TaskDone(task.source_id, task.ticket, self.worker, 0, True, (), 0)
+        except Exception as exc:
+            replaced = self._replace_batch(task, info, exc)
+            if isinstance(replaced, TaskFailed):
+                return replaced
+            batch = replaced
         except BaseException as exc:
             return self._failed(task, 0, info, exc)
 
@@ -606,6 +625,19 @@ class SourceRunner:
         except Exception as exc:
             return self._failed(task, getattr(exc, "position", 0), info, exc, from_callback=False)
 
+    def _replace_batch(self, task: Task, info: BatchInfo, exc: Exception) -> object:
+        """The batch ``on_error(info, exc)`` gives in place of the callback's (a callable
+        on_error), or the task's failure."""
+        on_error = self.hooks.on_error
+        if not callable(on_error) or self.setup.kind != BATCH_CALLABLE:
+            return self._failed(task, 0, info, exc)
+        try:
+            batch = on_error(info, exc)
+        except BaseException as error:
+            return self._failed(task, 0, info, error)
+        self.faults.append(fault_of(info, exc, True))
+        return batch
+
     # -- what the worker does with the written samples -----------------------------------------
 
     def _done(self, task: Task, write: TaskSink, count: int, stopped: bool, busy_ns: int,
@@ -619,7 +651,9 @@ class SourceRunner:
         spilled = tuple(tuple(s for s in out if s.position < end) for out in spilled)
         done = TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow,
                         busy_ns, timed, busy_ns if waited_ns is None else waited_ns,
-                        *self.cpu_clock(), notes=self._notes())
+                        *self.cpu_clock(), notes=self._notes(),
+                        faults=faults_of_task(self.faults, task.epoch_idx, task.iteration,
+                                              task.start, task.stop))
         return self.writer.answer(task, write, done)
 
     def _notes(self) -> Tuple[str, ...]:
@@ -711,6 +745,7 @@ class SourceRunner:
 
     def _failed(self, task: Task, position: int, where: Union[SampleInfo, BatchInfo, None], exc: BaseException,
                 from_callback: bool = True) -> TaskFailed:
+        faults_of_task(self.faults, task.epoch_idx, task.iteration, task.start, task.stop)  # lost with it
         return failure(task, self.worker, position, where, exc, from_callback)
 
     def _write_failed(self, task: Task, chunk_start: int, exc: BaseException) -> TaskFailed:

@@ -18,6 +18,7 @@ consumer's arrays hold the lease -> freed when the last reference is gone
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple, Union
@@ -26,9 +27,11 @@ import numpy as np
 
 from extsrc.closing import ClosedWhenCollected
 from extsrc.engine.assembly import BatchOutput
+from extsrc.checks import is_int
 from extsrc.engine.concurrent import is_async
+from extsrc.engine.faults import OnError, SampleFault
 from extsrc.engine.hooks import Hooks
-from extsrc.engine.kinds import BATCH_CALLABLE, STREAMS, Source, SourceKind, classify
+from extsrc.engine.kinds import BATCH_CALLABLE, SAMPLE, STREAMS, Source, SourceKind, classify
 from extsrc.engine.pool import WorkerPool
 from extsrc.engine.producer import Producer, Run
 from extsrc.engine.spec import UNSET, DTypes, NDims, SourceSpec
@@ -191,6 +194,8 @@ class ParallelSource(ClosedWhenCollected):
         concurrency: int = 1,
         stats: Union[bool, float] = True,
         hooks: Optional[Hooks] = None,
+        on_error: OnError = "raise",
+        max_errors: Union[None, int, float] = None,
     ):
         pool, self._owns_pool = _own_or_shared_pool(pool, num_workers=num_workers,
                                                     start_method=start_method, pickler=pickler,
@@ -199,7 +204,8 @@ class ParallelSource(ClosedWhenCollected):
             batch_size, num_outputs=num_outputs, batch=batch, prefetch=prefetch,
             last_batch=last_batch, dtype=dtype, ndim=ndim, timeout=timeout,
             batches_held=batches_held, order=order, in_place=in_place, stats=stats,
-            concurrency=concurrency, in_order=in_order, hooks=Hooks() if hooks is None else hooks)
+            concurrency=concurrency, in_order=in_order, hooks=Hooks() if hooks is None else hooks,
+            on_error=on_error, max_errors=max_errors)
         kind = _checked_kind(source, self.spec, pool, order)
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str, got {name!r}")
@@ -215,6 +221,7 @@ class ParallelSource(ClosedWhenCollected):
         self._next_epoch = 0
         self._resume_iteration = 0
         self._resume_skip: FrozenSet[int] = frozenset()  # handed out after it (in_order=False)
+        self._resume_faults = 0  # samples of the resumed epoch skipped or replaced before it
         self._early: Optional[Run] = None  # the next epoch's run, filled by start() ahead of iter()
         self._closed = False
         self._close_done = False  # close() ran to its end
@@ -355,9 +362,11 @@ class ParallelSource(ClosedWhenCollected):
                 run = self._producer.request(self._next_epoch, self._resume_iteration, self._resume_skip)
             assert run is not None
             epoch = self._taker.begin(run)
+            self._producer.faults.resume(run.epoch_idx, self._resume_faults)
             self._next_epoch += 1
             self._resume_iteration = 0
             self._resume_skip = frozenset()
+            self._resume_faults = 0
             self._pool.notify()
             return epoch
 
@@ -394,9 +403,11 @@ class ParallelSource(ClosedWhenCollected):
             if epoch is not None and epoch.state is EpochState.RUNNING:
                 epoch_idx = epoch.epoch_idx
                 iteration, handed_out = epoch.position()
+                faults = self._producer.faults.count(epoch_idx)
             else:
                 epoch_idx, iteration = self._next_epoch, self._resume_iteration
                 handed_out = sorted(self._resume_skip)
+                faults = self._resume_faults
         state: Dict[str, Any] = {
             "epoch_idx": epoch_idx, "iteration": iteration,
             "batch_size": self.spec.batch_size, "records": iteration * self.spec.batch_size,
@@ -404,6 +415,8 @@ class ParallelSource(ClosedWhenCollected):
         }
         if handed_out:
             state["handed_out"] = handed_out
+        if faults:
+            state["faults"] = faults  # counted against max_errors after the resume too
         if self.spec.order is not None:
             state["order"] = self.spec.order.describe()
         return state
@@ -442,6 +455,7 @@ class ParallelSource(ClosedWhenCollected):
             self._taker.supersede("set_state()")
             self._producer.request(None)
             self._next_epoch, self._resume_iteration, self._resume_skip = epoch_idx, iteration, skip
+            self._resume_faults = _parse_count(state, "faults") if iteration else 0
 
     def _check_state(self, state: Dict[str, Any], iteration: int) -> int:
         """The iteration of this source at which ``state`` resumes exactly; raises
@@ -514,7 +528,15 @@ class ParallelSource(ClosedWhenCollected):
             )
             if reset:
                 collector.reset()
-        return snapshot
+            ledger = self._producer.faults
+            return dataclasses.replace(snapshot, skipped=ledger.skipped, replaced=ledger.replaced)
+
+    def faults(self) -> List[SampleFault]:
+        """The samples the callback failed on that ``on_error`` skipped or replaced, oldest
+        first (the newest 10,000; ``stats()`` counts all): each names its record, batch,
+        epoch and the error's type and message, to find the bad data."""
+        with self._pool.lock:
+            return list(self._producer.faults.listed)
 
     def _maybe_report(self) -> None:
         now = time.monotonic()
@@ -560,9 +582,20 @@ def _checked_kind(source: Source, spec: SourceSpec, pool: WorkerPool, order: Opt
     if is_async(source) and spec.in_place:
         raise ValueError("in_place=True needs a plain callback (it writes into the sample's "
                          "room before returning), got an async def one")
+    if spec.on_error != "raise" and kind not in (SAMPLE, BATCH_CALLABLE):
+        raise ValueError(
+            f"on_error={spec.on_error!r} needs a callable source: an iterable or generator that "
+            "raised cannot go on from where it was")
     if spec.hooks.batch_info and kind != BATCH_CALLABLE:
         raise ValueError("hooks.batch_info=True needs a callable source (not an iterable or generator)")
     return kind
+
+
+def _parse_count(state: Dict[str, Any], key: str) -> int:
+    value = state.get(key, 0)
+    if not is_int(value) or value < 0:
+        raise ValueError(f"set_state: {key} must be an int >= 0, got {value!r}")
+    return int(value)
 
 
 def _parse_state(state: object) -> Tuple[int, ...]:

@@ -18,6 +18,7 @@ import numpy as np
 
 from extsrc.arrays import DType
 from extsrc.checks import is_int, is_number
+from extsrc.engine.faults import OnError, check_on_error
 from extsrc.engine.hooks import Hooks
 from extsrc.order import Order
 
@@ -183,6 +184,8 @@ class SourceSpec:
     concurrency: int = 1  # samples in flight at once per worker (extsrc.engine.concurrent)
     in_order: bool = True  # False: a finished batch may be handed out before earlier ones
     hooks: Hooks = field(default_factory=Hooks)
+    on_error: OnError = "raise"  # "raise", "skip" or on_error(info, error) -> sample (faults.py)
+    max_errors: Union[None, int, float] = None  # faults an epoch may have: a count or a fraction
     dtypes: Tuple[Optional[DType], ...] = field(init=False)  # one per output
     ndims: Tuple[Optional[int], ...] = field(init=False)  # one per output
 
@@ -198,6 +201,11 @@ class SourceSpec:
         self._check_numbers()
         if not isinstance(self.hooks, Hooks):
             raise TypeError(f"hooks must be an extsrc.Hooks, got {type(self.hooks).__name__}")
+        check_on_error(self.on_error, self.max_errors, None if self.order is None else len(self.order))
+        if self.on_error == "skip" and self.batch:
+            raise ValueError("on_error='skip' drops a sample from its batch: it needs sample mode "
+                             "(batch=False); a batch callback can return a replacement batch "
+                             "from on_error=callable")
         if self.hooks.batch_info and not self.batch:
             raise ValueError("hooks.batch_info=True needs batch=True (it is what a batch callback is given)")
 

@@ -102,6 +102,8 @@ class SourceStats:
     in_flight_mean: float = 0.0  # samples in flight per worker on average while it was busy
     worker_cpu_share: Optional[float] = None  # CPU time of the workers / their busy time
     worker_runq_share: Optional[float] = None  # their time waiting for a CPU / their busy time
+    skipped: int = 0  # samples the callback failed on and on_error="skip" left out, since start
+    replaced: int = 0  # the same, replaced by on_error(info, error) (ParallelSource.faults())
 
     @property
     def waiting_share(self) -> Optional[float]:
@@ -293,6 +295,9 @@ class SourceStats:
                f"one, {self.waiting_share:.0%} waiting on I/O"),
             f"  shared memory: {format_bytes(self.shared_memory_bytes)}",
         ]
+        if self.skipped or self.replaced:
+            lines.append(f"  samples the callback failed on: {self.skipped} skipped, {self.replaced} "
+                         "replaced since the start (source.faults() lists them)")
         if self.own_cpu_cores is not None:
             waits = ", ".join(f"{w:.0%}" for w in self.workers_cpu_wait) or "n/a"
             consumer = "n/a" if self.consumer_cpu_wait is None else f"{self.consumer_cpu_wait:.0%}"

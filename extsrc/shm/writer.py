@@ -25,6 +25,7 @@ import numpy as np
 
 from extsrc.arrays import Array, DType
 from extsrc.engine import policy
+from extsrc.engine.faults import SKIPPED
 from extsrc.errors import SampleError, SharedMemoryError
 from extsrc.shm import limits, streaming
 from extsrc.shm.layout import Region, Spilled, align
@@ -304,8 +305,9 @@ class TaskWrite:
             self._rows += [None] * extra
 
     def add(self, columns: List[Sequence[object]], position: int, count: int) -> None:
-        """Writes ``columns[j][k]`` (output ``j``, sample ``position + k``)."""
-        if not count:
+        """Writes ``columns[j][k]`` (output ``j``, sample ``position + k``; ``SKIPPED``: none).
+        No columns: every sample was skipped before the outputs were known."""
+        if not count or not columns:
             return
         if len(columns) != len(self.regions):
             if len(columns) < len(self.regions):  # only with num_outputs="auto"
@@ -344,6 +346,8 @@ class TaskWrite:
         checker = self.writer.checker
         first_where = ""
         for k in range(count):
+            if column[k] is SKIPPED:
+                continue  # on_error="skip": nothing written; the consumer leaves it out
             sample_position = position + k
             where = self.describe(sample_position)
             first = self.first[j]

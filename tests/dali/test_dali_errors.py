@@ -8,6 +8,7 @@ import pytest
 
 import extsrc
 from extsrc import fn, pipeline_def
+from sources import FailsOn, minus_record
 from dali_support import (
     Counting,
     dies_at_3,
@@ -177,3 +178,19 @@ def test_a_source_converted_for_conditionals_is_refused_with_dalis_phrase():
 
     converted = [frame.name for frame in traceback.extract_tb(info.tb) if frame.name.startswith("autograph__")]
     assert converted == ["autograph__pipe"], converted
+
+
+def test_on_error_skip_hands_dali_the_batch_without_the_bad_sample():
+    with _pipe(FailsOn(16, (5,)), on_error="skip", last_batch="partial") as p:
+        first, second = (np.array(p.run()[0].as_tensor()) for _ in range(2))
+        assert first[:, 0].tolist() == [0, 1, 2, 3]
+        assert second[:, 0].tolist() == [4, 6, 7]  # record 5 left out: a batch of 3
+        assert [[f.record for f in faults] for faults in p.extsrc_faults().values()] == [[5]]
+    with _pipe(FailsOn(16, (5,)), on_error=minus_record) as p:
+        p.run()
+        assert np.array(p.run()[0].as_tensor())[:, 0].tolist() == [4, -5, 6, 7]
+
+
+def test_on_error_needs_parallel():
+    with pytest.raises(ValueError, match="`on_error`"):
+        fn.external_source(lambda info: np.zeros(2), batch=False, on_error="skip")

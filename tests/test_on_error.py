@@ -1,0 +1,177 @@
+"""on_error= and max_errors=: a sample the callback fails on is skipped or replaced, counted and
+listed, and the epoch goes on; past the budget the source raises with the list."""
+
+import numpy as np
+import pytest
+
+import extsrc
+from extsrc import Order, ParallelSource, TooManyErrorsError
+
+from sources import FailsOn, minus_record
+
+BAD = (7, 300)
+
+
+def _records(batches):
+    return [int(sample[0]) for batch in batches for sample in batch]
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_skip_gives_every_other_record_once_and_lists_the_bad_ones(start_method, concurrency):
+    with ParallelSource(FailsOn(1000, BAD), 16, num_workers=2, start_method=start_method,
+                        concurrency=concurrency, on_error="skip", last_batch="partial") as source:
+        for _ in range(2):  # the epoch after goes the same
+            batches = list(source)
+            assert _records(batches) == [r for r in range(1000) if r not in BAD]
+            sizes = [len(batch) for batch in batches]
+            # The epoch keeps its batches (ranks stay in step): the two with a bad record are short.
+            assert len(sizes) == 63 and sizes.count(15) == 2 and sizes[0] == 15
+        faults = source.faults()
+        assert [f.record for f in faults] == [7, 300, 7, 300]
+        assert faults[1].type_name == "OSError" and "cannot decode record 300" in faults[1].message
+        assert (faults[1].iteration, faults[1].idx_in_batch, faults[1].replaced) == (18, 12, False)
+        assert "record 300" in str(faults[1]) and "skipped" in str(faults[1])
+        stats = source.stats()
+        assert (stats.skipped, stats.replaced) == (4, 0)
+        assert "4 skipped" in str(stats)
+
+
+def test_skip_leaves_a_sample_out_of_every_output_of_a_tuple():
+    with ParallelSource(FailsOn(64, (3,), outputs=2), 8, num_outputs=2, num_workers=2,
+                        on_error="skip") as source:
+        first, tails = next(iter(source))
+        assert [int(s[0]) for s in first] == [0, 1, 2, 4, 5, 6, 7]
+        assert [len(t) for t in tails] == [r % 3 for r in (0, 1, 2, 4, 5, 6, 7)]
+
+
+def test_a_replacement_comes_in_place_of_the_sample():
+    with ParallelSource(FailsOn(64, (3, 40)), 8, num_workers=2, start_method="spawn",
+                        on_error=minus_record) as source:
+        batches = list(source)
+        assert all(len(batch) == 8 for batch in batches)
+        assert _records(batches) == [-r if r in (3, 40) else r for r in range(64)]
+        assert [(f.record, f.replaced) for f in source.faults()] == [(3, True), (40, True)]
+        assert source.stats().replaced == 2
+
+
+def test_a_replacement_that_raises_fails_the_batch_with_its_error():
+    def refuse(info, error):
+        raise ValueError(f"no replacement for {info.record}") from error
+
+    with ParallelSource(FailsOn(32, (9,)), 8, num_workers=2, on_error=refuse) as source:
+        epoch = iter(source)
+        next(epoch)
+        with pytest.raises(ValueError, match="no replacement for 9"):
+            next(epoch)
+        assert len(next(epoch)) == 8  # the epoch goes on
+        assert source.faults() == []
+
+
+def test_past_max_errors_the_batch_raises_with_every_error_of_the_epoch():
+    with ParallelSource(FailsOn(1000, (7, 300, 500)), 16, num_workers=2, on_error="skip",
+                        max_errors=1, last_batch="partial") as source:
+        epoch = iter(source)
+        taken = [next(epoch) for _ in range(18)]  # through batch 17: one error, in the budget
+        with pytest.raises(TooManyErrorsError) as raised:
+            next(epoch)  # batch 18 holds record 300
+        assert [f.record for f in raised.value.faults] == [7, 300]
+        assert "max_errors=1" in str(raised.value) and "record 7" in str(raised.value)
+        assert len(taken[0]) == 15
+
+
+def test_max_errors_as_a_fraction_of_an_ordered_epoch():
+    bad = range(0, 100, 10)  # 10% of the records
+    with ParallelSource(FailsOn(100, bad), 10, num_workers=2, on_error="skip", max_errors=0.1,
+                        order=Order(100)) as source:
+        assert len(_records(source)) == 90
+    with ParallelSource(FailsOn(100, bad), 10, num_workers=2, on_error="skip", max_errors=0.05,
+                        order=Order(100)) as source:
+        with pytest.raises(TooManyErrorsError):
+            list(source)
+
+
+def test_a_checkpoint_between_two_errors_resumes_every_record_once_and_keeps_the_count():
+    def run(state=None, stop_after=None):
+        with ParallelSource(FailsOn(1000, BAD), 16, num_workers=2, on_error="skip", max_errors=1,
+                            order=Order(1000, shuffle=True, seed=3),
+                            last_batch="partial") as source:
+            if state is not None:
+                source.set_state(state)
+            epoch, got = iter(source), []
+            try:
+                for k, batch in enumerate(epoch):
+                    got.extend(int(s[0]) for s in batch)
+                    if stop_after is not None and k + 1 == stop_after:
+                        return got, source.get_state()
+            except TooManyErrorsError as exc:
+                return got, exc
+        return got, None
+
+    whole, error = run()
+    assert isinstance(error, TooManyErrorsError)  # 2 errors, budget 1
+    shuffled = Order(1000, shuffle=True, seed=3)
+    order = [shuffled.record(0, position) for position in range(1000)]
+    first_bad = min(order.index(r) for r in BAD)
+    split = first_bad // 16 + 2  # a checkpoint after the first error, before the second
+    head, state = run(stop_after=split)
+    assert state["faults"] == 1
+    tail, error = run(state)
+    assert isinstance(error, TooManyErrorsError)  # the budget counts the error before the resume
+    assert head + tail == whole and len(set(whole)) == len(whole)
+
+
+def test_errors_that_are_not_the_callbacks_still_fail_the_batch():
+    def wrong_dtype(info):
+        if info.idx_in_epoch >= 16:
+            raise StopIteration
+        return np.zeros(2, np.float32 if info.idx_in_epoch == 5 else np.int64)
+
+    with ParallelSource(wrong_dtype, 8, num_workers=1, on_error="skip") as source:
+        epoch = iter(source)
+        with pytest.raises(extsrc.SampleError):
+            next(epoch)
+        assert source.faults() == []
+
+
+def test_a_batch_whose_every_sample_failed_raises_in_its_place():
+    with ParallelSource(FailsOn(24, range(8, 16)), 8, num_workers=2, on_error="skip") as source:
+        epoch = iter(source)
+        assert len(next(epoch)) == 8
+        with pytest.raises(extsrc.CallbackError, match="every sample of batch 1"):
+            next(epoch)
+        assert _records([next(epoch)]) == list(range(16, 24))
+
+
+def test_a_batch_callable_may_replace_its_batch():
+    def batches(info):
+        if info.iteration >= 4:
+            raise StopIteration
+        if info.iteration == 2:
+            raise OSError("shard 2 is gone")
+        return np.full((4, 2), info.iteration, np.int64)
+
+    def stand_in(info, error):
+        return np.full((4, 2), -1, np.int64)
+
+    with ParallelSource(batches, 4, batch=True, num_workers=2, on_error=stand_in,
+                        hooks=extsrc.Hooks(batch_info=True)) as source:
+        assert [int(b[0][0]) for b in source] == [0, 1, -1, 3]
+        assert [(f.iteration, f.type_name) for f in source.faults()] == [(2, "OSError")]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"on_error": "ignore"}, "on_error must be one of"),
+    ({"on_error": "raise", "max_errors": 3}, "with on_error='raise'"),
+    ({"on_error": "skip", "max_errors": 0.5}, "only an order= knows"),
+    ({"on_error": "skip", "max_errors": -1}, "max_errors must be"),
+    ({"on_error": "skip", "batch": True}, "needs sample mode"),
+])
+def test_wrong_on_error_arguments_say_what_is_wrong(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelSource(FailsOn(8, ()), 4, num_workers=1, **kwargs)
+
+
+def test_an_iterable_cannot_replace_its_batches():
+    with pytest.raises(ValueError, match="needs a callable source"):
+        ParallelSource([np.zeros((2, 2))], 2, batch=True, num_workers=1, on_error=minus_record)
