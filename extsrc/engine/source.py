@@ -582,6 +582,10 @@ def _checked_kind(source: Source, spec: SourceSpec, pool: WorkerPool, order: Opt
     if is_async(source) and spec.in_place:
         raise ValueError("in_place=True needs a plain callback (it writes into the sample's "
                          "room before returning), got an async def one")
+    if spec.on_error == "skip" and pool.backend != "processes":
+        raise ValueError(f"on_error='skip' needs backend='processes' (worker processes on this "
+                         f"host), got backend={pool.backend!r}; a replacing on_error=callable works "
+                         "with any backend")
     if spec.on_error != "raise" and kind not in (SAMPLE, BATCH_CALLABLE):
         raise ValueError(
             f"on_error={spec.on_error!r} needs a callable source: an iterable or generator that "

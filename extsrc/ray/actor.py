@@ -145,7 +145,7 @@ class ActorWriter:
             return done
         start = task.start if self.kind == SAMPLE else 0
         return Produced(task.source_id, task.ticket, start, done.samples, done.stopped, write.answer(),
-                        done.busy_ns, done.timed, done.notes)
+                        done.busy_ns, done.timed, done.notes, done.faults)
 
     def add_slot(self, slot_id: int, region_fd: int, overflow_fd: int, kind: str, worker: int) -> None:
         """A slot whose descriptors came over the channel (see :meth:`SourceActor.serve`)."""

@@ -55,6 +55,7 @@ class Produced(NamedTuple):
     busy_ns: int = 0  # the actor's time on the task, and the callback's per group of samples
     timed: Tuple[Tuple[int, int], ...] = ()  # (samples, ns), as in TaskDone (statistics)
     notes: Tuple[str, ...] = ()  # warnings for the user, as in TaskDone
+    faults: Tuple[Any, ...] = ()  # samples replaced by on_error, as in TaskDone
 
 
 class Piece(NamedTuple):

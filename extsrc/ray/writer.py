@@ -80,7 +80,8 @@ class ResultWriter:
             return failure(task, worker, getattr(exc, "position", produced.start), None, exc,
                            from_callback=False)
         return TaskDone(task.source_id, task.ticket, worker, produced.count, produced.stopped,
-                        spilled, overflow, produced.busy_ns, produced.timed, notes=produced.notes)
+                        spilled, overflow, produced.busy_ns, produced.timed, notes=produced.notes,
+                        faults=produced.faults)
 
     def close(self) -> None:
         """I/O thread (or once it is gone): unmaps and closes every slot."""

@@ -472,3 +472,20 @@ def test_another_process_connecting_to_the_pools_socket_is_ignored_and_nothing_i
     for got, want in zip([first] + rest, expected):
         for a, b in zip(got, want):
             np.testing.assert_array_equal(a, b)
+
+
+def test_a_replacing_on_error_gives_its_samples_and_faults_every_way(actor_path):
+    from sources import FailsOn, minus_record
+
+    with ParallelSource(FailsOn(32, (5, 20)), 8, num_workers=2, backend="ray",
+                        on_error=minus_record) as source:
+        records = [int(sample[0]) for batch in source for sample in batch]
+        assert records == [-r if r in (5, 20) else r for r in range(32)]
+        assert [(f.record, f.replaced) for f in source.faults()] == [(5, True), (20, True)]
+
+
+def test_skipping_needs_worker_processes():
+    from sources import FailsOn
+
+    with pytest.raises(ValueError, match="on_error='skip' needs backend='processes'"):
+        ParallelSource(FailsOn(32, ()), 8, num_workers=2, backend="ray", on_error="skip")
