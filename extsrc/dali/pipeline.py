@@ -12,7 +12,7 @@ from extsrc.dali.pickling import DaliDefaultPickler
 from extsrc.dali.reader_meta import source_reader_meta
 from extsrc.dali.run_thread import RESET, RUN, RunThread
 from extsrc.engine import (UNSET, PoolClosedError, WorkerPool, check_backend, close_when_collected,
-                           gpu_visible, no_gpu_message)
+                           gpu_visible, no_gpu_message, non_negative_int)
 
 
 # Arguments of extsrc's Pipeline that DALI's does not have.
@@ -29,6 +29,9 @@ class Pipeline(_dali_pipeline.Pipeline):
     pool is never created. ``py_backend="ray"`` makes its workers Ray actors
     anywhere in the cluster (with ``py_ray_options`` for them, see
     :class:`extsrc.ray.RayBackend`); ``py_start_method`` is then not given.
+    ``py_worker_restarts`` (extsrc's; default 0, as DALI, whose lost worker
+    fails the pipeline): how many lost workers are replaced, their batches
+    redone, before a loss raises ``WorkerDiedError`` from ``run()``.
 
     Life cycle: definition (the graph function runs; each parallel source is
     registered with the pool), ``start_py_workers()`` (starts the workers;
@@ -54,6 +57,7 @@ class Pipeline(_dali_pipeline.Pipeline):
         py_callback_pickler: Any = None,
         py_backend: str = "processes",
         py_ray_options: Optional[dict] = None,
+        py_worker_restarts: int = 0,
         **kwargs: Any,
     ):
         # None and 0 are accepted, as DALI accepts them: only a parallel source needs workers.
@@ -80,6 +84,7 @@ class Pipeline(_dali_pipeline.Pipeline):
         self._extsrc_pickler = py_callback_pickler
         self._extsrc_backend = py_backend
         self._extsrc_ray_options = py_ray_options
+        self._extsrc_restarts = non_negative_int("py_worker_restarts", py_worker_restarts)
         # DALI keeps its defaults for py_*: it never sees a parallel source, so it starts no pool.
         super().__init__(*args, **kwargs)
 
@@ -224,9 +229,11 @@ class Pipeline(_dali_pipeline.Pipeline):
             pickler = DaliDefaultPickler if self._extsrc_pickler is None else self._extsrc_pickler
             if self._extsrc_backend == "ray":
                 self._extsrc_pool = WorkerPool(self._extsrc_num_workers, pickler=pickler,
-                                               backend="ray", ray_options=self._extsrc_ray_options)
+                                               backend="ray", ray_options=self._extsrc_ray_options,
+                                               worker_restarts=self._extsrc_restarts)
             else:
-                self._extsrc_pool = WorkerPool(self._extsrc_num_workers, self._extsrc_start_method, pickler)
+                self._extsrc_pool = WorkerPool(self._extsrc_num_workers, self._extsrc_start_method, pickler,
+                                               worker_restarts=self._extsrc_restarts)
         if self._extsrc_pool.started:
             raise RuntimeError(
                 "a parallel external source cannot be added after the pipeline's workers "

@@ -36,7 +36,7 @@ from extsrc.engine.sink import TaskSink, WriterSink
 from extsrc.engine.source import ParallelSource
 from extsrc.engine.threads import OwnedThread
 from extsrc.engine.spec import (AUTO_OUTPUTS, START_METHODS, UNSET, PoolSpec, SourceSpec, check_backend,
-                                non_negative_number, positive_int)
+                                non_negative_int, non_negative_number, positive_int)
 from extsrc.engine.worker import serve
 from extsrc.errors import (CallbackError, EmptyEpochError, EpochLengthError, EpochSupersededError,
                            ExhaustedIteratorError, ExtsrcError, ForkedChildError, InternalError,
@@ -58,7 +58,7 @@ __all__ = [
     "Hooks", "WorkerHooks", "Pickler", "PicklerSpec", "DefaultPickler", "pickle_by_value",
     "attribute_at", "is_async", "default_prefetch",
     # checks a layer's own arguments reuse
-    "positive_int", "non_negative_number", "is_int", "check_backend",
+    "positive_int", "non_negative_int", "non_negative_number", "is_int", "check_backend",
     # backends: the protocol, the writer seam, what a worker runs
     "WorkerBackend", "Arrival", "Fault", "HeldBy", "Received", "Wakeable", "register_backend",
     "unregister_backend", "backend_names", "setup_failed", "Channel", "OwnedFds", "AddSlot",

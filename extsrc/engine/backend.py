@@ -21,7 +21,7 @@ constructor                ``WorkerPool()``                no
 ``take_back``              a source (any thread)           held
 ``assign``, ``flush``      the I/O thread                  held
 ``wait``, ``receive``      the I/O thread                  **not** held
-``check``                  the I/O thread                  held
+``check``, ``replace``     the I/O thread                  held
 ``stop``                   the I/O thread at its end;      not held;
                            ``close()`` after it (again)    held
 ``describe_worker``        any thread                      held
@@ -63,6 +63,19 @@ HeldBy = Callable[[int], str]
 # A fault of the backend, as a function of what the workers held: the pool calls it, with the
 # lock held, to get the error it breaks with (see Received.fault and WorkerBackend.check).
 Fault = Callable[[HeldBy], BaseException]
+
+
+class Lost:
+    """The fault of worker ``worker`` lost (died, killed, its connection gone): the pool may
+    replace it (:meth:`WorkerBackend.replace`) rather than break, within its
+    ``worker_restarts``."""
+
+    def __init__(self, worker: int, fault: Fault):
+        self.worker = worker
+        self.fault = fault
+
+    def __call__(self, held: HeldBy) -> BaseException:
+        return self.fault(held)
 
 
 class Wakeable(Protocol):
@@ -165,6 +178,12 @@ class WorkerBackend(Protocol):
 
     def forget_after_fork(self) -> None:
         """In a forked child: drop every reference to the parent's workers, touching nothing."""
+
+    def replace(self, worker: int) -> bool:
+        """Lock held, I/O thread: starts a new worker in the place of ``worker``, lost (see
+        :class:`Lost`), with the sources and every live slot; the lost one's unsent messages are
+        dropped. ``False`` when this backend cannot (the pool then breaks as without restarts);
+        raises when the new worker cannot be started."""
 
 
 class BackendClass(Protocol):

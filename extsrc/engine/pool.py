@@ -66,6 +66,7 @@ import _thread
 import atexit
 import enum
 import itertools
+import logging
 import os
 import threading
 import time
@@ -75,7 +76,7 @@ from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Pr
 
 from extsrc.engine import policy
 from extsrc.engine import workers as worker_processes
-from extsrc.engine.backend import Arrival, Fault, WorkerBackend, backend_class
+from extsrc.engine.backend import Arrival, Fault, Lost, WorkerBackend, backend_class
 from extsrc.engine.protocol import Result, SourceSetup, Task
 from extsrc.engine.threads import OwnedThread, defer_on_wake_up
 from extsrc.engine.workers import Waker
@@ -107,6 +108,9 @@ class PoolState(enum.Enum):
     CLOSED = "closed"
 
 
+_log = logging.getLogger("extsrc")
+
+
 class PoolClient(Protocol):
     """A source attached to a pool: what the pool asks of it.
 
@@ -117,6 +121,7 @@ class PoolClient(Protocol):
     """
 
     name: str
+    redoable: bool  # a task of it may run again in another worker (its state is not a worker's)
 
     def worker_source(self, pickler: Optional[Pickler]) -> SourceSetup:
         """What each worker needs to run this source (pickles it for spawn/forkserver)."""
@@ -144,6 +149,7 @@ class _Load:
     def __init__(self, index: int):
         self.index = index
         self.outstanding: Dict[int, Task] = {}  # ticket -> task assigned, in the order assigned
+        self.pinned: Set[int] = set()  # of those, the tickets of tasks for this worker only
         self.busy_since = time.monotonic()
 
 
@@ -190,8 +196,10 @@ class WorkerPool(ClosedWhenCollected):
 
     def __init__(self, num_workers: int = 1, start_method: Optional[str] = UNSET,
                  pickler: "PicklerSpec" = None, backend: str = "processes",
-                 ray_options: Optional[Dict[str, Any]] = None):  # options of the Ray actors
-        self.spec = PoolSpec(num_workers, start_method, pickler, backend, ray_options)
+                 ray_options: Optional[Dict[str, Any]] = None,  # options of the Ray actors
+                 worker_restarts: int = 0):
+        self.spec = PoolSpec(num_workers, start_method, pickler, backend, ray_options, worker_restarts)
+        self.restarts: List[str] = []  # each lost worker replaced: what happened to it
         maker = backend_class(self.spec.backend)
         self._backend: WorkerBackend = maker(self.spec.num_workers, self.spec.start_method,
                                              self.spec.pickler, self.spec.backend_options)
@@ -607,9 +615,11 @@ class WorkerPool(ClosedWhenCollected):
             self._assign()
             covered = bool(self._loads) and all(self._covered(load) for load in self._loads)
             fault = backend.flush()
-            if fault is not None:
-                self._fault(fault)
-                return False
+            while fault is not None:  # a worker replaced: its tasks and slots go to the new one
+                if not self._fault(fault):
+                    return False
+                self._assign()
+                fault = backend.flush()
             period = backend.poll_period()
             woken = self._take_waiters() if changed else []
         for waiter in woken:
@@ -628,13 +638,11 @@ class WorkerPool(ClosedWhenCollected):
             changed = False
             for arrival in received.arrivals:
                 changed = self._deliver(arrival) or changed
-            if received.fault is not None:
-                self._fault(received.fault)
+            if received.fault is not None and not self._fault(received.fault):
                 return False
             if period is not None:
                 fault = backend.check()
-                if fault is not None:
-                    self._fault(fault)
+                if fault is not None and not self._fault(fault):
                     return False
             self._delivered = changed  # its consumers are woken at the next round's wait
         return True
@@ -707,6 +715,8 @@ class WorkerPool(ClosedWhenCollected):
                 if not load.outstanding:
                     load.busy_since = time.monotonic()
                 load.outstanding[task.ticket] = task
+                if pinned:
+                    load.pinned.add(task.ticket)
                 self._backend.assign(load.index, task)
 
     def _held(self, worker: int) -> str:
@@ -717,10 +727,47 @@ class WorkerPool(ClosedWhenCollected):
             held.append(client.describe_task(task) if client is not None else f"a task of source {task.source_id}")
         return "; ".join(held) if held else "no samples"
 
-    def _fault(self, fault: Fault) -> None:
-        """Lock held: the backend found a fault: break the pool with its error."""
-        if self._state is PoolState.RUNNING:
-            self._break(fault(self._held))
+    def _fault(self, fault: Fault) -> bool:
+        """Lock held: the backend found a fault: a lost worker is replaced within
+        ``worker_restarts``, else the pool breaks with the fault's error. Whether it goes on."""
+        if self._state is not PoolState.RUNNING:
+            return False
+        if isinstance(fault, Lost) and self._replace(fault):
+            return True
+        error = fault(self._held)
+        if isinstance(fault, Lost) and self.spec.worker_restarts and hasattr(error, "add_note"):
+            error.add_note(f"(extsrc: the pool replaced {len(self.restarts)} lost worker(s) "
+                           f"before, worker_restarts={self.spec.worker_restarts})")
+        self._break(error)
+        return False
+
+    def _replace(self, lost: Lost) -> bool:
+        """Lock held, I/O thread: starts a worker in the place of a lost one, which gets its
+        tasks again (first in their queues, so the order of batches is kept); whether it did
+        (within ``worker_restarts``, every source able to redo a task elsewhere)."""
+        if len(self.restarts) >= self.spec.worker_restarts or not all(
+                client.redoable for client in (ref() for ref in self._clients) if client is not None):
+            return False
+        what = str(lost(self._held)).replace(" The remaining workers were shut down.", "")
+        replace = getattr(self._backend, "replace", None)  # a third party's backend may lack it
+        try:
+            if replace is None or not replace(lost.worker):
+                return False
+        except Exception as exc:
+            _log.warning("extsrc: %s; no worker could be started in its place: %r", what, exc)
+            return False
+        load = self._loads[lost.worker]
+        tasks = list(load.outstanding.values())
+        self._queue.extendleft(reversed([t for t in tasks if t.ticket not in load.pinned]))
+        self._pinned.setdefault(lost.worker, deque()).extendleft(
+            reversed([t for t in tasks if t.ticket in load.pinned]))
+        load.outstanding.clear()
+        load.pinned.clear()
+        load.busy_since = time.monotonic()
+        self.restarts.append(what)
+        _log.warning("extsrc: %s; a new worker took its place and its tasks (restart %d of "
+                     "worker_restarts=%d)", what, len(self.restarts), self.spec.worker_restarts)
+        return True
 
     def _break(self, error: BaseException) -> None:
         if self._state in (PoolState.BROKEN, PoolState.CLOSED):

@@ -13,12 +13,13 @@ from __future__ import annotations
 import os
 import select
 import threading
+import dataclasses
 from collections import deque
 from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from extsrc.engine import workers as worker_processes
 from extsrc.engine import policy
-from extsrc.engine.backend import Arrival, Fault, HeldBy, Received, Wakeable
+from extsrc.engine.backend import Arrival, Fault, HeldBy, Lost, Received, Wakeable
 from extsrc.engine.channel import OwnedFds
 from extsrc.engine.cuda_state import FORK_AFTER_CUDA, cuda_initialized
 from extsrc.engine.protocol import (
@@ -74,6 +75,11 @@ class ProcessBackend:
         self._sockets: Dict[int, WorkerHandle] = {}
         self._sentinels: Dict[int, WorkerHandle] = {}
         self._waker: Optional[Wakeable] = None
+        self._setups: List[WorkerSetup] = []  # how each worker was started, to start it again
+        self._run_main = True
+        # The live slots' descriptors (the sources' own, not duplicated): what a new worker
+        # in the place of a lost one is sent.
+        self._slots: Dict[Tuple[int, int], Tuple[int, Tuple[int, ...]]] = {}
 
     def start(self, sources: Tuple[SourceSetup, ...], waker: Wakeable) -> Optional[KeyboardInterrupt]:
         if self._workers:  # a start interrupted, and interrupted again while it was undone
@@ -103,6 +109,7 @@ class ProcessBackend:
             )
             for index in range(self.num_workers)
         ]
+        self._setups, self._run_main = setups, run_main
         held: Optional[KeyboardInterrupt] = None
         try:
             if method == "forkserver":
@@ -123,11 +130,40 @@ class ProcessBackend:
         self._poller = select.poll()
         self._poller.register(waker.fileno(), select.POLLIN)
         for worker in self._workers:
-            self._sockets[worker.channel.fileno()] = worker
-            self._sentinels[worker.sentinel] = worker
-            self._poller.register(worker.channel.fileno(), select.POLLIN)
-            self._poller.register(worker.sentinel, select.POLLIN)
+            self._watch(worker)
         return held
+
+    def _watch(self, worker: WorkerHandle) -> None:
+        assert self._poller is not None
+        self._sockets[worker.channel.fileno()] = worker
+        self._sentinels[worker.sentinel] = worker
+        self._poller.register(worker.channel.fileno(), select.POLLIN)
+        self._poller.register(worker.sentinel, select.POLLIN)
+
+    def replace(self, worker: int) -> bool:
+        if self._poller is None or not 0 <= worker < len(self._workers):
+            return False
+        if self.start_method == "fork" and cuda_initialized():
+            raise RuntimeError(FORK_AFTER_CUDA)
+        lost = self._workers[worker]
+        for fd in (lost.channel.fileno(), lost.sentinel):
+            self._poller.unregister(fd)
+        self._sockets.pop(lost.channel.fileno(), None)
+        self._sentinels.pop(lost.sentinel, None)
+        worker_processes.stop([lost], ask=False)  # reaped; its unsent messages dropped
+        # Started from the I/O thread, which may end before the process: a watchdog then.
+        setup = dataclasses.replace(self._setups[worker], die_with_parent=self.start_method == "forkserver")
+        context = worker_processes.context_for(self.start_method)
+        new = worker_processes.launch(context, setup, self._run_main)
+        self._workers[worker] = new
+        self._watch(new)
+        from extsrc.shm.segment import backend
+
+        kind = backend()
+        for (source_id, slot_id), (region_fd, overflow_fds) in self._slots.items():
+            new.outbox.append((AddSlot(source_id, slot_id, kind),
+                               OwnedFds((region_fd, overflow_fds[worker]))))
+        return True
 
     # -- slots and tasks (lock held) ----------------------------------------------------------
 
@@ -145,8 +181,10 @@ class ProcessBackend:
             raise
         for worker, fds in zip(self._workers, duplicates):
             worker.outbox.append((AddSlot(source_id, slot_id, kind), fds))
+        self._slots[(source_id, slot_id)] = (region_fd, tuple(overflow_fds))
 
     def drop_slot(self, source_id: int, slot_id: int) -> None:
+        self._slots.pop((source_id, slot_id), None)
         for worker in self._workers:
             worker.outbox.append((DropSlot(source_id, slot_id), None))
 
@@ -227,7 +265,7 @@ class ProcessBackend:
                 return setup_failed(message)
         return None
 
-    def _died(self, worker: WorkerHandle) -> Fault:
+    def _died(self, worker: WorkerHandle) -> Lost:
         how, hint = worker_processes.describe_exit(worker, self.start_method)
         code = worker.process.exitcode  # read by describe_exit() already
         killed_by = -code if code is not None and code < 0 else None
@@ -239,7 +277,7 @@ class ProcessBackend:
                 pid=worker.pid, signal=killed_by,
             )
 
-        return error
+        return Lost(worker.index, error)
 
     def poll_period(self) -> Optional[float]:
         return None

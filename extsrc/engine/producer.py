@@ -28,7 +28,7 @@ from extsrc.engine import policy
 from extsrc.engine.faults import FaultLedger, budget
 from extsrc.engine.assembly import PendingBatch, rebuild_exception
 from extsrc.engine.hooks import WorkerHooks
-from extsrc.engine.kinds import SAMPLE, STREAMS, Source, SourceKind
+from extsrc.engine.kinds import BATCH_CALLABLE, SAMPLE, STREAMS, Source, SourceKind
 from extsrc.engine.protocol import Result, SourceSetup, Task, TaskDone, TaskFailed
 from extsrc.engine.spec import AUTO_OUTPUTS, SourceSpec
 from extsrc.engine.stats import StatsCollector
@@ -63,6 +63,9 @@ class Producer:
                  name: Optional[str]):
         self.source = source
         self.kind = kind
+        # A task may run again in another worker (a lost worker's): not an iterable's, whose
+        # position lived in the lost worker.
+        self.redoable = kind in (SAMPLE, BATCH_CALLABLE)
         self.spec = spec
         self.pool = pool
         self.source_id = pool.attach(self)

@@ -180,6 +180,7 @@ class ParallelSource(ClosedWhenCollected):
         start_method: str = UNSET,
         pickler: PicklerSpec = UNSET,
         backend: str = UNSET,
+        worker_restarts: int = UNSET,
         pool: Optional[WorkerPool] = None,
         prefetch: Optional[int] = None,
         last_batch: str = "drop",
@@ -199,7 +200,7 @@ class ParallelSource(ClosedWhenCollected):
     ):
         pool, self._owns_pool = _own_or_shared_pool(pool, num_workers=num_workers,
                                                     start_method=start_method, pickler=pickler,
-                                                    backend=backend)
+                                                    backend=backend, worker_restarts=worker_restarts)
         self.spec = SourceSpec(
             batch_size, num_outputs=num_outputs, batch=batch, prefetch=prefetch,
             last_batch=last_batch, dtype=dtype, ndim=ndim, timeout=timeout,
@@ -529,7 +530,8 @@ class ParallelSource(ClosedWhenCollected):
             if reset:
                 collector.reset()
             ledger = self._producer.faults
-            return dataclasses.replace(snapshot, skipped=ledger.skipped, replaced=ledger.replaced)
+            return dataclasses.replace(snapshot, skipped=ledger.skipped, replaced=ledger.replaced,
+                                       worker_restarts=len(self._pool.restarts))
 
     def faults(self) -> List[SampleFault]:
         """The samples the callback failed on that ``on_error`` skipped or replaced, oldest

@@ -67,6 +67,13 @@ def positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def non_negative_int(name: str, value: Any) -> int:
+    """``value`` as an int >= 0, or ``ValueError`` naming ``name``."""
+    if not is_int(value) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return int(value)
+
+
 def optional_positive_int(name: str, value: Any) -> Optional[int]:
     return None if value is None else positive_int(name, value)
 
@@ -137,7 +144,8 @@ class PoolSpec:
     anywhere in the cluster, created with ``backend_options`` (the pool's
     ``ray_options``, checked by the Ray backend); ``start_method`` is then
     ``None``. ``pickler`` is a :class:`~extsrc.engine.pickling.Pickler` or what
-    its constructor takes.
+    its constructor takes. ``worker_restarts``: how many lost workers the pool
+    replaces over its life (their tasks redone) before a loss breaks it.
     """
 
     num_workers: int = 1
@@ -145,6 +153,7 @@ class PoolSpec:
     pickler: Pickler = UNSET  # or what Pickler() takes; made a Pickler here
     backend: str = "processes"
     backend_options: Optional[Dict[str, Any]] = None
+    worker_restarts: int = 0
 
     def __post_init__(self) -> None:
         from extsrc.engine.pickling import Pickler
@@ -153,6 +162,7 @@ class PoolSpec:
                                                        self.backend_options)
         _set(self, num_workers=positive_int("num_workers", self.num_workers),
              start_method=start_method, backend=backend, backend_options=options,
+             worker_restarts=non_negative_int("worker_restarts", self.worker_restarts),
              pickler=self.pickler if isinstance(self.pickler, Pickler) else Pickler(
                  None if self.pickler is UNSET else self.pickler))
 

@@ -104,6 +104,7 @@ class SourceStats:
     worker_runq_share: Optional[float] = None  # their time waiting for a CPU / their busy time
     skipped: int = 0  # samples the callback failed on and on_error="skip" left out, since start
     replaced: int = 0  # the same, replaced by on_error(info, error) (ParallelSource.faults())
+    worker_restarts: int = 0  # lost workers of its pool replaced since the start (pool.restarts)
 
     @property
     def waiting_share(self) -> Optional[float]:
@@ -295,6 +296,8 @@ class SourceStats:
                f"one, {self.waiting_share:.0%} waiting on I/O"),
             f"  shared memory: {format_bytes(self.shared_memory_bytes)}",
         ]
+        if self.worker_restarts:
+            lines.append(f"  workers lost and replaced: {self.worker_restarts} (pool.restarts says how)")
         if self.skipped or self.replaced:
             lines.append(f"  samples the callback failed on: {self.skipped} skipped, {self.replaced} "
                          "replaced since the start (source.faults() lists them)")

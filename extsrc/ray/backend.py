@@ -712,6 +712,10 @@ class RayBackend:
             return lambda held: RuntimeError(message)
         return None
 
+    def replace(self, worker: int) -> bool:
+        """A lost actor is not replaced (yet): the pool breaks."""
+        return False
+
     def describe_worker(self, worker: int) -> str:
         """Which actor, where it runs; for one not running yet, why it may not be."""
         ready = self._workers[worker].ready if worker < len(self._workers) else None

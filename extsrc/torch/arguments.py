@@ -58,6 +58,7 @@ class Loading:
     device: Any
     pickler: Any
     concurrency: int
+    worker_restarts: int
     unknown: InitVar[Dict[str, Any]]
     # Decided here: the loader's own order (None: a sampler's or an iterable's), the sampler
     # drawn here at each loop (None: the own order), whether the samples are collated in

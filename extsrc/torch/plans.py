@@ -92,6 +92,7 @@ class WorkerPlan:
         args = self.args
         return ParallelSource(
             callback, batch_size, num_workers=args.num_workers, start_method=args.start_method,
+            worker_restarts=args.worker_restarts,
             pickler=args.pickler, prefetch=(args.prefetch_factor or DEFAULT_PREFETCH_FACTOR) * args.num_workers,
             timeout=args.timeout or None, name=f"from_dataset({type(args.dataset).__name__}{name})",
             hooks=Hooks(worker_init=start, assign=round_robin if args.in_order else any_worker,
@@ -158,7 +159,8 @@ class Iterable:
 
     def loader(self) -> IterableLoader:
         args = self.args
-        pool = WorkerPool(args.num_workers, start_method=args.start_method, pickler=args.pickler)
+        pool = WorkerPool(args.num_workers, start_method=args.start_method, pickler=args.pickler,
+                          worker_restarts=args.worker_restarts)
         seeds = IndexTable() if isinstance(args.dataset, IterDataPipe) else None
         start = WorkerStart(args.dataset, args.base_seed, args.worker_init_fn)
         loaders: List[TorchLoader] = []

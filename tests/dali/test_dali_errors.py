@@ -194,3 +194,23 @@ def test_on_error_skip_hands_dali_the_batch_without_the_bad_sample():
 def test_on_error_needs_parallel():
     with pytest.raises(ValueError, match="`on_error`"):
         fn.external_source(lambda info: np.zeros(2), batch=False, on_error="skip")
+
+
+def test_py_worker_restarts_replaces_a_lost_worker_and_run_goes_on(tmp_path):
+    from sources import KillsItsWorker
+
+    (tmp_path / "kill-0").touch()
+
+    @pipeline_def(batch_size=4, py_num_workers=2, py_worker_restarts=1, **CPU)
+    def pipe():
+        return fn.external_source(KillsItsWorker(40, 13, str(tmp_path)), parallel=True, batch=False)
+
+    with pipe() as p:
+        got = [int(x) for _ in range(10) for x in np.array(p.run()[0].as_tensor())[:, 0]]
+        assert got == list(range(40))
+        assert not (tmp_path / "kill-0").exists()  # a worker did die
+
+
+def test_py_worker_restarts_is_checked():
+    with pytest.raises(ValueError, match="py_worker_restarts must be an int >= 0"):
+        extsrc.dali.Pipeline(batch_size=1, py_worker_restarts=-2, **CPU)

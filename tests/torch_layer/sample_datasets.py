@@ -170,3 +170,22 @@ class FailsAt(torch.utils.data.Dataset):
         if i == self.fails:
             raise ValueError(f"record {i} is damaged")
         return torch.tensor([i])
+
+
+class KillsOnce(torch.utils.data.Dataset):
+    """``Records(n, "dict")``, whose worker SIGKILLs itself at index ``at`` while the file
+    ``mark`` exists (removed first: the worker in its place goes on)."""
+
+    def __init__(self, n: int, at: int, mark: str):
+        self.records, self.at, self.mark = Records(n, "dict"), at, mark
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int):
+        if i == self.at and os.path.exists(self.mark):
+            import signal
+
+            os.unlink(self.mark)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.records[i]

@@ -1,0 +1,88 @@
+"""worker_restarts=: a worker that dies is replaced, its tasks redone; no batch is lost, repeated
+or reordered; past the budget the pool breaks with WorkerDiedError, as without restarts."""
+
+import logging
+
+import numpy as np
+import pytest
+
+from extsrc import ParallelSource, WorkerDiedError, WorkerPool
+
+from procs import live_children
+from sources import KillsItsWorker
+
+
+def _marks(tmp_path, count):
+    for k in range(count):
+        (tmp_path / f"kill-{k}").touch()
+    return str(tmp_path)
+
+
+def _records(source):
+    return [int(sample[0]) for batch in source for sample in batch]
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("in_order", [True, False])
+def test_a_worker_killed_mid_task_is_replaced_and_the_epoch_is_whole(tmp_path, caplog,
+                                                                     start_method, in_order):
+    pool = WorkerPool(2, start_method=start_method, worker_restarts=1)
+    with pool, ParallelSource(KillsItsWorker(400, 123, _marks(tmp_path, 1)), 8, pool=pool,
+                              in_order=in_order) as source:
+        with caplog.at_level(logging.WARNING, logger="extsrc"):
+            got = _records(source)
+        assert (got if in_order else sorted(got)) == list(range(400))
+        assert len(pool.restarts) == 1 and "SIGKILL" in pool.restarts[0]
+        assert "a new worker took its place" in caplog.text
+        assert source.stats().worker_restarts == 1
+        assert _records(source) == list(range(400)) or not in_order  # and the next epoch
+        assert len(source.worker_pids()) == 2
+
+
+def test_a_second_death_past_the_budget_raises_as_without_restarts(tmp_path):
+    pool = WorkerPool(2, worker_restarts=1)
+    with pool, ParallelSource(KillsItsWorker(64, 20, _marks(tmp_path, 2)), 8, pool=pool) as source:
+        with pytest.raises(WorkerDiedError, match="SIGKILL") as raised:
+            _records(source)
+        assert "replaced 1 lost worker" in "\n".join(getattr(raised.value, "__notes__", []))
+    assert live_children() == []
+
+
+def test_a_callback_that_kills_every_worker_ends_with_an_error():
+    pool = WorkerPool(2, worker_restarts=3)
+    with pool, ParallelSource(KillsItsWorker(64, 5), 8, pool=pool) as source:
+        with pytest.raises(WorkerDiedError):
+            _records(source)
+        assert len(pool.restarts) == 3
+    assert live_children() == []
+
+
+def test_the_workers_of_an_iterable_are_not_replaced():
+    def batches():
+        import os
+        import signal
+
+        yield np.zeros((2, 2))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    pool = WorkerPool(1, worker_restarts=2)
+    with pool, ParallelSource(batches, 2, batch=True, pool=pool) as source:
+        with pytest.raises(WorkerDiedError):
+            list(source)  # its position in the stream died with it: redoing would repeat
+        assert pool.restarts == []
+
+
+def test_worker_restarts_is_checked():
+    with pytest.raises(ValueError, match="worker_restarts must be an int >= 0"):
+        WorkerPool(2, worker_restarts=-1)
+    with pytest.raises(ValueError, match="worker_restarts must be an int >= 0"):
+        WorkerPool(2, worker_restarts=True)
+
+
+def test_a_source_that_owns_its_pool_takes_worker_restarts(tmp_path):
+    with ParallelSource(KillsItsWorker(96, 40, _marks(tmp_path, 1)), 8, num_workers=2,
+                        worker_restarts=1) as source:
+        assert _records(source) == list(range(96))
+        assert source.pool.restarts and source.stats().worker_restarts == 1
+    with pytest.raises(ValueError, match="worker_restarts come"):
+        ParallelSource(KillsItsWorker(8, 99), 4, pool=WorkerPool(1), worker_restarts=1)
