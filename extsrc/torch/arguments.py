@@ -59,6 +59,8 @@ class Loading:
     pickler: Any
     concurrency: int
     worker_restarts: int
+    on_error: Any  # "raise", "skip" or on_error(info, error) -> sample (extsrc.engine.faults)
+    max_errors: Any
     unknown: InitVar[Dict[str, Any]]
     # Decided here: the loader's own order (None: a sampler's or an iterable's), the sampler
     # drawn here at each loop (None: the own order), whether the samples are collated in
@@ -77,6 +79,17 @@ class Loading:
         self._check_combinations()
         self._check_values()
         self._translate()
+
+    def _check_per_sample(self, feature: str, sampled: bool) -> None:
+        """``feature`` works on the samples the workers load one by one: the default collation
+        of a map-style dataset in the loader's own order, with workers."""
+        if self.iterable or self.num_workers == 0:
+            raise ValueError(f"{feature} needs a map-style dataset loaded by workers (num_workers > 0); "
+                             f"got {'an IterableDataset' if self.iterable else 'num_workers=0'}")
+        if sampled or not self.default:
+            raise ValueError(f"{feature} needs the loader's own order and the default collation (no "
+                             "sampler, batch_sampler, generator= or collate_fn): with them a worker "
+                             "fetches and collates a batch in one call")
 
     @property
     def iterable(self) -> bool:
@@ -190,6 +203,8 @@ class Loading:
         if self.concurrency != 1 and not self.default and not self.iterable:
             raise ValueError(f"concurrency={self.concurrency} needs the default collation (collate_fn=None "
                              "and a batch_size): a collate_fn makes whole batches in one call, one at a time")
+        if self.on_error != "raise" or self.max_errors is not None:
+            self._check_per_sample(f"on_error={self.on_error!r}", sampled)
         order, size = self.order, self.batch_size
         if self.num_workers > 0 and order is not None and size is not None and self.drop_last and len(order) < size:
             raise EmptyEpochError(

@@ -26,7 +26,7 @@ def _from_dataset(
     multiprocessing_context: Any = None, prefetch_factor: Optional[int] = None, timeout: float = 0,
     persistent_workers: bool = False, in_order: bool = True, pin_memory: bool = False,
     device: Device = None, pickler: Any = None, concurrency: int = 1, worker_restarts: int = 0,
-    **dataloader_kwargs: Any,
+    on_error: Any = "raise", max_errors: Union[None, int, float] = None, **dataloader_kwargs: Any,
 ) -> Union[InProcessLoader, DatasetLoader, IterableLoader]:
     """A loader over ``dataset`` in place of ``torch.utils.data.DataLoader(dataset, ...)``: an
     :class:`InProcessLoader` (``num_workers=0``), a :class:`DatasetLoader` (map-style) or an
@@ -55,7 +55,11 @@ def _from_dataset(
     ``concurrency``: samples in flight per worker (``__getitem__`` on threads,
     or an ``async def getitem_async(index)`` awaited); ``worker_restarts``:
     how many lost workers are replaced, their batches redone, before a loss
-    raises (default 0: as DataLoader, a lost worker ends the loop).
+    raises (default 0: as DataLoader, a lost worker ends the loop);
+    ``on_error`` and ``max_errors`` (default collation, own order): a sample
+    whose ``__getitem__`` raises is skipped (its batch one shorter) or
+    replaced (see :class:`extsrc.ParallelSource`; ``loader.source.faults()``
+    lists them).
 
     The workers start at the first loop; ``close()`` (or ``with``) stops them.
     ``state_dict()``/``load_state_dict()`` resume a map-style dataset in the
@@ -69,7 +73,8 @@ def _from_dataset(
         generator=generator, worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
         prefetch_factor=prefetch_factor, timeout=timeout, persistent_workers=persistent_workers,
         in_order=in_order, pin_memory=pin_memory, device=device, pickler=pickler, concurrency=concurrency,
-        worker_restarts=worker_restarts, unknown=dataloader_kwargs)
+        worker_restarts=worker_restarts, on_error=on_error, max_errors=max_errors,
+        unknown=dataloader_kwargs)
     return plan_for(args).loader()
 
 

@@ -17,7 +17,7 @@ from extsrc.torch.loaders import DatasetLoader, InProcessLoader, IterableLoader
 from extsrc.torch.sampling import IndexTable, draw_batches
 from extsrc.torch.structure import Collation, unpack_whole
 from extsrc.torch.workers import (AsyncDatasetSamples, DatasetSamples, IndexedBatches, IterableBatches,
-                                  OrderBatches, WorkerStart, any_worker, round_robin)
+                                  OrderBatches, Replacement, WorkerStart, any_worker, round_robin)
 
 
 class Plan(Protocol):
@@ -111,9 +111,12 @@ class SharedMemory(WorkerPlan):
     def source(self, start: WorkerStart) -> ParallelSource:
         args = self.args
         assert args.batch_size is not None, "the default collation needs a batch_size"
-        samples = AsyncDatasetSamples if is_async(getattr(args.dataset, "getitem_async", None)) else DatasetSamples
-        return self._source(samples(args.dataset), args.batch_size, start, num_outputs=AUTO_OUTPUTS,
+        kind = AsyncDatasetSamples if is_async(getattr(args.dataset, "getitem_async", None)) else DatasetSamples
+        samples = kind(args.dataset)
+        on_error = Replacement(args.on_error, samples) if callable(args.on_error) else args.on_error
+        return self._source(samples, args.batch_size, start, num_outputs=AUTO_OUTPUTS,
                             order=args.order, concurrency=args.concurrency,
+                            on_error=on_error, max_errors=args.max_errors,
                             last_batch="drop" if args.drop_last else "partial")
 
 

@@ -107,9 +107,13 @@ class DatasetSamples:
         except Exception as exc:
             _note(exc, f"dataset[{record}]")
             raise
+        return self.shaped(sample, f"dataset[{record}]")
+
+    def shaped(self, sample: Any, where: str) -> Any:
+        """``sample`` as the engine takes it (its structure, then its arrays)."""
         if type(sample) is np.ndarray and sample.dtype.kind in _NUMERIC_KINDS:
             return self._single, sample  # the common case, first; the engine checks the rest
-        return self.flatten(sample, f"dataset[{record}]")
+        return self.flatten(sample, where)
 
 
 class AsyncDatasetSamples(DatasetSamples):
@@ -122,9 +126,19 @@ class AsyncDatasetSamples(DatasetSamples):
         except Exception as exc:
             _note(exc, f"dataset.getitem_async({record})")
             raise
-        if type(sample) is np.ndarray and sample.dtype.kind in _NUMERIC_KINDS:
-            return self._single, sample
-        return self.flatten(sample, f"dataset.getitem_async({record})")
+        return self.shaped(sample, f"dataset.getitem_async({record})")
+
+
+class Replacement:
+    """A user's ``on_error(info, error)`` whose sample, as ``dataset[i]`` gives one, is shaped
+    as the dataset's samples are (:meth:`DatasetSamples.shaped`); in the worker."""
+
+    def __init__(self, on_error: Callable[[Any, Exception], Any], samples: DatasetSamples):
+        self.on_error = on_error
+        self.samples = samples
+
+    def __call__(self, info: Any, error: Exception) -> Any:
+        return self.samples.shaped(self.on_error(info, error), f"on_error's sample for {info.record}")
 
 
 class OrderBatches:

@@ -189,3 +189,18 @@ class KillsOnce(torch.utils.data.Dataset):
             os.unlink(self.mark)
             os.kill(os.getpid(), signal.SIGKILL)
         return self.records[i]
+
+
+class BadImages(torch.utils.data.Dataset):
+    """``Records(n, "dict")`` whose ``__getitem__`` raises ``OSError`` for the indices in ``bad``."""
+
+    def __init__(self, n: int, bad):
+        self.records, self.bad = Records(n, "dict"), frozenset(bad)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int):
+        if i in self.bad:
+            raise OSError(f"cannot decode image {i}")
+        return self.records[i]
