@@ -39,7 +39,7 @@ import textwrap
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from benchmarks import images, transfer
+from benchmarks import images, soak, transfer
 from benchmarks.cells import run_cell
 from benchmarks.packages import installed, version
 from benchmarks.loaders import STARTUP_WORKERS, WORKERS
@@ -118,6 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", metavar="PATH", help="also write every figure, run by run, to PATH")
     images.add_arguments(parser)
     transfer.add_arguments(parser)
+    soak.add_arguments(parser)
     return parser
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -133,6 +134,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    else "--repeat must be >= 1, --seconds > 0 and --warmup >= 0")
         print(f"extsrc bench: {problem}", file=sys.stderr)
         return 2
+    if args.soak is not None:
+        return soak.run(args)
     if args.images:
         return images.run(args, seconds, warmup_s, repeat)
     if args.h2d:

@@ -1,0 +1,270 @@
+"""``python -m extsrc bench --soak MINUTES``: memory over a long run, extsrc beside DALI's own.
+
+A job that runs for days must keep its memory flat. Each loader runs the same workload at the
+same time, in a process of its own, for MINUTES: sample sizes that change every epoch (4 KiB to
+4 MiB, ragged within a batch), a consumer that holds its last ``HELD`` batches and spends
+``STEP_S`` per batch (a training step), and a bad record now and then. Every ``--soak-every``
+seconds each process writes what the consumer and each worker hold (the kernel's ``VmRSS``,
+split into private memory and shared memory, ``RssShmem``); "shared" is the consumer's shared
+memory, which maps every batch it reads (the workers map the same pages, counted once). After the warm-up (the first
+``WARMUP_SHARE`` of the run) a least-squares line through each trace gives its slope in MiB per
+hour; the table prints the slopes and peaks side by side, and ``--plot PATH`` draws the traces.
+
+extsrc: ``ParallelSource(on_error="skip")``, the batches held as they come (zero-copy). DALI:
+its ``fn.external_source(parallel=True)`` in a CPU pipeline with the same callback, whose bad
+records return an empty sample instead (DALI has no skip), the outputs held as copies (DALI
+reuses its buffers). Targets (issue "memory flat for days"): slope under 1 MiB/hour per process
+and for shared memory, no higher peak than DALI's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+BATCH, WORKERS, HELD = 8, 2, 4
+STEP_S = 0.004  # the consumer's work per batch (sleep): a training step, and a light machine load
+EPOCH_SAMPLES = 256
+SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)  # the epoch's sample size, drawn per epoch
+BAD_EVERY = 97  # record 97, 194, ... of each epoch fails
+WARMUP_SHARE = 0.2
+TARGET_MIB_PER_HOUR = 1.0
+LOADERS = ("extsrc", "dali")
+CHILD_GRACE_S = 120  # beyond the run: start-up, and the last batch
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--soak`` options of ``python -m extsrc bench``."""
+    parser.add_argument("--soak", type=float, metavar="MINUTES", default=None,
+                        help="run the soak test for MINUTES (memory traces and slopes, extsrc beside "
+                             "DALI's parallel external source) instead of the throughput tables")
+    parser.add_argument("--soak-every", type=float, metavar="SECONDS", default=5.0,
+                        help="seconds between memory readings of the soak test (default: 5)")
+    parser.add_argument("--soak-loaders", default=",".join(LOADERS),
+                        help=f"the loaders of the soak test (default: {','.join(LOADERS)})")
+
+
+def sample(info: Any) -> np.ndarray:
+    """The soak workload's callback: an epoch-sized ragged sample; every BAD_EVERY-th record
+    fails (``OSError``), as a corrupt file would."""
+    if info.idx_in_epoch >= EPOCH_SAMPLES:
+        raise StopIteration
+    if info.idx_in_epoch and info.idx_in_epoch % BAD_EVERY == 0:
+        raise OSError(f"record {info.idx_in_epoch} is corrupt")
+    size = SIZES[(info.epoch_idx * 7919) % len(SIZES)] - 64 * info.idx_in_batch
+    return np.full(max(size, 1), info.idx_in_epoch & 0xFF, np.uint8)
+
+
+def sample_or_empty(info: Any) -> np.ndarray:
+    """:func:`sample` as a DALI user writes it: a failing record gives an empty sample."""
+    try:
+        return sample(info)
+    except OSError:
+        return np.zeros(0, np.uint8)
+
+
+def _memory(pid: int) -> Tuple[int, int]:
+    """``(private, shared)`` resident bytes of ``pid`` (0, 0 once it is gone)."""
+    fields: Dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                key, _, value = line.partition(":")
+                if key in ("RssAnon", "RssFile", "RssShmem"):
+                    fields[key] = int(value.split()[0]) * 1024
+    except OSError:
+        return 0, 0
+    return fields.get("RssAnon", 0) + fields.get("RssFile", 0), fields.get("RssShmem", 0)
+
+
+def _children(pid: int) -> List[int]:
+    found: List[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(p) for p in f.read().split()]
+    except OSError:
+        pass
+    return found
+
+
+def _reading(start: float, batches: int) -> Dict[str, Any]:
+    me = os.getpid()
+    private, shared = _memory(me)
+    workers = [_memory(pid) for pid in _children(me)]
+    return {"t": time.monotonic() - start, "batches": batches, "consumer": private,
+            "consumer_shm": shared, "workers": [w[0] for w in workers],
+            "workers_shm": sum(w[1] for w in workers)}
+
+
+def _extsrc_batches() -> Any:
+    import extsrc
+    from benchmarks.soak import sample as callback  # by its module, not __main__
+
+    source = extsrc.ParallelSource(callback, BATCH, num_workers=WORKERS, on_error="skip",
+                                   last_batch="partial", batches_held=HELD)
+    while True:
+        for batch in source:
+            yield batch
+
+
+def _dali_batches() -> Any:
+    from nvidia.dali import fn, pipeline_def
+
+    from benchmarks.soak import sample_or_empty as callback  # by its module, not __main__
+
+    @pipeline_def(batch_size=BATCH, num_threads=1, device_id=None, py_num_workers=WORKERS,
+                  py_start_method="fork")
+    def pipe() -> Any:
+        return fn.external_source(callback, batch=False, parallel=True)
+
+    dali = pipe()
+    dali.build()
+    while True:
+        try:
+            (out,) = dali.run()
+        except StopIteration:
+            dali.reset()
+            continue
+        yield [np.array(out[k]) for k in range(len(out))]  # DALI reuses its buffers: copies
+
+
+def child(loader: str, seconds: float, every: float, path: str) -> None:
+    """Runs one loader for ``seconds``, writing a JSON reading to ``path`` every ``every`` s."""
+    batches = _extsrc_batches() if loader == "extsrc" else _dali_batches()
+    held: collections.deque = collections.deque(maxlen=HELD)
+    start = time.monotonic()
+    next_reading, count = start, 0
+    with open(path, "w") as out:
+        for batch in batches:
+            held.append(batch)
+            count += 1
+            time.sleep(STEP_S)
+            now = time.monotonic()
+            if now >= next_reading:
+                out.write(json.dumps(_reading(start, count)) + "\n")
+                out.flush()
+                next_reading += every
+            if now - start >= seconds:
+                break
+        out.write(json.dumps(_reading(start, count)) + "\n")
+    os._exit(0)  # the parent ends the session: DALI's workers outlive their parent
+
+
+def slope_mib_per_hour(times: List[float], values: List[float]) -> Optional[float]:
+    """The least-squares slope of ``values`` (bytes) over ``times`` (s), in MiB per hour."""
+    if len(times) < 3 or max(times) - min(times) <= 0:
+        return None
+    return float(np.polyfit(np.array(times), np.array(values, dtype=float), 1)[0]) * 3600 / (1 << 20)
+
+
+def summary(readings: List[Dict[str, Any]], minutes: float) -> Dict[str, Any]:
+    """Slopes after the warm-up and peaks of one loader's readings."""
+    after = [r for r in readings if r["t"] >= WARMUP_SHARE * minutes * 60]
+    times = [r["t"] for r in after]
+    traces = {"consumer": [r["consumer"] for r in after], "shared": [r["consumer_shm"] for r in after]}
+    width = max((len(r["workers"]) for r in after), default=0)
+    for k in range(width):
+        traces[f"worker {k}"] = [r["workers"][k] if k < len(r["workers"]) else 0 for r in after]
+    return {"slopes": {name: slope_mib_per_hour(times, values) for name, values in traces.items()},
+            "peaks": {name: max(values, default=0) for name, values in traces.items()},
+            "batches": readings[-1]["batches"] if readings else 0}
+
+
+def run(args: argparse.Namespace) -> int:
+    """``--soak MINUTES``: the loaders side by side; the table; 1 when a loader failed."""
+    minutes = float(args.soak)
+    loaders = [name.strip() for name in args.soak_loaders.split(",") if name.strip()]
+    if minutes <= 0 or not loaders or any(name not in LOADERS for name in loaders):
+        print(f"extsrc bench: --soak needs MINUTES > 0 and loaders among {LOADERS}", file=sys.stderr)
+        return 2
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__))]
+                                                        + sys.path)}
+    folder = tempfile.mkdtemp(prefix="extsrc-soak-")
+    runs = {name: subprocess.Popen([sys.executable, "-m", "benchmarks.soak", name, str(minutes * 60),
+                                    str(args.soak_every), os.path.join(folder, name)],
+                                   env=env, start_new_session=True)
+            for name in loaders}
+    results: Dict[str, Dict[str, Any]] = {}
+    failed = False
+    for name, process in runs.items():
+        try:
+            process.wait(timeout=minutes * 60 + CHILD_GRACE_S)
+        except subprocess.TimeoutExpired:
+            failed = True
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # the loader's workers, whoever they are
+        except ProcessLookupError:
+            pass
+        process.wait()
+        with open(os.path.join(folder, name)) as f:
+            readings = [json.loads(line) for line in f if line.startswith("{")]
+        failed |= process.returncode not in (0, -signal.SIGKILL) or not readings
+        results[name] = {"readings": readings, **summary(readings, minutes)}
+    shutil.rmtree(folder, ignore_errors=True)
+    _print(results, minutes)
+    if getattr(args, "json", None):
+        with open(args.json, "w") as f:
+            json.dump(results, f)
+    if getattr(args, "plot", None):
+        _plot(args.plot, results, minutes)
+    return 1 if failed else 0
+
+
+def _print(results: Dict[str, Dict[str, Any]], minutes: float) -> None:
+    print(f"soak: {minutes:g} min, batch {BATCH}, {WORKERS} workers, {HELD} batches held, "
+          f"sizes {[s >> 10 for s in SIZES]} KiB by epoch, every {BAD_EVERY}th record bad; "
+          f"slopes after the first {WARMUP_SHARE:.0%} (target < {TARGET_MIB_PER_HOUR:g} MiB/hour)")
+    names = sorted({trace for r in results.values() for trace in r["slopes"]})
+    print(f"{'trace':<12}" + "".join(f"{n + ' MiB/h':>16}{n + ' peak MiB':>18}" for n in results))
+    for trace in names:
+        row = f"{trace:<12}"
+        for r in results.values():
+            slope, peak = r["slopes"].get(trace), r["peaks"].get(trace, 0)
+            row += f"{'n/a' if slope is None else f'{slope:+.2f}':>16}{peak / (1 << 20):>18.1f}"
+        print(row)
+    print("batches: " + ", ".join(f"{n} {r['batches']}" for n, r in results.items()))
+    if "extsrc" in results and "dali" in results:
+        ours, theirs = results["extsrc"]["peaks"], results["dali"]["peaks"]
+        for trace in ("consumer", "shared"):
+            if theirs.get(trace):
+                print(f"peak {trace}: extsrc / DALI = {ours.get(trace, 0) / theirs[trace]:.2f}")
+
+
+def _plot(path: str, results: Dict[str, Dict[str, Any]], minutes: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, (name, r) in zip(axes[0], results.items()):
+        times = [x["t"] / 60 for x in r["readings"]]
+        ax.plot(times, [x["consumer"] / (1 << 20) for x in r["readings"]], label="consumer")
+        ax.plot(times, [x["consumer_shm"] / (1 << 20) for x in r["readings"]], label="shared")
+        width = max((len(x["workers"]) for x in r["readings"]), default=0)
+        for k in range(width):
+            ax.plot(times, [x["workers"][k] / (1 << 20) if k < len(x["workers"]) else 0
+                            for x in r["readings"]], label=f"worker {k}")
+        ax.axvline(WARMUP_SHARE * minutes, color="#aaa", linestyle=":")
+        ax.set_title(name)
+        ax.set_xlabel("minutes")
+        ax.set_ylabel("MiB resident")
+        ax.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+if __name__ == "__main__":
+    child(sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4])
