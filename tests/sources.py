@@ -276,3 +276,34 @@ class KillsItsWorker:
                     os.unlink(left[0])
                 os.kill(os.getpid(), signal.SIGKILL)
         return np.full(2, info.idx_in_epoch, np.int64)
+
+
+async def async_until_16(info):
+    """An ``async def`` source of 16 records (its StopIteration ends the epoch)."""
+    if info.idx_in_epoch >= 16:
+        raise StopIteration
+    return np.full(2, info.idx_in_epoch, np.int64)
+
+
+class RaggedKillsAt:
+    """Records ``0..n-1``, sample ``r`` of ``1 + r % 5`` values ``r`` (ragged: written to the
+    workers' overflow); the worker SIGKILLs itself at record ``at`` while a ``kill-*`` file is
+    left in ``marks`` (one removed per kill)."""
+
+    def __init__(self, n: int, at: int, marks: str):
+        self.n, self.at, self.marks = n, at, marks
+
+    def __call__(self, info):
+        import glob
+        import signal
+
+        record = info.idx_in_epoch
+        if record >= self.n:
+            raise StopIteration
+        time.sleep(0.01)
+        if record == self.at:
+            left = glob.glob(os.path.join(self.marks, "kill-*"))
+            if left:
+                os.unlink(left[0])
+                os.kill(os.getpid(), signal.SIGKILL)
+        return np.full(1 + record % 5, record, np.int64)

@@ -1,6 +1,8 @@
 """on_error= and max_errors=: a sample the callback fails on is skipped or replaced, counted and
 listed, and the epoch goes on; past the budget the source raises with the list."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -175,3 +177,83 @@ def test_wrong_on_error_arguments_say_what_is_wrong(kwargs, message):
 def test_an_iterable_cannot_replace_its_batches():
     with pytest.raises(ValueError, match="needs a callable source"):
         ParallelSource([np.zeros((2, 2))], 2, batch=True, num_workers=1, on_error=minus_record)
+
+
+def test_an_async_sources_stop_iteration_still_ends_the_epoch():
+    # In a coroutine StopIteration becomes a RuntimeError: it was taken for a failed sample
+    # (replaced or skipped for ever after the epoch's end).
+    from sources import async_until_16
+
+    for on_error in ("skip", minus_record):
+        with ParallelSource(async_until_16, 8, num_workers=2, on_error=on_error) as source:
+            assert _records(source) == list(range(16)) and source.faults() == []
+
+
+def test_skip_never_takes_extsrcs_own_errors_for_bad_data():
+    def in_place(info, buffers):
+        if info.idx_in_epoch >= 8:
+            raise StopIteration
+        out = buffers.array((2,), np.uint8 if info.idx_in_epoch % 2 else np.float32)
+        out[...] = info.idx_in_epoch
+        return out
+
+    with ParallelSource(in_place, 4, num_workers=1, in_place=True, dtype=np.float32,
+                        on_error="skip") as source:
+        with pytest.raises(extsrc.SampleError, match="expected dtype float32"):
+            next(iter(source))
+        assert source.faults() == []
+
+
+def _first_task_skipped_late(info):
+    """FailsOn(64, (0, 1, 17), outputs=2) whose records 0 and 1 fail late: another task tells
+    the number of outputs first, then a task whose every sample was skipped answers."""
+    if info.idx_in_epoch < 2:
+        time.sleep(0.2)
+    return FailsOn(64, (0, 1, 17), outputs=2)(info)
+
+
+def test_a_task_skipped_whole_before_the_outputs_are_known_is_no_error():
+    with ParallelSource(_first_task_skipped_late, 8, num_outputs="auto", num_workers=2, prefetch=1,
+                        on_error="skip") as source:
+        firsts = [int(s[0]) for images, _ in source for s in images]
+        assert firsts == [r for r in range(64) if r not in (0, 1, 17)]
+
+
+def _slow_first_batch(info):
+    """FailsOn(64, (9, 17, 25)) whose record 0 takes a second in epoch 0: with in_order=False
+    batches 1 and 2 (one bad record each) are handed out before batch 0."""
+    if info.idx_in_epoch == 0 and info.epoch_idx == 0:
+        time.sleep(1.0)
+    return FailsOn(64, (9, 17, 25))(info)
+
+
+def test_a_state_saved_out_of_order_keeps_the_epochs_fault_count():
+    options = dict(num_workers=2, on_error="skip", max_errors=2, in_order=False)
+    with ParallelSource(_slow_first_batch, 8, **options) as source:
+        epoch = iter(source)
+        assert sorted(int(next(epoch)[0][0]) // 8 for _ in range(2)) == [1, 2]
+        state = source.get_state()
+    assert (state["iteration"], state["handed_out"], state["faults"]) == (0, [1, 2], 2)
+    with ParallelSource(_slow_first_batch, 8, **options) as resumed:
+        resumed.set_state(state)
+        with pytest.raises(TooManyErrorsError):  # record 25: the third of the epoch
+            list(resumed)
+
+
+def test_overflow_of_a_batch_ended_before_a_failure_is_kept_while_read():
+    # The epoch ends at record 4 (StopIteration) and the worker past it fails (IndexError):
+    # the batch is handed out, and its samples in the failed task's worker's overflow must not
+    # have been given back (they read as zeros).
+    def ends_then_fails(info):
+        record = info.idx_in_epoch
+        if record == 4:
+            raise StopIteration
+        if record > 4:
+            raise IndexError(f"no record {record}")
+        time.sleep(0.05)
+        return np.full(((3 << 20) if record in (2, 3) else 1000 + record) // 8, record + 1, np.int64)
+
+    with ParallelSource(ends_then_fails, 8, num_workers=2, prefetch=1, last_batch="partial") as source:
+        (batch,) = list(source)
+        assert [int((np.asarray(s) == 0).sum()) for s in batch] == [0, 0, 0, 0]
+        assert [int(s[0]) for s in batch] == [1, 2, 3, 4]

@@ -29,7 +29,7 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from extsrc.checks import is_int
-from extsrc.errors import TooManyErrorsError
+from extsrc.errors import ExtsrcError, TooManyErrorsError
 from extsrc.sample_info import BatchInfo, SampleInfo
 
 # on_error(info, error) -> the sample (or, in batch mode, the batch) to use instead
@@ -115,20 +115,30 @@ def guarded(callback: Callable[..., Any], on_error: OnError, faults: List[Sample
         async def call_async(info: Any, *rest: Any) -> Any:
             try:
                 return await callback(info, *rest)
-            except StopIteration:
+            except (StopIteration, ExtsrcError):
                 raise
             except Exception as exc:
+                if _ends_epoch(exc):
+                    raise
                 return handle(info, exc)
         return functools.wraps(callback)(call_async)
 
     def call(info: Any, *rest: Any) -> Any:
         try:
             return callback(info, *rest)
-        except StopIteration:
+        except (StopIteration, ExtsrcError):  # the epoch's end; extsrc's own (checks, memory)
             raise
         except Exception as exc:
+            if _ends_epoch(exc):
+                raise
             return handle(info, exc)
     return call
+
+
+def _ends_epoch(exc: Exception) -> bool:
+    """Whether ``exc`` is a coroutine's ``StopIteration`` (Python turns it into this
+    ``RuntimeError``): the end of the epoch, as in a plain callback."""
+    return isinstance(exc, RuntimeError) and isinstance(exc.__cause__, StopIteration)
 
 
 def fault_of(info: Union[SampleInfo, BatchInfo], exc: BaseException, replaced: bool) -> SampleFault:

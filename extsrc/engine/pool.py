@@ -504,6 +504,7 @@ class WorkerPool(ClosedWhenCollected):
             for task in taken:
                 for load in self._loads:
                     load.outstanding.pop(task.ticket, None)
+                    load.pinned.discard(task.ticket)
             removed += taken
         return removed
 
@@ -654,6 +655,8 @@ class WorkerPool(ClosedWhenCollected):
         loads = self._loads
         load = loads[arrival.worker] if 0 <= arrival.worker < len(loads) else None
         task = None if load is None else load.outstanding.pop(arrival.ticket, None)
+        if load is not None:
+            load.pinned.discard(arrival.ticket)
         if load is None or task is None or task.source_id != arrival.source_id:
             self._break(InternalError(
                 f"the {self.backend!r} backend answered ticket {arrival.ticket} of source "

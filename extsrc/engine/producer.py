@@ -387,6 +387,8 @@ class Producer:
         """num_outputs="auto": learns the number of outputs from the first results; results
         of another number (another worker's samples) become the batch's error."""
         outputs = len(message.spilled)
+        if not outputs and message.faults:
+            return message  # every sample skipped before its outputs were known: nothing written
         if self.layout.num_outputs == 0:
             self.layout.widen(outputs)
             return message

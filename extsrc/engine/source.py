@@ -456,7 +456,7 @@ class ParallelSource(ClosedWhenCollected):
             self._taker.supersede("set_state()")
             self._producer.request(None)
             self._next_epoch, self._resume_iteration, self._resume_skip = epoch_idx, iteration, skip
-            self._resume_faults = _parse_count(state, "faults") if iteration else 0
+            self._resume_faults = _parse_count(state, "faults") if iteration or skip else 0
 
     def _check_state(self, state: Dict[str, Any], iteration: int) -> int:
         """The iteration of this source at which ``state`` resumes exactly; raises

@@ -317,7 +317,8 @@ class SlotPool:
         wrote them. Not once the memory is watched (see :attr:`watched`)."""
         writers = set()
         for worker, nbytes in use.items():
-            if nbytes is None:
+            if nbytes is None:  # its earlier samples may be the batch's (ended before the failure)
+                writers.add(worker)
                 slot.overflow_bound[worker] = _UNKNOWN
             elif nbytes:
                 writers.add(worker)

@@ -65,9 +65,13 @@ class OverflowArea:
         # Tasks of one batch share the area; a new batch in this slot starts over (the
         # parent reuses a slot only once the consumer let go of its previous batch).
         if batch_seq != self.batch_seq:
+            # This process's first batch here: a lost worker of this index may have written
+            # samples of a batch still being filled (the same batch, its other tasks) at the
+            # segment's start; they stay, and this batch's go after them.
+            fresh = self.batch_seq < 0
+            self.cursor = align(self.segment.allocated) if fresh else 0
             self.batch_seq = batch_seq
-            self.cursor = 0
-            self.recount = self.reserved > 0
+            self.recount = fresh or self.reserved > 0
 
     def _recount(self) -> None:
         # The consumer may have given back part of this area since the last batch (see
