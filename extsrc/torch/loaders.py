@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Protocol
 
 import torch
 
@@ -19,8 +19,20 @@ from extsrc.torch.structure import Collation, Flattener
 from extsrc.torch.tensors import map_tensors
 from extsrc.torch.workers import OrderBatches, WorkerStart, fetch, grouped
 
-if TYPE_CHECKING:
-    from extsrc.torch.plans import WorkerPlan
+
+
+class Plan(Protocol):
+    """What a :class:`DatasetLoader` asks of its plan (:mod:`extsrc.torch.plans`, which imports
+    this module): loaders of new workers, a loop's preparation, and what it can do."""
+
+    renewable: bool  # each loop may run on new workers
+    resumable: bool  # state_dict() / load_state_dict() work
+
+    def torch_loader(self, start: WorkerStart) -> TorchLoader: ...
+
+    def begin(self, epoch_idx: int) -> Optional[int]: ...
+
+    def close(self) -> None: ...
 
 # Errors after which the workers are gone or the loop was ended: the loop ends. Any other
 # (from the dataset or collate_fn, a sample that cannot be collated) fails its batch alone.
@@ -184,7 +196,7 @@ class DatasetLoader(_Attributes):
     attributes (``sampler`` and ``batch_sampler`` describe the order as a DataLoader's would).
     Without persistent workers, each loop after the first runs on new workers."""
 
-    def __init__(self, plan: "WorkerPlan", args: Loading):
+    def __init__(self, plan: Plan, args: Loading):
         self._plan = plan
         self._loader = plan.torch_loader(WorkerStart(args.dataset, args.base_seed, args.worker_init_fn))
         self._renews = not args.persistent_workers and plan.renewable
