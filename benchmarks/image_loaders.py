@@ -18,7 +18,12 @@ random resized crop to 224, horizontal flip with probability 1/2, normalise
   opens each file with PIL and applies torchvision's transforms (or, where
   torchvision cannot be imported, the same operations in PIL and NumPy);
 * ``extsrc``: ``extsrc.ParallelSource`` whose callback decodes with PIL and
-  augments with PIL and NumPy.
+  augments with PIL and NumPy;
+* ``extsrc-ndd`` / ``ndd-in-process``: DALI's dynamic mode, the same
+  operators called eagerly on each batch (``num_threads`` DALI threads); the
+  file bytes come from ``extsrc.dynamic``'s parallel ``ExternalSource``
+  (``workers`` processes) or from DALI's own ``ndd.ExternalSource``, which
+  reads them in the consumer's thread.
 
 PyTorch, torchvision and DALI are imported here only, inside the cells'
 processes. Every opener returns ``(take, labels, close)``: ``take()`` the
@@ -36,10 +41,12 @@ import numpy as np
 from benchmarks import augment
 from benchmarks.imageset import ImageSet, load
 
-EXTSRC_DALI, DALI_SOURCE, DALI_READER, TORCH, EXTSRC = (
-    "extsrc-dali", "dali-external-source", "dali-file-reader", "torch", "extsrc")
-LOADERS = (EXTSRC_DALI, DALI_SOURCE, DALI_READER, TORCH, EXTSRC)
-DALI_LOADERS = (EXTSRC_DALI, DALI_SOURCE, DALI_READER)
+EXTSRC_DALI, DALI_SOURCE, DALI_READER, TORCH, EXTSRC, EXTSRC_NDD, NDD = (
+    "extsrc-dali", "dali-external-source", "dali-file-reader", "torch", "extsrc", "extsrc-ndd",
+    "ndd-in-process")
+LOADERS = (EXTSRC_DALI, DALI_SOURCE, DALI_READER, TORCH, EXTSRC, EXTSRC_NDD, NDD)
+DALI_LOADERS = (EXTSRC_DALI, DALI_SOURCE, DALI_READER, EXTSRC_NDD, NDD)
+NDD_LOADERS = (EXTSRC_NDD, NDD)
 TRANSFORMS = ("torchvision", "numpy")  # what the torch loader augments with
 DEVICES = ("cpu", "mixed")  # where DALI decodes ("mixed": on the GPU, with device_id 0)
 # How the DALI pipelines crop: "crop" decodes only the random window (fn.decoders.image_random_crop,
@@ -169,6 +176,62 @@ def _open_dali(spec: ImageCellSpec, images: ImageSet) -> Opened:
     return take, labels, close
 
 
+class _Position:
+    """The one field of ``SampleInfo`` that ``JpegBytes`` reads, for the in-process source."""
+
+    def __init__(self, idx_in_epoch: int):
+        self.idx_in_epoch = idx_in_epoch
+
+
+def _ndd_source(spec: ImageCellSpec, images: ImageSet) -> Tuple[Any, Any]:
+    """``(ndd, source)``: the dynamic-mode module and a source of (JPEG bytes, labels) batches."""
+    if spec.loader == EXTSRC_NDD:
+        import extsrc.dynamic as ndd
+
+        source = ndd.ExternalSource(JpegBytes(images), 2, parallel=True, batch_size=spec.batch_size,
+                                    num_workers=spec.workers, start_method="fork")
+        source.start()  # fork the workers before anything can initialise CUDA
+        return ndd, source
+    import nvidia.dali.experimental.dynamic as ndd
+
+    reader, batch = JpegBytes(images), [0]
+
+    def next_batch():
+        start, batch[0] = batch[0] * spec.batch_size, batch[0] + 1
+        samples = [reader(_Position(start + k)) for k in range(spec.batch_size)]
+        return ndd.batch([s[0] for s in samples]), ndd.batch([s[1] for s in samples])
+
+    return ndd, ndd.ExternalSource(next_batch, 2)
+
+
+def _open_ndd(spec: ImageCellSpec, images: ImageSet) -> Opened:
+    """The DALI pipeline's operators in dynamic mode, called on each batch of the source."""
+    from nvidia.dali.types import DALIImageType
+
+    ndd, source = _ndd_source(spec, images)
+    ndd.set_num_threads(spec.workers)
+    device = "gpu" if spec.device == "mixed" else "cpu"
+    area, ratio = list(augment.SCALE), list(augment.RATIO)
+    mean, std = [255 * m for m in augment.MEAN], [255 * s for s in augment.STD]
+
+    def take():
+        jpegs, labels = source()
+        window = ndd.decoders.image_random_crop(jpegs, device=device, output_type=DALIImageType.RGB,
+                                                random_area=area, random_aspect_ratio=ratio)
+        cropped = ndd.resize(window, size=(augment.SIZE, augment.SIZE))
+        mirror = ndd.random.coin_flip(probability=0.5, batch_size=spec.batch_size, dtype=ndd.int32)
+        images_out = ndd.crop_mirror_normalize(cropped, mirror=mirror, dtype=ndd.float32,
+                                               output_layout="CHW", mean=mean, std=std)
+        return images_out.evaluate(), labels
+
+    def labels(output) -> List[int]:
+        images_out, labels_out = output
+        _check_shape(spec, tuple(np.asarray(ndd.as_tensor(images_out.cpu())).shape))
+        return [int(np.asarray(labels_out.select(k)).reshape(-1)[0]) for k in range(labels_out.batch_size)]
+
+    return take, labels, getattr(source, "close", lambda: None)
+
+
 def _check_shape(spec: ImageCellSpec, shape: Tuple[int, ...]) -> None:
     expected = (spec.batch_size, 3, augment.SIZE, augment.SIZE)
     if shape != expected:
@@ -242,6 +305,8 @@ def _open_extsrc(spec: ImageCellSpec, images: ImageSet) -> Opened:
 
 def open_image_loader(spec: ImageCellSpec, images: ImageSet) -> Opened:
     """Opens ``spec.loader`` on ``images``; see the module docstring."""
+    if spec.loader in NDD_LOADERS:
+        return _open_ndd(spec, images)
     if spec.loader in DALI_LOADERS:
         return _open_dali(spec, images)
     if spec.loader == TORCH:

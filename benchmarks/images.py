@@ -11,11 +11,16 @@ worker processes and decoding threads:
 2. DALI's own parallel external source, the same pipeline code;
 3. DALI's C++ ``fn.readers.file`` with the same operators;
 4. PyTorch's DataLoader, PIL and torchvision's transforms;
-5. ``extsrc.ParallelSource`` decoding with PIL in the callback.
+5. ``extsrc.ParallelSource`` decoding with PIL in the callback;
+6. DALI's dynamic mode, the same operators called eagerly on the batches of
+   ``extsrc.dynamic``'s parallel ``ExternalSource``;
+7. the same with DALI's own ``ndd.ExternalSource`` (in the consumer's thread).
 
 The figures compare the drop-in with each (targets: at least even with DALI's
 parallel external source, >= 1.3x the DataLoader, >= 0.9x ``fn.readers.file``)
-and the engine with the DataLoader (both decode with PIL). Every cell runs in
+and the engine with the DataLoader (both decode with PIL); in dynamic mode,
+the parallel source with the in-process one (target >= 1.8x) and with the
+drop-in (>= 0.9x). Every cell runs in
 a fresh process, the loaders take turns in each repeat, and figures are
 medians over repeats; all files are read once first, so every loader reads
 from the page cache.
@@ -40,7 +45,7 @@ from benchmarks.augment import SIZE
 from benchmarks.cells import run_cell
 from benchmarks.packages import installed, version
 from benchmarks.image_loaders import (
-    DALI_LOADERS, DALI_READER, DALI_SOURCE, DECODES, DEVICES, EXTSRC, EXTSRC_DALI, TORCH,
+    DALI_LOADERS, DALI_READER, DALI_SOURCE, DECODES, DEVICES, EXTSRC, EXTSRC_DALI, EXTSRC_NDD, NDD, TORCH,
 )
 from benchmarks.tables import QUIET_OTHER_CPU
 
@@ -48,6 +53,7 @@ DEFAULT_WORKERS = 2
 DEFAULT_BATCH = 32
 PROBE_TIMEOUT_S = 120.0  # importing torchvision (and torch with it) in a fresh interpreter
 REFERENCE = EXTSRC_DALI  # the column every ratio is taken against
+NDD_OVER_IN_PROCESS, NDD_OVER_DROP_IN = 1.8, 0.9  # dynamic mode's targets (see dynamic_mode)
 
 
 @dataclass(frozen=True)
@@ -175,6 +181,8 @@ def columns(transforms: str) -> List[Column]:
         Column(DALI_READER, "DALI fn.readers.file + DALI decoder", 0.9),
         Column(TORCH, f"PyTorch DataLoader + PIL + {augment_name}", 1.3),
         Column(EXTSRC, "extsrc.ParallelSource + PIL/NumPy in the callback"),
+        Column(EXTSRC_NDD, "dynamic mode: extsrc.dynamic parallel source + DALI decoder"),
+        Column(NDD, "dynamic mode: DALI's ndd.ExternalSource (in-process) + DALI decoder"),
     ]
 
 
@@ -261,6 +269,15 @@ def engine_vs_dataloader(rows: List[Figures]) -> Optional[float]:
     rates = {row.loader: row.images_per_s for row in rows}
     if rates.get(EXTSRC) and rates.get(TORCH):
         return rates[EXTSRC] / rates[TORCH]
+    return None
+
+
+def dynamic_mode(rows: List[Figures]) -> Optional[Tuple[float, float]]:
+    """In dynamic mode, extsrc's parallel source's images/s over DALI's in-process one's and over
+    the drop-in's (pipeline mode): the same operators, the same bytes read."""
+    rates = {row.loader: row.images_per_s for row in rows}
+    if rates.get(EXTSRC_NDD) and rates.get(NDD) and rates.get(EXTSRC_DALI):
+        return rates[EXTSRC_NDD] / rates[NDD], rates[EXTSRC_NDD] / rates[EXTSRC_DALI]
     return None
 
 
@@ -375,6 +392,11 @@ def run(args: argparse.Namespace, seconds: float, warmup_s: float, repeat: int) 
     ratio = engine_vs_dataloader(rows)
     if ratio is not None:
         print(f"\nextsrc.ParallelSource vs PyTorch DataLoader, both decoding with PIL: {ratio:.2f}x images/s")
+    dynamic = dynamic_mode(rows)
+    if dynamic is not None:
+        print(f"\ndynamic mode, extsrc.dynamic's parallel source vs DALI's in-process ndd.ExternalSource: "
+              f"{dynamic[0]:.2f}x (target >= {NDD_OVER_IN_PROCESS:g}x); vs the pipeline drop-in: "
+              f"{dynamic[1]:.2f}x (target >= {NDD_OVER_DROP_IN:g}x)")
     if any(row.disturbed for row in rows):
         print(f"\n* every run of this figure shared the CPUs with other processes (more than "
               f"{QUIET_OTHER_CPU:g} cores on average): it is low; rerun on a quieter machine or with "

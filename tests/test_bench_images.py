@@ -19,7 +19,9 @@ TITLE = "Images/s, on the CPU"
 TINY = ("--image-count", "64", "--image-size", "160x120")
 LOADER_NAMES = ("extsrc drop-in + DALI decoder", "DALI parallel external source + DALI decoder",
                 "DALI fn.readers.file + DALI decoder", "PyTorch DataLoader + PIL + ",
-                "extsrc.ParallelSource + PIL/NumPy in the callback")
+                "extsrc.ParallelSource + PIL/NumPy in the callback",
+                "dynamic mode: extsrc.dynamic parallel source + DALI decoder",
+                "dynamic mode: DALI's ndd.ExternalSource (in-process) + DALI decoder")
 TARGETS = {1: ">= 1x", 2: ">= 0.9x", 3: ">= 1.3x"}
 RATIO = r"\d+\.\d\dx"
 RATIO_CELL = 4  # loader, images/s, cores used, images per core-second, ratio, target, met
@@ -80,6 +82,9 @@ def test_quick_images_bench_runs_every_loader_and_prints_ratios(tmp_path):
     if installed("torch"):
         assert re.search(r"extsrc\.ParallelSource vs PyTorch DataLoader, both decoding with PIL: \d+\.\d\dx",
                          out.stdout)
+    assert re.search(r"dynamic mode, extsrc.dynamic's parallel source vs DALI's in-process "
+                     r"ndd.ExternalSource: \d+\.\d\dx \(target >= 1.8x\); vs the pipeline drop-in: "
+                     r"\d+\.\d\dx \(target >= 0.9x\)", out.stdout)
 
     figures = json.loads(report.read_text())
     assert figures["settings"]["images"]["count"] == 64 and figures["reference"] == "extsrc-dali"

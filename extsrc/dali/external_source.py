@@ -6,7 +6,7 @@ Without ``parallel=True`` the call is DALI's, untouched. With it, the steps
 1. :func:`_check_dali_only_arguments`: what DALI takes and the engine never
    sees (``repeat_last``, ``no_copy``, ``prefetch_queue_depth``,
    ``bytes_per_sample_hint``), with DALI's meaning;
-2. :func:`_engine_source`: the kind of source as DALI tells it (callable,
+2. :func:`engine_source`: the kind of source as DALI tells it (callable,
    iterable, generator function), checked with DALI's words, and what the
    engine runs for it;
 3. :func:`_pipeline_for_parallel_source`: the current pipeline, which must be
@@ -157,11 +157,11 @@ def external_source(
         # DALI 2.4's fn.external_source defaults to batch=True, also with parallel=True. order= and
         # in_place=True (extsrc's own) work per sample only: with them the default is sample mode.
         batch = order is None and not in_place
-    engine_source, callable_source = _engine_source(source, bool(batch), cycle, mode, in_place)
+    engine_src, callable_source = engine_source(source, bool(batch), cycle, mode, in_place)
     pipe = _pipeline_for_parallel_source(callable_source)
     engine_dtype, engine_ndim = engine_dtypes_ndims(dtype, ndim, layout, num_outputs)
     parallel_source = _parallel_source(
-        pipe, engine_source, num_outputs=num_outputs, batch=bool(batch),
+        pipe, engine_src, num_outputs=num_outputs, batch=bool(batch),
         batch_info=bool(batch_info) and bool(batch) and callable_source,
         prefetch=prefetch_queue_depth, last_batch=last_batch, order=order, in_place=in_place,
         stats=_stats(stats_every), concurrency=concurrency, on_error=on_error,
@@ -221,7 +221,8 @@ def _check_dali_only_arguments(source: Any, repeat_last: bool, no_copy: Optional
         positive_int(f"{_CALLER}: bytes_per_sample_hint", bytes_per_sample_hint)
 
 
-def _engine_source(source: Any, batch: bool, cycle: Any, mode: str, in_place: bool) -> Tuple[Any, bool]:
+def engine_source(source: Any, batch: bool, cycle: Any, mode: str, in_place: bool,
+                  caller: str = _CALLER) -> Tuple[Any, bool]:
     """``(what the engine runs, whether it is a callable source)`` for DALI's ``source``.
 
     A callable (not a generator function) follows DALI's numbers and takes
@@ -233,17 +234,17 @@ def _engine_source(source: Any, batch: bool, cycle: Any, mode: str, in_place: bo
     if callable(source) and not generator_like:
         if mode != CYCLE_OFF:
             raise ValueError(
-                f"{_CALLER}: cycle={cycle!r} applies to iterables and generator functions, and "
+                f"{caller}: cycle={cycle!r} applies to iterables and generator functions, and "
                 "the source is a callable (it ends an epoch by raising StopIteration)"
             )
         if positional_arg_count(source, 2 if in_place else 1) == 0:
             what = "a SampleInfo" if not batch else "the iteration number (or a BatchInfo with batch_info=True)"
             raise TypeError(
-                f"{_CALLER}, source {source!r}: Callable passed to External Source in parallel mode "
+                f"{caller}, source {source!r}: Callable passed to External Source in parallel mode "
                 f"(when `parallel=True`) must accept exactly one argument: here (batch={batch}) "
                 f"{what}. Got a callable that does not accept arguments instead."
             )
-        _refuse_autograph(source)
+        _refuse_autograph(source, caller)
         return source, True
     if generator_like or hasattr(source, "__iter__"):
         if not batch:
@@ -255,16 +256,16 @@ def _engine_source(source: Any, batch: bool, cycle: Any, mode: str, in_place: bo
             )
         if inspect.isgenerator(source) and mode != CYCLE_OFF:
             raise TypeError(
-                f"{_CALLER}: cycle={cycle!r} needs to restart the source, and a generator object "
+                f"{caller}: cycle={cycle!r} needs to restart the source, and a generator object "
                 "cannot restart; pass the generator function itself as source"
             )
-        _refuse_autograph(source)
+        _refuse_autograph(source, caller)
         if generator_like and not inspect.isgeneratorfunction(source):
             return GeneratorCall(source), False  # the engine calls plain generator functions itself
     return source, False
 
 
-def _refuse_autograph(source: Any) -> None:
+def _refuse_autograph(source: Any, caller: str) -> None:
     """A source converted by AutoGraph (conditionals) cannot run in a worker."""
     try:
         from nvidia.dali import _autograph
@@ -274,7 +275,7 @@ def _refuse_autograph(source: Any) -> None:
         converted = False
     if converted:
         raise ValueError(
-            f"{_CALLER}: the `source` ({describe(source)}) was converted by AutoGraph, as "
+            f"{caller}: the `source` ({describe(source)}) was converted by AutoGraph, as "
             "everything defined inside a pipeline with enable_conditionals=True is, and a "
             "converted function cannot run in a worker process. To allow the `source` to be "
             "correctly used in the workers, it must remain unconverted: define it at global "
@@ -309,7 +310,7 @@ def _pipeline_for_parallel_source(callable_source: bool):
     return pipe
 
 
-def _parallel_source(pipe: Any, engine_source: Any, *, prefetch: Optional[int], batch_info: bool,
+def _parallel_source(pipe: Any, source: Any, *, prefetch: Optional[int], batch_info: bool,
                      **options: Any) -> ParallelSource:
     """The engine's source on the pipeline's pool: the pipeline's batch size, ``prefetch`` batches
     ahead (default: two per worker, at least DALI's queue depth), memory kept for the batches
@@ -327,7 +328,7 @@ def _parallel_source(pipe: Any, engine_source: Any, *, prefetch: Optional[int], 
         prefetch = max(default_prefetch(pool.num_workers, pool.max_outstanding,
                                         concurrency if isinstance(concurrency, int) else 1),
                        pipe._extsrc_depth())
-    return ParallelSource(engine_source, batch_size, prefetch=prefetch,
+    return ParallelSource(source, batch_size, prefetch=prefetch,
                           batches_held=pipe._extsrc_batches_held(), pool=pool,
                           hooks=Hooks(batch_info=batch_info, dense_arrays=True), **options)
 
