@@ -193,3 +193,35 @@ def test_beside_cpu_hogs_the_diagnosis_names_the_busy_machine_not_the_consumer()
     assert "KIND machine busy" in out.stdout, out.stdout
     assert "diagnosis: Machine busy: other programs use the cores" in out.stdout
     assert "Take larger batches" not in out.stdout and "Consumer-bound" not in out.stdout
+
+
+def sleeps(info):
+    time.sleep(0.004)  # waits on "I/O": no CPU
+    return np.zeros(16, np.uint8)
+
+
+def spins(info):
+    end = time.thread_time() + 0.004  # 4 ms of this thread's CPU, whatever the load
+    while time.thread_time() < end:
+        pass
+    return np.zeros(16, np.uint8)
+
+
+def test_on_a_shared_pool_each_source_reports_its_own_share_of_the_workers_cpu():
+    from extsrc import WorkerPool
+
+    with WorkerPool(1) as pool:
+        waiting = ParallelSource(sleeps, 4, pool=pool)
+        computing = ParallelSource(spins, 4, pool=pool)
+        epochs = iter(waiting), iter(computing)
+        for _ in range(60):  # both sources' tasks alternate in the one worker
+            for epoch in epochs:
+                next(epoch)
+        idle, busy = waiting.stats(), computing.stats()
+        waiting.close()
+        computing.close()
+    # Before, each source reported the whole worker's CPU over its own busy time: the sleeping
+    # source showed the spinning one's CPU as its own.
+    assert idle.worker_cpu_share is not None and busy.worker_cpu_share is not None
+    assert idle.worker_cpu_share < 0.3 < busy.worker_cpu_share <= 1.5
+    assert "waiting on I/O" in str(idle) and "%" in str(idle).split("of the workers' busy time:")[1]

@@ -64,11 +64,15 @@ CPU_READ_PERIOD_NS = 50_000_000
 
 
 class CpuClock:
-    """This worker's CPU time and its main thread's time waiting for a CPU, both cumulative (ns).
+    """This source's CPU time in this worker and its main thread's time waiting for a CPU, both
+    cumulative estimates (ns).
 
-    :meth:`read` returns them at most every :data:`CPU_READ_PERIOD_NS`, else ``(-1, -1)``: the
-    statistics take differences between readings, and tell a callback that waits on I/O
-    (neither) from one starved of CPU (waiting for a CPU).
+    The process's counters cover everything the worker does, for every source it serves (a
+    shared pool) and between tasks, so they are read around one of this source's tasks at
+    most every :data:`CPU_READ_PERIOD_NS` (:meth:`task_begins`, :meth:`task_ran`): that task's
+    CPU time over its busy time is the rate for this source's busy time since the previous
+    reading. The statistics take differences between readings, and tell a callback that waits
+    on I/O (neither) from one starved of CPU (waiting for a CPU).
     """
 
     def __init__(self) -> None:
@@ -77,12 +81,11 @@ class CpuClock:
         except OSError:
             self.fd = None
         self.last = -CPU_READ_PERIOD_NS
+        self.start: Optional[Tuple[int, int]] = None  # the counters when the measured task began
+        self.own_busy = 0  # this source's busy ns since the last reading
+        self.cpu = self.runq = 0  # the estimates so far
 
-    def read(self) -> Tuple[int, int]:
-        now = time.perf_counter_ns()
-        if now - self.last < CPU_READ_PERIOD_NS:
-            return -1, -1
-        self.last = now
+    def _counters(self) -> Tuple[int, int]:
         runq = 0
         if self.fd is not None:
             try:
@@ -91,14 +94,33 @@ class CpuClock:
                 runq = 0
         return time.process_time_ns(), runq
 
+    def task_begins(self) -> None:
+        """A task of this source begins: measured when the last reading is old enough."""
+        now = time.perf_counter_ns()
+        if now - self.last >= CPU_READ_PERIOD_NS:
+            self.last = now
+            self.start = self._counters()
+
+    def task_ran(self, busy_ns: int) -> Tuple[int, int]:
+        """The task kept the worker busy ``busy_ns``: the estimates if it was measured, else
+        ``(-1, -1)``."""
+        self.own_busy += busy_ns
+        start, self.start = self.start, None
+        if start is None:
+            return -1, -1
+        end = self._counters()
+        if busy_ns > 0:
+            self.cpu += (end[0] - start[0]) * self.own_busy // busy_ns
+            self.runq += max(0, end[1] - start[1]) * self.own_busy // busy_ns
+        self.own_busy = 0
+        return self.cpu, self.runq
+
     def close(self) -> None:
         fd, self.fd = self.fd, None  # forgotten first, as in extsrc.shm.segment.Segment.close
         if fd is not None:
             os.close(fd)
 
 
-def _no_cpu_clock() -> Tuple[int, int]:
-    return -1, -1
 # No sample asks for this much in earnest (2**48 bytes, 256 TiB): a larger buffers.array() is
 # a wrong shape, refused before any size arithmetic can overflow.
 MAX_BUFFER_BYTES = 1 << 48
@@ -243,7 +265,6 @@ class SourceRunner:
                 setup.order.shuffle or setup.order.shard != (0, 1)):
             self.info_class, self.reads = noting_sample_info()
         self.cpu = CpuClock() if setup.timed else None
-        self.cpu_clock = self.cpu.read if self.cpu is not None else _no_cpu_clock
         # Samples in flight together (concurrency > 1, or an async def callback): the worker's
         # event loop or threads, made on first use (after the fork). None: one at a time.
         self.engine: Union[AsyncEngine, ThreadEngine, None] = None
@@ -261,6 +282,8 @@ class SourceRunner:
 
     def run(self, task: Task) -> Result:
         """Runs one task; returns a :class:`TaskDone` or :class:`TaskFailed`."""
+        if self.cpu is not None:
+            self.cpu.task_begins()
         if self.setup.kind == SAMPLE:
             engine = self.engine
             if engine is not None:
@@ -291,6 +314,8 @@ class SourceRunner:
         :attr:`overlaps`: the worker starts the samples of its next task while this one's are
         in flight, all of them within the one ``concurrency`` of the worker. The task's result
         is the same as :meth:`run`'s; only the timing differs."""
+        if self.cpu is not None:
+            self.cpu.task_begins()
         engine = self.engine
         jobs, deliver, conclude = self._plan_concurrent(task)
         try:
@@ -647,11 +672,12 @@ class SourceRunner:
         the samples' time in flight, when they were in flight together (else ``busy_ns``).
         Raises what the writer raises."""
         spilled, overflow = write.finish(task.give_back)
+        cpu = self.cpu.task_ran(busy_ns) if self.cpu is not None else (-1, -1)
         end = task.start + count  # samples written past a StopIteration are not the batch's
         spilled = tuple(tuple(s for s in out if s.position < end) for out in spilled)
         done = TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow,
                         busy_ns, timed, busy_ns if waited_ns is None else waited_ns,
-                        *self.cpu_clock(), notes=self._notes(),
+                        *cpu, notes=self._notes(),
                         faults=faults_of_task(self.faults, task.epoch_idx, task.iteration,
                                               task.start, task.stop))
         return self.writer.answer(task, write, done)

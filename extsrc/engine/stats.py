@@ -114,6 +114,15 @@ class SourceStats:
             return None
         return max(0.0, 1.0 - self.worker_cpu_share - (self.worker_runq_share or 0.0))
 
+    def _busy_time_text(self) -> str:
+        """How the workers' busy time went: on a CPU, waiting for one, waiting on I/O; the CPU
+        time of several threads (``concurrency=``, a library's own threads) as CPUs."""
+        cpu, waiting = self.worker_cpu_share, self.waiting_share
+        if cpu is None or waiting is None:
+            return "n/a"
+        on_cpu = f"{cpu:.0%} on a CPU" if cpu <= 1.0 else f"on {cpu:.1f} CPUs at once (several threads)"
+        return f"{on_cpu}, {self.worker_runq_share or 0:.0%} waiting for one, {waiting:.0%} waiting on I/O"
+
     @property
     def wait_fraction(self) -> float:
         """The fraction of the wall time the consumer spent waiting for batches."""
@@ -291,9 +300,7 @@ class SourceStats:
             f"{ms(self.callback_p95_s)}, max {ms(self.callback_max_s)}",
             f"  in flight per worker: {self.in_flight_mean:.1f} samples on average (concurrency="
             f"{self.concurrency}); of the workers' busy time: "
-            + ("n/a" if self.waiting_share is None else
-               f"{self.worker_cpu_share:.0%} on a CPU, {self.worker_runq_share or 0:.0%} waiting for "
-               f"one, {self.waiting_share:.0%} waiting on I/O"),
+            + self._busy_time_text(),
             f"  shared memory: {format_bytes(self.shared_memory_bytes)}",
         ]
         if self.worker_restarts:
