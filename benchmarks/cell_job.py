@@ -29,6 +29,10 @@ def cell_main(argv: Sequence[str]) -> int:
         from benchmarks.remote import remote_cell
 
         result = remote_cell(spec)
+    elif spec.get("kind") == "step":
+        from benchmarks.step import step_cell
+
+        result = step_cell(spec["loader"], spec["workload"], spec["seconds"], spec["warmup_s"])
     elif spec.get("kind") == "memory":
         result = memory_cell(spec["loader"], spec["workload"], spec["seconds"], spec["warmup_s"])
     else:

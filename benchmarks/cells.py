@@ -33,7 +33,8 @@ if __name__ == "__main__":
     sys.exit(cell_main(sys.argv[1:]))
 """
 
-def _open(loader: str, workload: str, consumed: bool = False) -> Opened:
+def open_cell_loader(loader: str, workload: str, consumed: bool = False) -> Opened:
+    """``loader`` on ``workload`` as every cell opens it (its workers, fork)."""
     if loader in RAY_LOADERS:
         return open_ray_loader(loader, workload, WORKERS)
     return open_loader(loader, workload, WORKERS, "fork", consumed)
@@ -42,7 +43,7 @@ def throughput_cell(loader: str, workload: str, seconds: float, warmup_s: float,
                     consumed: bool = False) -> Dict[str, Any]:
     """Figures of ``loader`` on ``workload``: batches taken for ``seconds`` after ``warmup_s``."""
     w = ALL_WORKLOADS[workload]
-    take, indices, close = _open(loader, workload, consumed)
+    take, indices, close = open_cell_loader(loader, workload, consumed)
     try:
         batches, elapsed, cpu, total, last = measure(take, seconds, warmup_s)
         extra = take.figures() if hasattr(take, "figures") else {}  # a loader's own figures
@@ -64,6 +65,8 @@ def throughput_cell(loader: str, workload: str, seconds: float, warmup_s: float,
         **cpu,  # cores: consumer_cpu (consuming process), loader_cpu (it and its workers), other_cpu
         **extra,
     }
+    if "consumer_cpu" in cpu:  # the training process's CPU per batch, all its threads
+        result["consumer_ms_per_batch"] = cpu["consumer_cpu"] * elapsed / batches * 1e3
     if w.spin_s:
         result["ideal_fraction"] = samples_per_s / (WORKERS / w.spin_s)
     return result
@@ -106,7 +109,7 @@ def startup_script(loader: str, workload: str) -> str:
 
 def memory_cell(loader: str, workload: str, seconds: float, warmup_s: float) -> Dict[str, Any]:
     """Resident memory of an extsrc loader's workers after a run (VmRSS, bytes, mean of workers)."""
-    take, _indices, close = _open(loader, workload)
+    take, _indices, close = open_cell_loader(loader, workload)
     try:
         measure(take, seconds, warmup_s)
         rss = [_resident_bytes(pid) for pid in take.source.worker_pids()]  # type: ignore[attr-defined]

@@ -334,5 +334,7 @@ def image_cell(fields: Dict[str, Any]) -> Dict[str, Any]:
     result = {"batches": batches, "elapsed_s": elapsed, "images_per_s": rate,
               **cpu}  # consumer_cpu, loader_cpu (cores used by the cell and its workers), other_cpu
     if cpu.get("loader_cpu"):
-        result["images_per_core_s"] = rate / cpu["loader_cpu"]  # steadier than images/s on a busy machine
+        result["images_per_core_s"] = rate / cpu["loader_cpu"]
+    if "consumer_cpu" in cpu:
+        result["consumer_ms_per_batch"] = cpu["consumer_cpu"] * elapsed / batches * 1e3  # steadier than images/s on a busy machine
     return result

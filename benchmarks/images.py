@@ -95,6 +95,7 @@ class Figures:
     fastest: Optional[float]
     cores: Optional[float]  # CPU cores used by the loader (its process and workers)
     per_core: Optional[float]  # images per core-second
+    consumer_ms: Optional[float]  # CPU of the consuming (training) process per batch, all threads
     ratio: Optional[float]  # the reference's images/s over this loader's
     target: Optional[float]
     met: Optional[bool]
@@ -259,7 +260,8 @@ def summary(columns_: List[Column], results: Results) -> List[Figures]:
         rates = [run["images_per_s"] for run in runs]
         rows.append(Figures(
             column.loader, column.name, rate, min(rates, default=None), max(rates, default=None),
-            _median(runs, "loader_cpu"), _median(runs, "images_per_core_s"), ratio, column.target, met,
+            _median(runs, "loader_cpu"), _median(runs, "images_per_core_s"),
+            _median(runs, "consumer_ms_per_batch"), ratio, column.target, met,
             disturbed, column.note, tuple(results.runs.get(column.loader, []))))
     return rows
 
@@ -283,8 +285,9 @@ def dynamic_mode(rows: List[Figures]) -> Optional[Tuple[float, float]]:
 
 def format_table(rows: List[Figures]) -> str:
     """The Markdown table: one row per loader, ratios against the drop-in."""
-    lines = ["| loader | images/s | cores used | images per core-second | extsrc drop-in / this | target | met |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| loader | images/s | cores used | images per core-second | consumer CPU per batch "
+             "| extsrc drop-in / this | target | met |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if row.images_per_s is None:
             rate = "error" if row.runs else "n/a"
@@ -292,13 +295,14 @@ def format_table(rows: List[Figures]) -> str:
             rate = f"{row.images_per_s:,.0f}{' *' if row.disturbed else ''}"
         cores = "" if row.cores is None else f"{row.cores:.2f}"
         per_core = "" if row.per_core is None else f"{row.per_core:,.0f}"
+        consumer = "" if row.consumer_ms is None else f"{row.consumer_ms:.2f} ms"
         if row.loader == REFERENCE:
             ratio = "n/a" if row.images_per_s is None else "1.00x (reference)"
         else:
             ratio = "n/a" if row.ratio is None else f"{row.ratio:.2f}x"
         target = "" if row.target is None else f">= {row.target:g}x"
         met = "" if row.target is None else {True: "yes", False: "no", None: "n/a"}[row.met]
-        lines.append("| " + " | ".join((row.name, rate, cores, per_core, ratio, target, met)) + " |")
+        lines.append("| " + " | ".join((row.name, rate, cores, per_core, consumer, ratio, target, met)) + " |")
     return "\n".join(lines)
 
 

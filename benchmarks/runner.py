@@ -12,7 +12,9 @@ Comparisons (each cell of a table is one loader on one workload):
   (``fn.external_source(source=cb, batch=False, parallel=True)`` in a
   ``pipeline_def`` with ``py_num_workers=2``, ``py_start_method="fork"``,
   ``device_id=None``), plus the time from ``build()`` to the first batch with
-  spawn and 4 workers.
+  spawn and 4 workers; and the drop-in against the ``ParallelSource`` under it
+  (the same callback, a fresh 1 KiB array per sample, DALI's default
+  arguments).
 * **images** (``--images``, instead of the above): JPEGs from disk through
   decoding and augmentation, five loaders in images/s; see
   :mod:`benchmarks.images`.
@@ -45,7 +47,8 @@ from benchmarks.packages import installed, version
 from benchmarks.loaders import STARTUP_WORKERS, WORKERS
 from benchmarks.ray_bench import ray_tables
 from benchmarks.tables import (
-    QUIET_OTHER_CPU, Row, Table, compare, dali_table, features_table, figure, format_table,
+    QUIET_OTHER_CPU, Row, Table, compare, dali_table, dropin_engine_table, features_table, figure,
+    format_table, training_step_table,
     from_dataset_table, targets_text, torch_table,
 )
 from benchmarks.workloads import WORKLOADS
@@ -97,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--torch-api", action="store_true",
                         help="also compare extsrc.torch.from_dataset with DataLoader on the same "
                              "Dataset and arguments (needs PyTorch)")
+    parser.add_argument("--training-step", action="store_true",
+                        help="also measure the step rate of a training loop that runs a fixed "
+                             "CPU-bound step per batch, with each loader against ready batches")
     parser.add_argument("--features", action="store_true",
                         help="also measure what extsrc's own features cost on the small workload: "
                              "statistics on vs off, a shuffled order of 10^9 records vs an identity "
@@ -162,6 +168,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print("extsrc bench: --dali needs NVIDIA DALI (pip install 'extsrc[dali]')", file=sys.stderr)
             return 2
         tables.append(dali_table())
+        tables.append(dropin_engine_table())
     if args.torch_api:
         if not installed("torch"):
             print("extsrc bench: --torch-api needs PyTorch (pip install 'extsrc[torch]')", file=sys.stderr)
@@ -169,8 +176,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         tables.append(from_dataset_table())
     if args.features:
         tables.append(features_table())
+    if args.training_step:
+        tables.append(training_step_table(torch=installed("torch") and not args.no_torch,
+                                          dali=installed("nvidia.dali")))
     if not tables:
-        print("extsrc bench: nothing to run (--no-torch without --torch-api, --dali or --features)",
+        print("extsrc bench: nothing to run (--no-torch without --torch-api, --dali, --features or "
+              "--training-step)",
               file=sys.stderr)
         return 2
     for table in tables:

@@ -16,6 +16,7 @@ from benchmarks.loaders import (
     EXTSRC_FROM_DATASET_ITERABLE, EXTSRC_IDENTITY, EXTSRC_NO_STATS, EXTSRC_SHUFFLED, ORDER_RECORDS,
     STARTUP_WORKERS, TORCH, TORCH_COLLATE, TORCH_ITERABLE, WORKERS,
 )
+from benchmarks.step import READY, STEP_CPU_S
 from benchmarks.workloads import ALL_WORKLOADS, WORKLOADS
 
 QUIET_OTHER_CPU = 0.25  # cores other processes may use during a run that counts as undisturbed
@@ -24,7 +25,7 @@ QUIET_OTHER_CPU = 0.25  # cores other processes may use during a run that counts
 class Target:
     """``metric`` of extsrc must reach ``value``: a ratio to the peer, or a fraction of ideal."""
 
-    metric: str  # "samples_per_s" | "mb_per_s" | "ideal_fraction" | "startup_s" | "extra_bytes"
+    metric: str  # "samples_per_s" | "mb_per_s" | "steps_per_s" | "ideal_fraction" | "startup_s" | "extra_bytes"
     value: float
 
     def describe(self) -> str:
@@ -34,7 +35,7 @@ class Target:
             return f">= {self.value:g} of ideal"
         if self.metric == "startup_s":
             return "no slower" if self.value == 1.0 else f">= {self.value:g}x faster"
-        unit = "samples/s" if self.metric == "samples_per_s" else "MB/s"
+        unit = {"samples_per_s": "samples/s", "steps_per_s": "steps/s"}.get(self.metric, "MB/s")
         return f">= {self.value:g}x {unit}"
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ class Row:
     ours: str  # loader name of extsrc's cell
     peer: str  # loader name of the peer's cell
     target: Target
-    kind: str = "throughput"  # or "startup" (time to the first batch), "memory" (workers' memory)
+    kind: str = "throughput"  # or "startup" (time to the first batch), "memory" (workers' memory),
+    # "step" (steps/s of a training step per batch, benchmarks.step)
     consumed: bool = False  # DALI rows: the pipeline slices the source output instead of returning it
     faults: bool = False  # show minor page faults per sample; with no_more_faults, extsrc's must be
     no_more_faults: bool = False  # at most the peer's for the target to be met
@@ -76,6 +78,7 @@ def workload_label(name: str) -> str:
 
 _FRESH = "large-fresh: a new 4 MiB array per sample"
 _FILL = "large-fill: 4 MiB written by the callback (in place: extsrc's in_place=True)"
+_SMALL_FRESH = "small-fresh: a new 1 KiB array per sample, batch 256"
 
 
 def torch_table() -> Table:
@@ -134,6 +137,36 @@ def dali_table() -> Table:
                           EXTSRC_DALI, DALI, Target("startup_s", 1.0), kind="startup"))
     return table
 
+def dropin_engine_table() -> Table:
+    """extsrc's DALI drop-in (DALI's default arguments) against its own engine, the same callback:
+    what the meeting of DALI's threads and the pool's costs the consumer."""
+    table = Table("dropin-engine", f"extsrc drop-in vs extsrc.ParallelSource under it ({WORKERS} workers, "
+                  f"fork, num_threads={DALI_THREADS}, DALI's default prefetch_queue_depth)",
+                  "extsrc drop-in", "ParallelSource")
+    table.rows = [
+        Row(_SMALL_FRESH, "small-fresh", EXTSRC_DALI, EXTSRC,
+            Target("samples_per_s", 0.8)),
+        Row(workload_label("small"), "small", EXTSRC_DALI, EXTSRC, Target("samples_per_s", 0.8)),
+    ]
+    return table
+
+
+def training_step_table(torch: bool, dali: bool) -> Table:
+    """Steps/s of a CPU-bound training step per batch, with each loader against ready batches."""
+    step_ms = STEP_CPU_S * 1e3
+    table = Table("step", f"training step: {step_ms:g} ms of one thread's CPU per batch, {_SMALL_FRESH}, "
+                  f"{WORKERS} workers, fork; steps/s with each loader against ready batches (no loader)",
+                  "with the loader", "ready batches")
+    loaders = [("extsrc.ParallelSource", EXTSRC)]
+    if dali:
+        loaders.append((f"extsrc drop-in (num_threads={DALI_THREADS})", EXTSRC_DALI))
+    if torch:
+        loaders.append(("PyTorch DataLoader", TORCH))
+    table.rows = [Row(name, "small-fresh", loader, READY, Target("steps_per_s", 0.9), kind="step")
+                  for name, loader in loaders]
+    return table
+
+
 def features_table() -> Table:
     """What extsrc's own features cost: statistics, a shuffled order, and the order's memory."""
     table = Table("features", f"cost of extsrc features ({WORKERS} workers, fork)", "with", "without")
@@ -173,6 +206,8 @@ def figure(row: Row, runs: List[Dict[str, Any]]) -> str:
     mark = " *" if disturbed else ""
     if row.kind == "memory":
         return f"{_median(runs, 'worker_rss_bytes') / (1 << 20):,.1f} MiB{mark}"
+    if row.kind == "step":
+        return f"{_median(runs, 'steps_per_s'):,.0f} steps/s{mark}"
     if row.startup:
         return f"{_median(runs, 'startup_s'):.2f} s{mark}"
     w = ALL_WORKLOADS[row.workload]
@@ -180,14 +215,16 @@ def figure(row: Row, runs: List[Dict[str, Any]]) -> str:
     shares = runs[0].get("node_shares")  # Ray on several nodes: each node's share of the samples
     if shares:
         mark = f", nodes {' / '.join(f'{s:.0%}' for s in shares)}{mark}"
+    consumer = _median(runs, "consumer_ms_per_batch")
+    cpu = "" if consumer is None else f"; consumer {consumer:.2f} ms CPU/batch"
     if w.spin_s:
-        return f"{rate:,.0f} samples/s ({_median(runs, 'ideal_fraction'):.2f} of ideal){mark}"
+        return f"{rate:,.0f} samples/s ({_median(runs, 'ideal_fraction'):.2f} of ideal){cpu}{mark}"
     faults = ""
     if row.faults and _median(runs, "faults_per_sample") is not None:
         faults = f", {_median(runs, 'faults_per_sample'):,.0f} faults/sample"
     if w.sample_bytes >= 1 << 20:
-        return f"{_median(runs, 'mb_per_s'):,.0f} MB/s ({rate:,.0f} samples/s{faults}){mark}"
-    return f"{rate / 1e3:,.1f}k samples/s{mark}"
+        return f"{_median(runs, 'mb_per_s'):,.0f} MB/s ({rate:,.0f} samples/s{faults}){cpu}{mark}"
+    return f"{rate / 1e3:,.1f}k samples/s{cpu}{mark}"
 
 def compare(row: Row, ours: List[Dict[str, Any]], peer: List[Dict[str, Any]]) -> Dict[str, Any]:
     """The ratio of a row and whether its target is met (None where it cannot be told)."""
@@ -203,7 +240,7 @@ def compare(row: Row, ours: List[Dict[str, Any]], peer: List[Dict[str, Any]]) ->
         if ours_ok and peer_ok:
             ratio = _median(peer_ok, "startup_s") / _median(ours_ok, "startup_s")
     elif ours_ok and peer_ok:
-        key = "mb_per_s" if row.target.metric == "mb_per_s" else "samples_per_s"
+        key = row.target.metric if row.target.metric in ("mb_per_s", "steps_per_s") else "samples_per_s"
         ratio = _median(ours_ok, key) / _median(peer_ok, key)
     if row.target.metric == "ideal_fraction":
         achieved = _median(ours_ok, "ideal_fraction") if ours_ok else None

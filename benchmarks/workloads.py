@@ -93,9 +93,11 @@ CPU = Workload("cpu", 64, 32, spin_s=0.002)
 # shared memory instead ("large-fill"); every other loader allocates and fills.
 LARGE_FRESH = Workload("large-fresh", 4 * MIB, 16, fresh=True)
 LARGE_FILL = Workload("large-fill", 4 * MIB, 16, fresh=True)
+# Small samples as real callbacks make them: a new 1 KiB array per sample ("small-fresh").
+SMALL_FRESH = Workload("small-fresh", 1 * KIB, 256, fresh=True)
 
 WORKLOADS: Dict[str, Workload] = {w.name: w for w in (SMALL, LARGE, CPU)}
-EXTRA_WORKLOADS: Dict[str, Workload] = {w.name: w for w in (LARGE_FRESH, LARGE_FILL)}
+EXTRA_WORKLOADS: Dict[str, Workload] = {w.name: w for w in (LARGE_FRESH, LARGE_FILL, SMALL_FRESH)}
 ALL_WORKLOADS: Dict[str, Workload] = {**WORKLOADS, **EXTRA_WORKLOADS}
 
 
@@ -124,12 +126,17 @@ def large_fill(sample_info, buffers) -> np.ndarray:
     return LARGE_FILL.fill(buffers.array(LARGE_FILL.sample_bytes, np.uint8), sample_info.idx_in_epoch)
 
 
+def small_fresh(sample_info) -> np.ndarray:
+    """A new 1 KiB uint8 sample, every byte written."""
+    return SMALL_FRESH.make(sample_info.idx_in_epoch)
+
+
 def small_record(sample_info) -> np.ndarray:
     """1 KiB uint8 sample of ``sample_info.record`` (for sources with an order)."""
     return SMALL.make(sample_info.record, sample_info.idx_in_batch)
 
 
 CALLBACKS = {"small": small, "large": large, "cpu": cpu, "large-fresh": large_fresh,
-             "large-fill": large_fresh}
+             "large-fill": large_fresh, "small-fresh": small_fresh}
 IN_PLACE_CALLBACKS = {"large-fill": large_fill}  # for loaders that let the callback write in place
 RECORD_CALLBACKS = {"small": small_record}

@@ -52,9 +52,14 @@ def table_rows(stdout, title):
     return rows
 
 
+CONSUMER_CPU = re.compile(r"; consumer \d+\.\d\d ms CPU/batch")
+
+
 def assert_full_table(rows, labels):
     assert [row[0] for row in rows] == list(labels)
     for label, ours, peer, ratio, target, met in rows:
+        if not label.startswith("build()"):  # each loader's training-process CPU beside its rate
+            assert CONSUMER_CPU.search(ours) and CONSUMER_CPU.search(peer), label
         assert re.fullmatch(r"\d+\.\d\dx", ratio), f"{label}: ratio {ratio!r} is not a number"
         assert ours not in ("error", "n/a") and peer not in ("error", "n/a"), label
         assert target.startswith(">=") or target == "no slower", label
@@ -202,3 +207,15 @@ def test_quick_from_dataset_bench_prints_every_workload_against_the_dataloader()
     assert [row[4].split(" (is")[0] for row in rows] == [
         ">= 3x samples/s", ">= 3x MB/s", ">= 0.95 of ideal",
         ">= 1.5x samples/s", ">= 1.5x MB/s", ">= 1.5x samples/s", ">= 1.5x MB/s"]
+
+
+@pytest.mark.slow
+def test_quick_training_step_bench_compares_each_loader_with_ready_batches():
+    out = bench("--no-torch", "--training-step", "--quick", "--workloads", "small")
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = table_rows(out.stdout, "training step: 3 ms of one thread's CPU per batch")
+    names = ["extsrc.ParallelSource"] + (["extsrc drop-in (num_threads=1)"] if installed("nvidia.dali") else [])
+    assert [row[0] for row in rows] == names
+    for label, ours, ready, ratio, target, met in rows:
+        assert re.fullmatch(r"[\d,]+ steps/s", ours) and re.fullmatch(r"[\d,]+ steps/s", ready), label
+        assert re.fullmatch(r"\d+\.\d\dx", ratio) and target == ">= 0.9x steps/s" and met in ("yes", "no")

@@ -24,7 +24,7 @@ LOADER_NAMES = ("extsrc drop-in + DALI decoder", "DALI parallel external source 
                 "dynamic mode: DALI's ndd.ExternalSource (in-process) + DALI decoder")
 TARGETS = {1: ">= 1x", 2: ">= 0.9x", 3: ">= 1.3x"}
 RATIO = r"\d+\.\d\dx"
-RATIO_CELL = 4  # loader, images/s, cores used, images per core-second, ratio, target, met
+RATIO_CELL = 5  # loader, images/s, cores used, images per core-second, consumer CPU, ratio, target, met
 
 
 def installed(module):
@@ -46,8 +46,9 @@ def image_rows(stdout):
 
 
 def assert_measured(row):
-    name, rate, cores, per_core, ratio, target, met = row
+    name, rate, cores, per_core, consumer, ratio, target, met = row
     assert re.fullmatch(r"[\d,]+( \*)?", rate), f"{name}: images/s {rate!r}"
+    assert re.fullmatch(r"\d+\.\d\d ms", consumer), f"{name}: consumer CPU per batch {consumer!r}"
     assert re.fullmatch(r"\d+\.\d\d", cores), f"{name}: cores {cores!r}"
     assert re.fullmatch(r"[\d,]+", per_core), f"{name}: images per core-second {per_core!r}"
 
@@ -112,7 +113,7 @@ def test_without_torch_the_images_dataloader_column_is_skipped_with_a_note(tmp_p
     assert "DALI decodes whole images (fn.decoders.image + fn.random_resized_crop)" in out.stdout
     assert "PyTorch is not installed: the DataLoader column is skipped" in out.stdout
     rows = image_rows(out.stdout)
-    name, rate, cores, per_core, ratio, target, met = rows[3]
+    name, rate, cores, per_core, consumer, ratio, target, met = rows[3]
     assert rate == "n/a" and ratio == "n/a" and met == "n/a"
     for row in rows[:3] + rows[4:]:
         assert_measured(row)
