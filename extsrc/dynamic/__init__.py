@@ -13,11 +13,20 @@ from __future__ import annotations
 
 from typing import Any, List
 
+import sys
+import types
+
 import nvidia.dali.experimental.dynamic as _ndd
 
 from extsrc.dynamic.external_source import ExternalSource
 
 __all__ = ["ExternalSource"]
+
+# DALI's submodules under this package's name too, so that ``import extsrc.dynamic.checkpoint``
+# (and ``from extsrc.dynamic.readers import File``) find what ``ndd.checkpoint`` is.
+for _name, _module in list(vars(_ndd).items()):
+    if isinstance(_module, types.ModuleType) and _module.__name__ == f"{_ndd.__name__}.{_name}":
+        sys.modules.setdefault(f"{__name__}.{_name}", _module)
 
 
 def __getattr__(name: str) -> Any:

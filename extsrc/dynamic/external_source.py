@@ -25,7 +25,10 @@ checkpointable state (``get_state``/``set_state``, the contract of
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any, Optional, Tuple, Union
+
+import numpy as np
 
 import nvidia.dali.experimental.dynamic as _ndd
 from nvidia.dali.tensors import TensorListCPU
@@ -43,7 +46,15 @@ _PARALLEL_ONLY = ("batch_size", "num_workers", "start_method", "batch", "batch_i
                   "max_errors", "worker_restarts", "batches_held", "name")
 
 
-class ExternalSource(_ndd.ExternalSource):
+class _EitherClass(type):
+    """``isinstance(x, extsrc.dynamic.ExternalSource)`` holds for DALI's own instances too (what
+    ``ExternalSource(...)`` makes without ``parallel=True``)."""
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        return isinstance(obj, _ndd.ExternalSource)
+
+
+class ExternalSource(_ndd.ExternalSource, metaclass=_EitherClass):
     """DALI's ``ndd.ExternalSource``; with ``parallel=True`` the source runs on extsrc workers.
 
     Without ``parallel=True`` the object made is DALI's own
@@ -64,7 +75,7 @@ class ExternalSource(_ndd.ExternalSource):
 
     _source: ParallelSource
 
-    def __new__(cls, source: Any = None, num_outputs: int = 1, *, parallel: bool = False,
+    def __new__(cls, source: Any, num_outputs: int = 1, *, parallel: bool = False,
                 **kwargs: Any) -> Any:
         if parallel:
             return super().__new__(cls)
@@ -78,7 +89,7 @@ class ExternalSource(_ndd.ExternalSource):
 
     def __init__(
         self,
-        source: Any = None,
+        source: Any,
         num_outputs: int = 1,
         *,
         parallel: bool = False,
@@ -127,6 +138,7 @@ class ExternalSource(_ndd.ExternalSource):
         self._batch_size = batch_size
         self._epoch: Any = None  # the engine's running epoch (an iterator), or None between epochs
         self._exhausted = False  # cycle "no" over an iterable: ended for good
+        self._lock = threading.Lock()  # for _epoch and _exhausted: threads may call at once
         # DALI's own initialisation, polling this object's next batch instead of the source.
         super().__init__(self._next_outputs, num_outputs, device=device, layout=layout, dtype=dtype)
 
@@ -134,35 +146,54 @@ class ExternalSource(_ndd.ExternalSource):
     def _next_outputs(self) -> Union[_ndd.Batch, Tuple[_ndd.Batch, ...]]:
         batch = self._next_batch()
         if self._source.num_outputs is None:
-            return _as_dali_batch(batch)
-        return tuple(_as_dali_batch(output) for output in batch)
+            return _as_dali_batch(batch, 0)
+        return tuple(_as_dali_batch(output, j) for j, output in enumerate(batch))
 
     def _next_batch(self) -> BatchOutput:
-        if self._exhausted:
-            raise StopIteration
-        if self._epoch is None:
-            self._epoch = iter(self._source)
-        try:
-            return self._epoch.__next__()  # not next(): see extsrc.engine's take
-        except (StopIteration, ExhaustedIteratorError):
-            self._epoch = None
-            if self._cycle == CYCLE_QUIET:  # the next pass continues this one, unseen
-                self._epoch = iter(self._source)
-                try:
-                    return self._epoch.__next__()
-                except (StopIteration, ExhaustedIteratorError):
-                    self._epoch = None
-            elif self._cycle == CYCLE_OFF and not self._callable_source:
-                self._exhausted = True
-            raise StopIteration from None
-        except Exception:
-            if not self._epoch.goes_on():  # else the epoch goes on after the failed batch
+        restarted = False  # cycle "quiet": a new pass was begun for this call
+        while True:
+            with self._lock:
+                if self._exhausted:
+                    raise StopIteration
+                if self._epoch is None:
+                    self._epoch = iter(self._source)
+                epoch = self._epoch
+            try:
+                return epoch.__next__()  # not next(): see extsrc.engine's take
+            except (StopIteration, ExhaustedIteratorError):
+                if not self._after_end(epoch, restarted):
+                    raise StopIteration from None
+                restarted = True
+            except Exception:
+                with self._lock:
+                    if self._epoch is epoch and not epoch.goes_on():
+                        self._epoch = None  # else the epoch goes on after the failed batch
+                raise
+
+    def _after_end(self, epoch: Any, restarted: bool) -> bool:
+        """``epoch`` ended: whether the call goes on into the next pass (cycle "quiet")."""
+        with self._lock:
+            if self._epoch is epoch:
                 self._epoch = None
-            raise
+                if self._cycle == CYCLE_OFF and not self._callable_source:
+                    self._exhausted = True
+            # A pass that ended at once would end again: the source gives nothing more.
+            return self._cycle == CYCLE_QUIET and not restarted
 
     # The checkpoint contract of ndd.checkpoint.Checkpoint (as DALI's readers and RNGs).
     def get_state(self, *, cuda_stream: Any = None) -> str:
-        """Where the source stands (the next batch a call returns), as a JSON string."""
+        """Where the source stands (the next batch a call returns), as a JSON string.
+
+        Raises ``RuntimeError`` in the middle of a captured epoch: DALI's pipeline polls the
+        source ahead of the loop's body, so the source's position is not the loop's."""
+        captured = self._capture_source is not None or self._captured_iter is not None
+        if self._epoch is not None and captured:
+            raise RuntimeError(
+                f"{_CALLER}: get_state() (a checkpoint) in the middle of a captured epoch would "
+                "record a position ahead of the loop: DALI's pipeline polls the source ahead of "
+                "the loop's body. Take the checkpoint between captured epochs, or call the "
+                "source eagerly (source()) where checkpoints must fall mid-epoch."
+            )
         return json.dumps(self._source.get_state(), sort_keys=True)
 
     def set_state(self, state: Union[str, dict]) -> None:
@@ -203,8 +234,16 @@ class ExternalSource(_ndd.ExternalSource):
         self.close()
 
 
-def _as_dali_batch(samples: Any) -> _ndd.Batch:
+def _as_dali_batch(samples: Any, output: int) -> _ndd.Batch:
     """DALI's batch over one output: the dense array itself (DALI keeps it alive), else a copy."""
+    dtype = samples.dtype if isinstance(samples, np.ndarray) else samples[0].dtype
+    if dtype.kind not in "biuf":
+        # DALI's TensorList would take the bytes as another type (complex64 as float32).
+        raise TypeError(
+            f"{_CALLER}: output {output} has samples of dtype {dtype}, and DALI has no such type "
+            "(it takes bool, integer and floating-point arrays); convert them in the callback, "
+            "e.g. np.stack([x.real, x.imag], -1) for complex samples"
+        )
     storage = TensorListCPU(samples if not isinstance(samples, list) else list(samples))
     return _ndd.as_batch(storage)  # type: ignore[arg-type]  # its stub omits the TensorList it takes
 

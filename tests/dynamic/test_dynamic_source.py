@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 
 import numpy as np
 import pytest
@@ -218,3 +219,53 @@ def test_close_leaves_no_worker_behind():
     assert len(set(live_children()) - before) == 2
     es.close()
     assert set(live_children()) - before == set()
+
+
+def complex_sample(info: SampleInfo) -> np.ndarray:
+    return np.array([1 + 2j, 3 + 4j], np.complex64)
+
+
+def test_a_dtype_dali_has_not_is_refused_rather_than_read_as_another():
+    with ndd.ExternalSource(complex_sample, parallel=True, batch_size=2) as es:
+        with pytest.raises(TypeError, match="output 0 has samples of dtype complex64"):
+            es()
+
+
+def test_threads_calling_at_once_share_one_epoch_each_batch_once():
+    import threading
+
+    with ndd.ExternalSource(stamped, parallel=True, batch_size=2, num_workers=2) as es:
+        taken, start = [], threading.Barrier(3)
+
+        def loop():
+            start.wait()
+            taken.extend(epoch_of(es))
+
+        threads = [threading.Thread(target=loop) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    samples = [s for batch in taken for s in batch]
+    assert sorted(int(s[1, 0]) for s in samples) == list(range(EPOCH))
+    assert {int(s[0, 0]) for s in samples} == {0}  # the first epoch, not one started per thread
+
+
+def test_a_checkpoint_mid_captured_epoch_is_refused_and_between_epochs_is_exact():
+    with ndd.ExternalSource(stamped_image, parallel=True, batch_size=4, layout="HWC") as es:
+        for step, batch in enumerate(es.captured(4)):
+            ndd.flip(batch, horizontal=1)
+            if step == 2:
+                with pytest.raises(RuntimeError, match="ahead of the loop"):
+                    es.get_state()
+        state = json.loads(es.get_state())
+    assert (state["epoch_idx"], state["iteration"]) == (1, 0)
+
+
+def test_the_module_is_dalis_under_extsrcs_name():
+    import extsrc.dynamic.checkpoint as checkpoint
+
+    assert checkpoint is dali_ndd.checkpoint
+    assert isinstance(ndd.ExternalSource(lambda: np.zeros(2)), ndd.ExternalSource)
+    with pytest.raises(TypeError, match="source"):
+        ndd.ExternalSource()
