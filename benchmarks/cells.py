@@ -48,7 +48,7 @@ def throughput_cell(loader: str, workload: str, seconds: float, warmup_s: float,
         batches, elapsed, cpu, total, last = measure(take, seconds, warmup_s)
         extra = take.figures() if hasattr(take, "figures") else {}  # a loader's own figures
         got = indices(last)
-        expected = expected_indices(loader, total - 1, w.batch_size)
+        expected = expected_indices(loader, total - 1, w.batch_size, w.epoch_batches)
         if got != expected:
             raise RuntimeError(f"{loader}: batch {total - 1} holds samples {got[:4]}..., "
                                f"expected {expected[:4]}...")

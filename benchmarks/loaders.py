@@ -9,10 +9,10 @@ cells' own processes.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from benchmarks.measure import Take
-from benchmarks.workloads import ALL_WORKLOADS
+from benchmarks.workloads import ALL_WORKLOADS, TORCH_SHAPED
 
 WORKERS = 2
 DALI_THREADS = 1  # num_threads of the DALI pipelines (DALI requires a value)
@@ -26,6 +26,8 @@ EXTSRC_FROM_DATASET = "extsrc-from-dataset"  # extsrc.torch.from_dataset on the 
 # The same, both with a user's collate_fn (stack_collate), and both on an IterableDataset.
 TORCH_COLLATE, EXTSRC_FROM_DATASET_COLLATE = "torch-collate", "extsrc-from-dataset-collate"
 TORCH_ITERABLE, EXTSRC_FROM_DATASET_ITERABLE = "torch-iterable", "extsrc-from-dataset-iterable"
+# Both without workers (num_workers=0): the dataset and the collation in the consuming process.
+TORCH_INLINE, EXTSRC_FROM_DATASET_INLINE = "torch-inline", "extsrc-from-dataset-inline"
 ORDER_RECORDS = 10 ** 9  # the order of the order rows: a large data set, never materialised
 
 Opened = Tuple[Take, Callable[[Any], List[int]], Callable[[], None]]
@@ -40,9 +42,12 @@ def bench_order(loader: str) -> Any:
         return extsrc.Order(ORDER_RECORDS)
     return None
 
-def expected_indices(loader: str, batch: int, batch_size: int) -> List[int]:
-    """The sample indices batch ``batch`` of epoch 0 must hold."""
+def expected_indices(loader: str, batch: int, batch_size: int, epoch_batches: Optional[int] = None) -> List[int]:
+    """The sample indices batch ``batch`` of the stream must hold (of epoch 0, or of its epoch
+    when epochs have ``epoch_batches`` batches)."""
     order = bench_order(loader)
+    if epoch_batches is not None:
+        batch %= epoch_batches
     positions = range(batch * batch_size, (batch + 1) * batch_size)
     return list(positions) if order is None else list(order.epoch(0)[positions.start:positions.stop])
 
@@ -84,6 +89,51 @@ def bench_dataset(workload: str):
 
     return BenchDataset(workload)
 
+def torch_shaped_dataset(workload: str):
+    """What PyTorch users' datasets return: a new 3x32x32 float32 tensor per sample holding its
+    index, alone ("tensor") or as ``{"image": tensor, "label": index}`` ("dict")."""
+    import torch
+    from torch.utils.data import Dataset
+
+    w = ALL_WORKLOADS[workload]
+
+    class TorchShaped(Dataset):
+        def __len__(self) -> int:
+            return w.batch_size * (w.epoch_batches or 1)
+
+        def __getitem__(self, idx: int):
+            image = torch.full((3, 32, 32), float(idx % 251))
+            image[0, 0, 0] = idx  # exact in float32 below 2**24
+            return image if workload == "tensor" else {"image": image, "label": idx}
+
+    return TorchShaped()
+
+
+def _torch_indices(batch) -> List[int]:
+    """The sample indices in a batch of any of the bench's datasets, as default_collate gives it."""
+    from benchmarks.workloads import sample_index
+
+    if isinstance(batch, dict):
+        return [int(v) for v in batch["label"]]
+    if batch.dtype.is_floating_point:
+        return [int(v) for v in batch[:, 0, 0, 0]]
+    return [sample_index(sample) for sample in batch.numpy()]
+
+
+def _touched(batch) -> None:
+    """The consumer touches one value."""
+    (batch["image"] if isinstance(batch, dict) else batch)[0, 0]
+
+
+def _next_of(loader: Any, state: dict) -> Any:
+    """The next batch of ``loader``'s loop in ``state``, a new loop at the end of an epoch."""
+    try:
+        return next(state["batches"])
+    except StopIteration:
+        state["batches"] = iter(loader)
+        return next(state["batches"])
+
+
 def stack_collate(samples):
     """A user's collate_fn: the samples (NumPy arrays) stacked into one tensor."""
     import numpy as np
@@ -117,6 +167,8 @@ def _bench_iterable(workload: str):
 
 def _loader_arguments(loader: str, workload: str) -> Tuple[Any, dict]:
     """The dataset and the DataLoader arguments of a DataLoader-style cell, beyond the common."""
+    if workload in TORCH_SHAPED:
+        return torch_shaped_dataset(workload), {}
     if loader in (TORCH_ITERABLE, EXTSRC_FROM_DATASET_ITERABLE):
         return _bench_iterable(workload), {}
     if loader in (TORCH_COLLATE, EXTSRC_FROM_DATASET_COLLATE):
@@ -127,42 +179,44 @@ def _loader_arguments(loader: str, workload: str) -> Tuple[Any, dict]:
 def _open_torch(workload: str, workers: int, start_method: str, name: str = TORCH):
     from torch.utils.data import DataLoader
 
-    from benchmarks.workloads import sample_index
-
     dataset, extra = _loader_arguments(name, workload)
     loader = DataLoader(dataset, batch_size=ALL_WORKLOADS[workload].batch_size,
-                        num_workers=workers, persistent_workers=True,
-                        multiprocessing_context=start_method, **extra)
+                        **_worker_arguments(name, workers, start_method), **extra)
     state = {"batches": iter(loader)}
 
     def take():
-        batch = next(state["batches"])
-        batch[0, 0]  # the consumer touches one byte
+        batch = _next_of(loader, state)
+        _touched(batch)
         return batch
 
     def close():
         state.clear()  # the iterator's finaliser shuts the persistent workers down
 
-    return take, lambda batch: [sample_index(sample) for sample in batch.numpy()], close
+    return take, _torch_indices, close
+
+
+def _worker_arguments(name: str, workers: int, start_method: str) -> dict:
+    """DataLoader's arguments for the cell's workers (none for the inline loaders)."""
+    if name in (TORCH_INLINE, EXTSRC_FROM_DATASET_INLINE):
+        return {"num_workers": 0}
+    return {"num_workers": workers, "persistent_workers": True, "multiprocessing_context": start_method}
 
 def _open_from_dataset(workload: str, workers: int, start_method: str,
                        name: str = EXTSRC_FROM_DATASET):
     """The DataLoader cell's dataset and arguments, through extsrc.torch.from_dataset."""
-    from benchmarks.workloads import sample_index
     from extsrc.torch import from_dataset
 
     dataset, extra = _loader_arguments(name, workload)
     loader = from_dataset(dataset, batch_size=ALL_WORKLOADS[workload].batch_size,
-                          num_workers=workers, persistent_workers=True,
-                          multiprocessing_context=start_method, **extra)
-    batches = iter(loader)
+                          **_worker_arguments(name, workers, start_method), **extra)
+    state = {"batches": iter(loader)}
 
     def take():
-        batch = next(batches)
-        batch[0, 0]  # the consumer touches one byte
+        batch = _next_of(loader, state)
+        _touched(batch)
         return batch
 
-    return take, lambda batch: [sample_index(sample) for sample in batch.numpy()], loader.close
+    return take, _torch_indices, loader.close
 
 def _dali_pipeline(workload: str, workers: int, start_method: str, dropin: bool, consumed: bool = False):
     """The same pipeline code for both: only the import differs."""
@@ -213,9 +267,10 @@ def open_loader(loader: str, workload: str, workers: int, start_method: str,
     """Opens ``loader`` on ``workload``; see the module docstring."""
     if loader in (EXTSRC, EXTSRC_SHUFFLED, EXTSRC_IDENTITY, EXTSRC_NO_STATS):
         return _open_extsrc(workload, workers, start_method, loader)
-    if loader in (TORCH, TORCH_COLLATE, TORCH_ITERABLE):
+    if loader in (TORCH, TORCH_COLLATE, TORCH_ITERABLE, TORCH_INLINE):
         return _open_torch(workload, workers, start_method, loader)
-    if loader in (EXTSRC_FROM_DATASET, EXTSRC_FROM_DATASET_COLLATE, EXTSRC_FROM_DATASET_ITERABLE):
+    if loader in (EXTSRC_FROM_DATASET, EXTSRC_FROM_DATASET_COLLATE, EXTSRC_FROM_DATASET_ITERABLE,
+                  EXTSRC_FROM_DATASET_INLINE):
         return _open_from_dataset(workload, workers, start_method, loader)
     if loader in (DALI, EXTSRC_DALI):
         return _open_dali(workload, workers, start_method, dropin=loader == EXTSRC_DALI, consumed=consumed)

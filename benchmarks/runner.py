@@ -51,7 +51,7 @@ from benchmarks.tables import (
     format_table, training_step_table,
     from_dataset_table, targets_text, torch_table,
 )
-from benchmarks.workloads import WORKLOADS
+from benchmarks.workloads import ALL_WORKLOADS, WORKLOADS
 
 def _remote_targets() -> str:
     from benchmarks.remote import TARGETS_TEXT
@@ -185,8 +185,8 @@ def main(argv: Optional[List[str]] = None) -> int:
               file=sys.stderr)
         return 2
     for table in tables:
-        # "large" also selects its variants ("large-fresh", "large-fill")
-        table.rows = [r for r in table.rows if r.workload.split("-")[0] in workloads or r.startup]
+        # "large" also selects its variants ("large-fresh", "large-fill"), "small" the torch-shaped
+        table.rows = [r for r in table.rows if ALL_WORKLOADS[r.workload].family in workloads or r.startup]
 
     plan: List[Tuple[Table, int, Row, str]] = []
     for r in range(repeat):

@@ -13,8 +13,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from benchmarks.loaders import (
     DALI, DALI_THREADS, EXTSRC, EXTSRC_DALI, EXTSRC_FROM_DATASET, EXTSRC_FROM_DATASET_COLLATE,
-    EXTSRC_FROM_DATASET_ITERABLE, EXTSRC_IDENTITY, EXTSRC_NO_STATS, EXTSRC_SHUFFLED, ORDER_RECORDS,
-    STARTUP_WORKERS, TORCH, TORCH_COLLATE, TORCH_ITERABLE, WORKERS,
+    EXTSRC_FROM_DATASET_INLINE, EXTSRC_FROM_DATASET_ITERABLE, EXTSRC_IDENTITY, EXTSRC_NO_STATS, EXTSRC_SHUFFLED, ORDER_RECORDS,
+    STARTUP_WORKERS, TORCH, TORCH_COLLATE, TORCH_INLINE, TORCH_ITERABLE, WORKERS,
 )
 from benchmarks.step import READY, STEP_CPU_S
 from benchmarks.workloads import ALL_WORKLOADS, WORKLOADS
@@ -79,6 +79,8 @@ def workload_label(name: str) -> str:
 _FRESH = "large-fresh: a new 4 MiB array per sample"
 _FILL = "large-fill: 4 MiB written by the callback (in place: extsrc's in_place=True)"
 _SMALL_FRESH = "small-fresh: a new 1 KiB array per sample, batch 256"
+_SHAPED = {"tensor": "tensor: a new 3x32x32 float32 tensor per sample",
+           "dict": "dict: {image: a new 3x32x32 float32 tensor, label: int}"}
 
 
 def torch_table() -> Table:
@@ -111,6 +113,11 @@ def from_dataset_table() -> Table:
                        Target(unit[w], 1.5)) for w in ("small", "large")]
     table.rows += [Row(f"{workload_label(w)}, IterableDataset", w, EXTSRC_FROM_DATASET_ITERABLE, TORCH_ITERABLE,
                        Target(unit[w], 1.5)) for w in ("small", "large")]
+    # What PyTorch datasets return, with and without workers.
+    table.rows += [Row(f"{_SHAPED[w]}, batch 128, epochs of 32 batches", w, EXTSRC_FROM_DATASET, TORCH,
+                       Target("samples_per_s", 1.5)) for w in ("tensor", "dict")]
+    table.rows += [Row(f"{_SHAPED[w]}, batch 128, num_workers=0", w, EXTSRC_FROM_DATASET_INLINE,
+                       TORCH_INLINE, Target("samples_per_s", 1.0)) for w in ("tensor", "dict")]
     return table
 
 def dali_table() -> Table:

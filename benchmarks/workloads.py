@@ -32,7 +32,7 @@ class Workload:
     """
 
     def __init__(self, name: str, sample_bytes: int, batch_size: int, spin_s: float = 0.0,
-                 fresh: bool = False):
+                 fresh: bool = False, family: Optional[str] = None, epoch_batches: Optional[int] = None):
         if sample_bytes < 8:
             raise ValueError("a sample holds its 8-byte index, so it needs at least 8 bytes")
         self.name = name
@@ -40,6 +40,8 @@ class Workload:
         self.batch_size = batch_size
         self.spin_s = spin_s
         self.fresh = fresh  # each sample is a new array, filled, as real callbacks make them
+        self.family = family or name.split("-")[0]  # the --workloads name that selects it
+        self.epoch_batches = epoch_batches  # batches per epoch (None: never ends within a cell)
         self._ring: Optional[Tuple[int, np.ndarray, np.ndarray]] = None  # (pid, bytes, int64 view)
 
     def __getstate__(self) -> Dict[str, object]:
@@ -96,8 +98,15 @@ LARGE_FILL = Workload("large-fill", 4 * MIB, 16, fresh=True)
 # Small samples as real callbacks make them: a new 1 KiB array per sample ("small-fresh").
 SMALL_FRESH = Workload("small-fresh", 1 * KIB, 256, fresh=True)
 
+# What PyTorch datasets return (benchmarks.loaders.torch_shaped_dataset): a new 3x32x32 float32
+# tensor per sample, alone ("tensor") or in a dict with an int label ("dict"); short epochs of
+# 32 batches, where the turn of an epoch counts.
+TENSOR = Workload("tensor", 3 * 32 * 32 * 4, 128, family="small", epoch_batches=32)
+DICT = Workload("dict", 3 * 32 * 32 * 4 + 8, 128, family="small", epoch_batches=32)
+TORCH_SHAPED = ("tensor", "dict")
+
 WORKLOADS: Dict[str, Workload] = {w.name: w for w in (SMALL, LARGE, CPU)}
-EXTRA_WORKLOADS: Dict[str, Workload] = {w.name: w for w in (LARGE_FRESH, LARGE_FILL, SMALL_FRESH)}
+EXTRA_WORKLOADS: Dict[str, Workload] = {w.name: w for w in (LARGE_FRESH, LARGE_FILL, SMALL_FRESH, TENSOR, DICT)}
 ALL_WORKLOADS: Dict[str, Workload] = {**WORKLOADS, **EXTRA_WORKLOADS}
 
 

@@ -10,6 +10,7 @@ import warnings
 from typing import Any, Callable, Iterator, List, Optional, Protocol
 
 import torch
+from torch.utils.data import default_collate
 
 from extsrc.engine import (EpochSupersededError, ForkedChildError, InternalError, PoolClosedError,
                            SharedMemoryError, SourceTimeoutError, WorkerDiedError)
@@ -132,7 +133,10 @@ class InProcessLoader(_Attributes):
         if self._collate is not None:
             batch = self._collate(samples)
         else:
-            batch = self._rebuild.of_columns(self._flatten.columns(samples, "the batch"))
+            try:  # as DataLoader collates without workers: the same batch as the workers', at its speed
+                batch = default_collate(samples)
+            except Exception:  # the workers' way, whose error says which sample and field differ
+                batch = self._rebuild.of_columns(self._flatten.columns(samples, "the batch"))
         if self._device is None:
             return batch
         return map_tensors(lambda tensor: tensor.to(self._device), batch)

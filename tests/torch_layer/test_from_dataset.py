@@ -268,3 +268,22 @@ def test_device_is_honoured_or_refused_the_same_with_and_without_workers(device)
         assert outcomes[0] == ("tensors on", "cpu")
     elif not torch.cuda.is_available() or device in ("mps", "meta", "cuda:x"):
         assert outcomes[0][0] in ("ValueError", "RuntimeError"), outcomes[0]
+
+
+class MixedNumbers(torch.utils.data.Dataset):
+    """Fields whose type changes from sample to sample, as default_collate promotes them."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        dtype = torch.int32 if i % 2 else torch.float32
+        return {"weight": 1 if i % 2 == 0 else 2.5, "x": torch.full((2,), i, dtype=dtype)}
+
+
+def test_without_workers_the_batches_are_dataloaders_own_collation():
+    ours = next(iter(from_dataset(MixedNumbers(), batch_size=4)))
+    theirs = next(iter(torch.utils.data.DataLoader(MixedNumbers(), batch_size=4)))
+    assert isinstance(ours["weight"], torch.Tensor) and isinstance(ours["x"], torch.Tensor)
+    assert ours["weight"].dtype == theirs["weight"].dtype and ours["x"].dtype == theirs["x"].dtype
+    assert torch.equal(ours["weight"], theirs["weight"]) and torch.equal(ours["x"], theirs["x"])
