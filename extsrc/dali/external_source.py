@@ -325,9 +325,11 @@ def _parallel_source(pipe: Any, source: Any, *, prefetch: Optional[int], batch_i
     pool = pipe._extsrc_pool_for_new_source()
     if prefetch is None:
         concurrency = options.get("concurrency", 1)  # checked by the engine
-        prefetch = max(default_prefetch(pool.num_workers, pool.max_outstanding,
-                                        concurrency if isinstance(concurrency, int) else 1),
-                       pipe._extsrc_depth())
+        engine_default = default_prefetch(pool.num_workers, pool.max_outstanding,
+                                          concurrency if isinstance(concurrency, int) else 1)
+        # The engine's own default where it covers DALI's queue: it then goes further ahead for
+        # small batches, which a prefetch given in numbers would forbid.
+        prefetch = None if engine_default >= pipe._extsrc_depth() else pipe._extsrc_depth()
     return ParallelSource(source, batch_size, prefetch=prefetch,
                           batches_held=pipe._extsrc_batches_held(), pool=pool,
                           hooks=Hooks(batch_info=batch_info, dense_arrays=True), **options)
