@@ -7,13 +7,14 @@ deadline that only a broken feature reaches.
 """
 
 import os
+import re
 import sys
 import time
 
 import numpy as np
 import pytest
 
-from extsrc import ParallelSource
+from extsrc import ParallelSource, WorkerPool
 from faultkit import run_isolated
 from extsrc.engine import policy
 from extsrc.shm import limits
@@ -202,3 +203,51 @@ def test_on_a_shared_pool_only_the_source_with_short_tasks_goes_further_ahead():
         short_source.close()
         long_source.close()
         pool.close()
+
+
+def sleeps_a_quarter(info):
+    time.sleep(0.25)
+    return np.zeros(4)
+
+
+def returns_at_once(info):
+    return np.zeros(4)
+
+
+def test_on_a_shared_pool_a_quick_source_is_not_queued_behind_all_of_a_slow_ones_tasks():
+    # The slow source goes 24 batches ahead (6 s of tasks on the one worker). Queued first in
+    # first out, the quick source's next task waited behind all of them and its timeout fired
+    # saying "no task was running"; the sources are now served in turn.
+    with WorkerPool(1) as pool:
+        slow = ParallelSource(sleeps_a_quarter, 1, pool=pool, name="slow", prefetch=24)
+        quick = ParallelSource(returns_at_once, 1, pool=pool, name="quick", prefetch=1, timeout=3)
+        slow.start()
+        batches = iter(quick)
+        for _ in range(4):
+            next(batches)
+        slow.close()
+        quick.close()
+
+
+def turns_long(info):
+    time.sleep(0.0002 if info.iteration < 30 else 1.0)
+    return np.zeros(4)
+
+
+def test_a_timeout_names_the_other_sources_tasks_a_worker_holds_ahead():
+    # Short tasks let the worker hold several of the slow source's; once they turn long, the
+    # quick source's task waits behind them in the worker, and the error says so (it said
+    # "no task was running").
+    from extsrc import SourceTimeoutError
+
+    with WorkerPool(1) as pool:
+        slow = ParallelSource(turns_long, 1, pool=pool, name="slow")
+        quick = ParallelSource(returns_at_once, 1, pool=pool, name="quick", timeout=2)
+        batches = iter(slow)
+        for _ in range(31):
+            next(batches)
+        with pytest.raises(SourceTimeoutError, match=r"of source quick was not ready") as caught:
+            for _, _ in zip(range(1000), iter(quick)):  # bounded: no hang if it never came
+                pass
+        assert re.search(r"Other sources' tasks ahead of it: worker 0 \(pid \d+\): \d+ task\(s\) of "
+                         r"source slow, the first running for", str(caught.value)), str(caught.value)

@@ -65,6 +65,7 @@ from __future__ import annotations
 import _thread
 import atexit
 import enum
+import functools
 import itertools
 import logging
 import os
@@ -77,6 +78,7 @@ from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Pr
 from extsrc.engine import policy
 from extsrc.engine import workers as worker_processes
 from extsrc.engine.backend import Arrival, Fault, Lost, WorkerBackend, backend_class
+from extsrc.engine.fair_queue import FairQueue
 from extsrc.engine.protocol import Result, SourceSetup, Task
 from extsrc.engine.threads import OwnedThread, defer_on_wake_up
 from extsrc.engine.workers import Waker
@@ -213,7 +215,7 @@ class WorkerPool(ClosedWhenCollected):
         self._clients: List["weakref.ReferenceType[PoolClient]"] = []
         self._client_gone = _waking(weakref.ref(self))  # the callback of those references
         self._loads: List[_Load] = []
-        self._queue: Deque[Task] = deque()
+        self._queue = FairQueue()  # tasks for any worker, each source's in order, sources in turn
         self._pinned: Dict[int, Deque[Task]] = {}
         self._pins = 0
         self._tickets = itertools.count()
@@ -491,9 +493,7 @@ class WorkerPool(ClosedWhenCollected):
 
     def discard_queued(self, source_id: int) -> List[Task]:
         """*engine*, lock held: removes the source's tasks not yet sent to a worker; returns them."""
-        removed = [t for t in self._queue if t.source_id == source_id]
-        if removed:
-            self._queue = deque(t for t in self._queue if t.source_id != source_id)
+        removed = self._queue.remove_source(source_id)
         for index, queue in self._pinned.items():
             mine = [t for t in queue if t.source_id == source_id]
             if mine:
@@ -521,9 +521,8 @@ class WorkerPool(ClosedWhenCollected):
         except OSError as exc:
             if exc.errno not in DESCRIPTOR_ERRNOS:
                 raise
-            client = self._clients[source_id]()
-            name = client.name if client is not None else f"#{source_id}"
-            raise out_of_descriptors(exc, f"shared memory of source {name}, slot {slot_id}") from None
+            raise out_of_descriptors(
+                exc, f"shared memory of source {self._source_name(source_id)}, slot {slot_id}") from None
         self.wake()
 
     def drop_slot(self, source_id: int, slot_id: int) -> None:
@@ -550,6 +549,28 @@ class WorkerPool(ClosedWhenCollected):
                     running = now - load.busy_since if position == 0 else 0.0
                     rows.append((load.index, self._backend.describe_worker(load.index), task, running))
         return rows
+
+    def other_work(self, source_id: int) -> List[str]:
+        """*engine*, lock held: what keeps the workers from a source's tasks, one line per
+        worker holding other sources' tasks (``"worker 0 (pid 12): 8 tasks of source a, the
+        first running for 1.6 s"``)."""
+        now = time.monotonic()
+        lines = []
+        for load in self._loads:
+            others = [task for task in load.outstanding.values() if task.source_id != source_id]
+            if not others:
+                continue
+            counts: Dict[int, int] = {}
+            for task in others:
+                counts[task.source_id] = counts.get(task.source_id, 0) + 1
+            held = ", ".join(f"{n} task(s) of source {self._source_name(sid)}" for sid, n in counts.items())
+            lines.append(f"{self._backend.describe_worker(load.index)}: {held}, the first running for "
+                         f"{now - load.busy_since:.1f} s")
+        return lines
+
+    def _source_name(self, source_id: int) -> str:
+        client = self._clients[source_id]() if 0 <= source_id < len(self._clients) else None
+        return client.name if client is not None else f"#{source_id}"
 
     # -- the I/O thread -------------------------------------------------------------------------
 
@@ -677,6 +698,10 @@ class WorkerPool(ClosedWhenCollected):
         client = self._clients[arrival.source_id]()
         return client is not None and client.on_result(arrival.result)
 
+    def _may_hold(self, level: int, task: Task) -> bool:
+        """Lock held: whether a worker holding ``level - 1`` tasks may take ``task`` too."""
+        return level <= self._depth(task.source_id)
+
     def _depth(self, source_id: int) -> int:
         """Lock held: how many of the source's tasks a worker may hold (see :class:`_TaskTime`)."""
         timed = self._task_times.get(source_id)
@@ -711,10 +736,15 @@ class WorkerPool(ClosedWhenCollected):
                 if len(load.outstanding) >= level:
                     continue
                 pinned = self._pinned.get(load.index)
-                queue = pinned if pinned else self._queue
-                if not queue or level > self._depth(queue[0].source_id):
-                    continue  # a long task waits here rather than deep in a worker's queue
-                task = queue.popleft()
+                if pinned:
+                    if level > self._depth(pinned[0].source_id):
+                        continue  # a long task waits here rather than deep in a worker's queue
+                    task = pinned.popleft()
+                else:
+                    found = self._queue.take(functools.partial(self._may_hold, level))
+                    if found is None:
+                        continue
+                    task = found
                 if not load.outstanding:
                     load.busy_since = time.monotonic()
                 load.outstanding[task.ticket] = task
@@ -761,7 +791,7 @@ class WorkerPool(ClosedWhenCollected):
             return False
         load = self._loads[lost.worker]
         tasks = list(load.outstanding.values())
-        self._queue.extendleft(reversed([t for t in tasks if t.ticket not in load.pinned]))
+        self._queue.put_back(t for t in tasks if t.ticket not in load.pinned)
         self._pinned.setdefault(lost.worker, deque()).extendleft(
             reversed([t for t in tasks if t.ticket in load.pinned]))
         load.outstanding.clear()

@@ -514,10 +514,13 @@ class Taker:
             if pending is None or task.batch_seq == pending.seq or (worker in holding and running):
                 state = f"running for {running:.1f} s" if running else "queued behind another task"
                 stuck.append(f"{described}: {producer.describe_task(task)}, {state}")
+        others = pool.other_work(producer.source_id)  # on a shared pool: what was ahead
+        if not stuck:
+            stuck = ["none of its tasks had reached a worker" if others else "no task was running"]
+        ahead = f". Other sources' tasks ahead of it: {'; '.join(others)}" if others else ""
         error = SourceTimeoutError(
             f"batch {epoch.next_yield} of epoch {epoch.epoch_idx} of source {self.name} was not "
-            f"ready after timeout={self.spec.timeout} s. Stuck: "
-            + ("; ".join(stuck) if stuck else "no task was running")
+            f"ready after timeout={self.spec.timeout} s. Stuck: " + "; ".join(stuck) + ahead
             + ". The workers were shut down.",
             timeout=self.spec.timeout,
         )
