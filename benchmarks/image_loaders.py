@@ -23,7 +23,10 @@ random resized crop to 224, horizontal flip with probability 1/2, normalise
   operators called eagerly on each batch (``num_threads`` DALI threads); the
   file bytes come from ``extsrc.dynamic``'s parallel ``ExternalSource``
   (``workers`` processes) or from DALI's own ``ndd.ExternalSource``, which
-  reads them in the consumer's thread.
+  reads them in the consumer's thread;
+* ``extsrc-ndd-pil`` / ``ndd-in-process-pil``: the same two sources decoding
+  each JPEG with PIL and resizing it to 224x224 in the callback (Python work,
+  as a user's own format needs), DALI then flipping and normalising.
 
 PyTorch, torchvision and DALI are imported here only, inside the cells'
 processes. Every opener returns ``(take, labels, close)``: ``take()`` the
@@ -44,9 +47,11 @@ from benchmarks.imageset import ImageSet, load
 EXTSRC_DALI, DALI_SOURCE, DALI_READER, TORCH, EXTSRC, EXTSRC_NDD, NDD = (
     "extsrc-dali", "dali-external-source", "dali-file-reader", "torch", "extsrc", "extsrc-ndd",
     "ndd-in-process")
-LOADERS = (EXTSRC_DALI, DALI_SOURCE, DALI_READER, TORCH, EXTSRC, EXTSRC_NDD, NDD)
-DALI_LOADERS = (EXTSRC_DALI, DALI_SOURCE, DALI_READER, EXTSRC_NDD, NDD)
-NDD_LOADERS = (EXTSRC_NDD, NDD)
+# Dynamic mode with the decoding in the source (PIL, in Python): the CPU-bound callback case.
+EXTSRC_NDD_PIL, NDD_PIL = "extsrc-ndd-pil", "ndd-in-process-pil"
+LOADERS = (EXTSRC_DALI, DALI_SOURCE, DALI_READER, TORCH, EXTSRC, EXTSRC_NDD, NDD, EXTSRC_NDD_PIL, NDD_PIL)
+NDD_LOADERS = (EXTSRC_NDD, NDD, EXTSRC_NDD_PIL, NDD_PIL)
+DALI_LOADERS = (EXTSRC_DALI, DALI_SOURCE, DALI_READER) + NDD_LOADERS
 TRANSFORMS = ("torchvision", "numpy")  # what the torch loader augments with
 DEVICES = ("cpu", "mixed")  # where DALI decodes ("mixed": on the GPU, with device_id 0)
 # How the DALI pipelines crop: "crop" decodes only the random window (fn.decoders.image_random_crop,
@@ -176,6 +181,23 @@ def _open_dali(spec: ImageCellSpec, images: ImageSet) -> Opened:
     return take, labels, close
 
 
+class PilResized:
+    """Sample source: position -> (the JPEG decoded by PIL, resized to SIZE x SIZE, HWC uint8,
+    label as int32[1])."""
+
+    def __init__(self, images: ImageSet):
+        self.paths = [images.path(i) for i in range(len(images))]
+        self.labels = list(images.labels)
+
+    def __call__(self, info) -> Tuple[np.ndarray, np.ndarray]:
+        from PIL import Image
+
+        k = info.idx_in_epoch % len(self.paths)
+        with Image.open(self.paths[k]) as image:
+            pixels = np.asarray(image.convert("RGB").resize((augment.SIZE, augment.SIZE), Image.BILINEAR))
+        return pixels, np.array([self.labels[k]], np.int32)
+
+
 class _Position:
     """The one field of ``SampleInfo`` that ``JpegBytes`` reads, for the in-process source."""
 
@@ -184,17 +206,19 @@ class _Position:
 
 
 def _ndd_source(spec: ImageCellSpec, images: ImageSet) -> Tuple[Any, Any]:
-    """``(ndd, source)``: the dynamic-mode module and a source of (JPEG bytes, labels) batches."""
-    if spec.loader == EXTSRC_NDD:
+    """``(ndd, source)``: the dynamic-mode module and a source of (JPEG bytes or decoded images,
+    labels) batches."""
+    reader = PilResized(images) if spec.loader in (EXTSRC_NDD_PIL, NDD_PIL) else JpegBytes(images)
+    if spec.loader in (EXTSRC_NDD, EXTSRC_NDD_PIL):
         import extsrc.dynamic as ndd
 
-        source = ndd.ExternalSource(JpegBytes(images), 2, parallel=True, batch_size=spec.batch_size,
+        source = ndd.ExternalSource(reader, 2, parallel=True, batch_size=spec.batch_size,
                                     num_workers=spec.workers, start_method="fork")
         source.start()  # fork the workers before anything can initialise CUDA
         return ndd, source
     import nvidia.dali.experimental.dynamic as ndd
 
-    reader, batch = JpegBytes(images), [0]
+    batch = [0]
 
     def next_batch():
         start, batch[0] = batch[0] * spec.batch_size, batch[0] + 1
@@ -214,11 +238,16 @@ def _open_ndd(spec: ImageCellSpec, images: ImageSet) -> Opened:
     area, ratio = list(augment.SCALE), list(augment.RATIO)
     mean, std = [255 * m for m in augment.MEAN], [255 * s for s in augment.STD]
 
+    decoded_in_source = spec.loader in (EXTSRC_NDD_PIL, NDD_PIL)
+
     def take():
-        jpegs, labels = source()
-        window = ndd.decoders.image_random_crop(jpegs, device=device, output_type=DALIImageType.RGB,
-                                                random_area=area, random_aspect_ratio=ratio)
-        cropped = ndd.resize(window, size=(augment.SIZE, augment.SIZE))
+        data, labels = source()
+        if decoded_in_source:
+            cropped = ndd.as_batch(data, layout="HWC")
+        else:
+            window = ndd.decoders.image_random_crop(data, device=device, output_type=DALIImageType.RGB,
+                                                    random_area=area, random_aspect_ratio=ratio)
+            cropped = ndd.resize(window, size=(augment.SIZE, augment.SIZE))
         mirror = ndd.random.coin_flip(probability=0.5, batch_size=spec.batch_size, dtype=ndd.int32)
         images_out = ndd.crop_mirror_normalize(cropped, mirror=mirror, dtype=ndd.float32,
                                                output_layout="CHW", mean=mean, std=std)

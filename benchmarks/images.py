@@ -14,7 +14,9 @@ worker processes and decoding threads:
 5. ``extsrc.ParallelSource`` decoding with PIL in the callback;
 6. DALI's dynamic mode, the same operators called eagerly on the batches of
    ``extsrc.dynamic``'s parallel ``ExternalSource``;
-7. the same with DALI's own ``ndd.ExternalSource`` (in the consumer's thread).
+7. the same with DALI's own ``ndd.ExternalSource`` (in the consumer's thread);
+8. and 9. the same two sources decoding with PIL themselves (a CPU-bound
+   callback), DALI flipping and normalising.
 
 The figures compare the drop-in with each (targets: at least even with DALI's
 parallel external source, >= 1.3x the DataLoader, >= 0.9x ``fn.readers.file``)
@@ -45,7 +47,8 @@ from benchmarks.augment import SIZE
 from benchmarks.cells import run_cell
 from benchmarks.packages import installed, version
 from benchmarks.image_loaders import (
-    DALI_LOADERS, DALI_READER, DALI_SOURCE, DECODES, DEVICES, EXTSRC, EXTSRC_DALI, EXTSRC_NDD, NDD, TORCH,
+    DALI_LOADERS, DALI_READER, DALI_SOURCE, DECODES, DEVICES, EXTSRC, EXTSRC_DALI, EXTSRC_NDD, EXTSRC_NDD_PIL,
+    NDD, NDD_PIL, TORCH,
 )
 from benchmarks.tables import QUIET_OTHER_CPU
 
@@ -184,6 +187,8 @@ def columns(transforms: str) -> List[Column]:
         Column(EXTSRC, "extsrc.ParallelSource + PIL/NumPy in the callback"),
         Column(EXTSRC_NDD, "dynamic mode: extsrc.dynamic parallel source + DALI decoder"),
         Column(NDD, "dynamic mode: DALI's ndd.ExternalSource (in-process) + DALI decoder"),
+        Column(EXTSRC_NDD_PIL, "dynamic mode: extsrc.dynamic parallel source decoding with PIL"),
+        Column(NDD_PIL, "dynamic mode: DALI's ndd.ExternalSource (in-process) decoding with PIL"),
     ]
 
 
@@ -275,11 +280,12 @@ def engine_vs_dataloader(rows: List[Figures]) -> Optional[float]:
 
 
 def dynamic_mode(rows: List[Figures]) -> Optional[Tuple[float, float]]:
-    """In dynamic mode, extsrc's parallel source's images/s over DALI's in-process one's and over
-    the drop-in's (pipeline mode): the same operators, the same bytes read."""
+    """In dynamic mode, extsrc's parallel source's images/s over DALI's in-process one's, both
+    decoding in the source (PIL: the CPU-bound callback), and over the drop-in's with DALI's
+    decoder (the same operators, the same bytes read)."""
     rates = {row.loader: row.images_per_s for row in rows}
-    if rates.get(EXTSRC_NDD) and rates.get(NDD) and rates.get(EXTSRC_DALI):
-        return rates[EXTSRC_NDD] / rates[NDD], rates[EXTSRC_NDD] / rates[EXTSRC_DALI]
+    if all(rates.get(k) for k in (EXTSRC_NDD_PIL, NDD_PIL, EXTSRC_NDD, EXTSRC_DALI)):
+        return rates[EXTSRC_NDD_PIL] / rates[NDD_PIL], rates[EXTSRC_NDD] / rates[EXTSRC_DALI]
     return None
 
 
@@ -398,9 +404,9 @@ def run(args: argparse.Namespace, seconds: float, warmup_s: float, repeat: int) 
         print(f"\nextsrc.ParallelSource vs PyTorch DataLoader, both decoding with PIL: {ratio:.2f}x images/s")
     dynamic = dynamic_mode(rows)
     if dynamic is not None:
-        print(f"\ndynamic mode, extsrc.dynamic's parallel source vs DALI's in-process ndd.ExternalSource: "
-              f"{dynamic[0]:.2f}x (target >= {NDD_OVER_IN_PROCESS:g}x); vs the pipeline drop-in: "
-              f"{dynamic[1]:.2f}x (target >= {NDD_OVER_DROP_IN:g}x)")
+        print(f"\ndynamic mode, extsrc.dynamic's parallel source vs DALI's in-process ndd.ExternalSource, "
+              f"both decoding with PIL in the source: {dynamic[0]:.2f}x (target >= {NDD_OVER_IN_PROCESS:g}x); "
+              f"with DALI's decoder vs the pipeline drop-in: {dynamic[1]:.2f}x (target >= {NDD_OVER_DROP_IN:g}x)")
     if any(row.disturbed for row in rows):
         print(f"\n* every run of this figure shared the CPUs with other processes (more than "
               f"{QUIET_OTHER_CPU:g} cores on average): it is low; rerun on a quieter machine or with "
