@@ -269,3 +269,23 @@ def test_the_module_is_dalis_under_extsrcs_name():
     assert isinstance(ndd.ExternalSource(lambda: np.zeros(2)), ndd.ExternalSource)
     with pytest.raises(TypeError, match="source"):
         ndd.ExternalSource()
+
+
+def test_gpu_outputs_go_through_dalis_copy_up_to_the_cuda_call():
+    import nvidia.dali.backend as dali_backend
+
+    try:
+        gpus = dali_backend.GetCUDADeviceCount()
+    except RuntimeError:
+        gpus = 0
+    with ndd.ExternalSource(large, parallel=True, batch_size=4, device="gpu") as es:
+        if gpus == 0:
+            # The batch came from the workers and reached DALI's copy to the device: the error
+            # is CUDA's, not a refusal of the batch.
+            with pytest.raises(RuntimeError, match="CUDA"):
+                es()
+            return
+        batch = es()
+        assert batch.device == ndd.Device("gpu")
+        host = np.asarray(ndd.as_tensor(batch.cpu()))
+        assert host.shape == (4, 128, 128, 3) and [int(host[i, 0, 0, 0]) for i in range(4)] == [0, 1, 2, 3]
