@@ -230,24 +230,25 @@ def test_on_a_shared_pool_a_quick_source_is_not_queued_behind_all_of_a_slow_ones
 
 
 def turns_long(info):
-    time.sleep(0.0002 if info.iteration < 30 else 1.0)
+    time.sleep(0.0002 if info.iteration < 30 else 1.5)
     return np.zeros(4)
 
 
 def test_a_timeout_names_the_other_sources_tasks_a_worker_holds_ahead():
-    # Short tasks let the worker hold several of the slow source's; once they turn long, the
-    # quick source's task waits behind them in the worker, and the error says so (it said
-    # "no task was running").
+    # Once the slow source's tasks turn long, the worker always holds one of them running and
+    # at least one more queued (two per worker at least): the quick source's next task waits
+    # behind a whole 1.5 s task, past its timeout, and the error says what it waited behind (it
+    # said "no task was running").
     from extsrc import SourceTimeoutError
 
     with WorkerPool(1) as pool:
         slow = ParallelSource(turns_long, 1, pool=pool, name="slow")
-        quick = ParallelSource(returns_at_once, 1, pool=pool, name="quick", timeout=2)
+        quick = ParallelSource(returns_at_once, 1, pool=pool, name="quick", timeout=1)
         batches = iter(slow)
         for _ in range(31):
             next(batches)
         with pytest.raises(SourceTimeoutError, match=r"of source quick was not ready") as caught:
-            for _, _ in zip(range(1000), iter(quick)):  # bounded: no hang if it never came
+            for _, _ in zip(range(100), iter(quick)):  # bounded: no hang if it never came
                 pass
         assert re.search(r"Other sources' tasks ahead of it: worker 0 \(pid \d+\): \d+ task\(s\) of "
                          r"source slow, the first running for", str(caught.value)), str(caught.value)
