@@ -28,6 +28,8 @@ TORCH_COLLATE, EXTSRC_FROM_DATASET_COLLATE = "torch-collate", "extsrc-from-datas
 TORCH_ITERABLE, EXTSRC_FROM_DATASET_ITERABLE = "torch-iterable", "extsrc-from-dataset-iterable"
 # Both without workers (num_workers=0): the dataset and the collation in the consuming process.
 TORCH_INLINE, EXTSRC_FROM_DATASET_INLINE = "torch-inline", "extsrc-from-dataset-inline"
+READY = "ready"  # no loader: the same prepared batch each step (benchmarks.step)
+STEP_CPU_S = 0.003  # a training step's CPU (benchmarks.step): long enough that loaders are not the limit
 ORDER_RECORDS = 10 ** 9  # the order of the order rows: a large data set, never materialised
 
 Opened = Tuple[Take, Callable[[Any], List[int]], Callable[[], None]]

@@ -16,11 +16,9 @@ from typing import Any, Dict
 
 import numpy as np
 
+from benchmarks.loaders import READY, STEP_CPU_S
 from benchmarks.measure import measure
 from benchmarks.workloads import ALL_WORKLOADS
-
-STEP_CPU_S = 0.003  # a small model's step on the CPU: long enough that loaders are not the limit
-READY = "ready"  # no loader: the same prepared batch each step
 
 
 def training_step() -> None:
