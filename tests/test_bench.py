@@ -220,6 +220,7 @@ def test_quick_training_step_bench_compares_each_loader_with_ready_batches():
     rows = table_rows(out.stdout, "training step: 3 ms of one thread's CPU per batch")
     names = ["extsrc.ParallelSource"] + (["extsrc drop-in (num_threads=1)"] if installed("nvidia.dali") else [])
     assert [row[0] for row in rows] == names
+    steps = r"[\d,]+ steps/s( \*)?"  # *: the machine was busy during every run of the cell
     for label, ours, ready, ratio, target, met in rows:
-        assert re.fullmatch(r"[\d,]+ steps/s", ours) and re.fullmatch(r"[\d,]+ steps/s", ready), label
+        assert re.fullmatch(steps, ours) and re.fullmatch(steps, ready), label
         assert re.fullmatch(r"\d+\.\d\dx", ratio) and target == ">= 0.9x steps/s" and met in ("yes", "no")
