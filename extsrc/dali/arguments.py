@@ -122,9 +122,11 @@ def engine_dtypes_ndims(dtype: Any, ndim: Any, layout: Any, num_outputs: Any) ->
     return dtypes, ndims
 
 
+def source_name(source: Any) -> str:
+    """A source's own name: its qualified name, else its name, else its type's."""
+    return getattr(source, "__qualname__", None) or getattr(source, "__name__", None) or type(source).__name__
+
+
 def describe(source: Any) -> str:
     """The engine's name for a source the user did not name: ``external_source(<its name>)``."""
-    name = getattr(source, "__qualname__", None) or getattr(source, "__name__", None)
-    if name is None:
-        name = type(source).__name__
-    return f"external_source({name})"
+    return f"external_source({source_name(source)})"

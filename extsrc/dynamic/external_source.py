@@ -33,7 +33,7 @@ import numpy as np
 import nvidia.dali.experimental.dynamic as _ndd
 from nvidia.dali.tensors import TensorListCPU
 
-from extsrc.dali.arguments import is_generator_function
+from extsrc.dali.arguments import is_generator_function, source_name
 from extsrc.dali.external_source import engine_source
 from extsrc.dali.feeder import CYCLE_OFF, CYCLE_QUIET, cycle_mode
 from extsrc.dali.pickling import DaliDefaultPickler
@@ -131,7 +131,7 @@ class ExternalSource(_ndd.ExternalSource, metaclass=_EitherClass):
             if start_method != "fork" else UNSET,
             prefetch=prefetch, order=order, last_batch=last_batch, concurrency=concurrency,
             timeout=timeout, on_error=on_error, max_errors=max_errors, batches_held=batches_held,
-            name=name if name is not None else f"ndd.ExternalSource({_describe(source)})",
+            name=name if name is not None else f"ndd.ExternalSource({source_name(source)})",
             hooks=Hooks(batch_info=batch_info and bool(batch) and self._callable_source,
                         dense_arrays=True),
         )
@@ -246,7 +246,3 @@ def _as_dali_batch(samples: Any, output: int) -> _ndd.Batch:
         )
     storage = TensorListCPU(samples if not isinstance(samples, list) else list(samples))
     return _ndd.as_batch(storage)  # type: ignore[arg-type]  # its stub omits the TensorList it takes
-
-
-def _describe(source: Any) -> str:
-    return getattr(source, "__qualname__", None) or getattr(source, "__name__", None) or type(source).__name__

@@ -12,7 +12,7 @@ place. The pool's I/O thread and sources use it with the pool's lock held.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Deque, Dict, Iterable, Iterator, List, Optional
+from typing import Callable, Deque, Dict, Iterable, List, Optional
 
 from extsrc.engine.protocol import Task
 
@@ -30,10 +30,6 @@ class FairQueue:
 
     def __len__(self) -> int:
         return sum(len(line) for line in self._lines.values())
-
-    def __iter__(self) -> Iterator[Task]:
-        for source_id in self._turn:
-            yield from self._lines[source_id]
 
     def append(self, task: Task) -> None:
         """Queues ``task`` after its source's others."""

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import _thread
 import atexit
+import collections
 import enum
 import functools
 import itertools
@@ -560,9 +561,7 @@ class WorkerPool(ClosedWhenCollected):
             others = [task for task in load.outstanding.values() if task.source_id != source_id]
             if not others:
                 continue
-            counts: Dict[int, int] = {}
-            for task in others:
-                counts[task.source_id] = counts.get(task.source_id, 0) + 1
+            counts = collections.Counter(task.source_id for task in others)
             held = ", ".join(f"{n} task(s) of source {self._source_name(sid)}" for sid, n in counts.items())
             lines.append(f"{self._backend.describe_worker(load.index)}: {held}, the first running for "
                          f"{now - load.busy_since:.1f} s")
