@@ -7,6 +7,9 @@ them alike:
 * ``small``: a fresh 1 KiB uint8 array per sample, batch 256, 2 workers, fork, through
   ``ParallelSource``. Reference: one process calling the callback and copying each sample
   into a batch buffer in a plain loop (rate ``R`` per core).
+* ``small-p2``: ``small`` with a given ``prefetch=2`` (as the DALI drop-in's
+  ``prefetch_queue_depth`` and ``from_dataset``'s ``prefetch_factor`` give one) rather than
+  the engine's default.
 * ``small-arrays``: the same with ``Hooks(dense_arrays=True)`` (each batch one array, as the
   reference's, rather than a ``Batch`` list of per-sample views).
 * ``large``: a fresh 4 MiB uint8 array per sample, batch 16, 2 workers, fork, through the
@@ -36,13 +39,13 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 KIB, MIB = 1 << 10, 1 << 20
 WORKERS = 2
-ROWS = {"small": (KIB, 256), "small-arrays": (KIB, 256), "large": (4 * MIB, 16)}
+ROWS = {"small": (KIB, 256), "small-p2": (KIB, 256), "small-arrays": (KIB, 256), "large": (4 * MIB, 16)}
 WARMUP_S = 1.0  # workers started, memory faulted in, caches warm before the clock starts
 
 
@@ -62,7 +65,7 @@ def large(sample_info) -> np.ndarray:
     return make(sample_info, 4 * MIB)
 
 
-CALLBACKS = {"small": small, "small-arrays": small, "large": large}
+CALLBACKS = {"small": small, "small-p2": small, "small-arrays": small, "large": large}
 
 
 def _cpu_s() -> float:
@@ -141,14 +144,17 @@ def reference_pair(row: str, seconds: float) -> Tuple[float, float]:
     return sum(r for r, _ in results), statistics.mean(c for _, c in results)
 
 
-def engine_small(seconds: float, dense_arrays: bool = False) -> Tuple[float, float]:
+def engine_small(seconds: float, dense_arrays: bool = False, prefetch: Optional[int] = None
+                 ) -> Tuple[float, float]:
     import extsrc
 
     nbytes, batch_size = ROWS["small"]
     # A tree from before extsrc.Hooks took dense_arrays= itself (--tree compares with older ones).
     dense = ({"hooks": extsrc.Hooks(dense_arrays=True)} if hasattr(extsrc, "Hooks")
              else {"dense_arrays": True}) if dense_arrays else {}
-    source = extsrc.ParallelSource(small, batch_size, num_workers=WORKERS, start_method="fork", **dense)
+    given = {} if prefetch is None else {"prefetch": prefetch}
+    source = extsrc.ParallelSource(small, batch_size, num_workers=WORKERS, start_method="fork", **dense,
+                                   **given)
     try:
         batches = iter(source)
 
@@ -191,7 +197,8 @@ def child(kind: str, row: str, seconds: float) -> None:
         rate, cpu_us = reference_pair(row, seconds)
     else:
         rate, cpu_us = (engine_large(seconds) if row == "large"
-                        else engine_small(seconds, dense_arrays=row == "small-arrays"))
+                        else engine_small(seconds, dense_arrays=row == "small-arrays",
+                                          prefetch=2 if row == "small-p2" else None))
     print(json.dumps({"rate": rate, "cpu_us": cpu_us}))
 
 
@@ -211,8 +218,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tree", action="append", help="a source tree to measure (repeatable; "
                         "default: the one this script is in)")
-    parser.add_argument("--rows", default="small,small-arrays,large",
-                        help="comma-separated: small, small-arrays, large (default: all three)")
+    parser.add_argument("--rows", default="small,small-p2,small-arrays,large",
+                        help="comma-separated: small, small-p2, small-arrays, large (default: all)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--seconds", type=float, default=3.0, help="measured time per run")
     parser.add_argument("--pair", action="store_true", help="also run the reference loop in "

@@ -20,11 +20,13 @@ from extsrc.engine.backend import (Arrival, Fault, HeldBy, Received, Wakeable, W
                                    backend_names, register_backend, unregister_backend)
 from extsrc.engine.channel import Channel, OwnedFds
 from extsrc.engine.concurrent import is_async
+from extsrc.engine.epoch_table import EpochTable
 from extsrc.engine.cuda_state import gpu_visible, no_gpu_message
 from extsrc.engine.hooks import Hooks, WorkerHooks
 from extsrc.engine.kinds import BATCH_CALLABLE, BATCH_GENERATOR, BATCH_ITERABLE, SAMPLE, SourceKind
 from extsrc.engine.policy import default_prefetch
-from extsrc.engine.pickling import DefaultPickler, Pickler, PicklerSpec, attribute_at, pickle_by_value
+from extsrc.engine.pickling import (DefaultPickler, Pickler, PicklerSpec, attribute_at, dumps_classes_by_path,
+                                    pickle_by_value)
 from extsrc.engine.pool import WorkerPool
 from extsrc.engine.processes import setup_failed
 from extsrc.engine.protocol import (AddSlot, DropSlot, Result, SetupFailed, SourceSetup, Task, TaskDone,
@@ -34,6 +36,10 @@ from extsrc.engine.runner import SourceRunner, failure, load_source, slot_writer
 from extsrc.engine.samples import SampleChecker
 from extsrc.engine.sink import TaskSink, WriterSink
 from extsrc.engine.source import ParallelSource
+from extsrc.engine.structure import (ARRAY, BYTES, HEAP_BUFFERS, MAPPING, PICKLED, SCALAR, STRING, Flattener,
+                                     ForeignLeaves, NUMERIC_KINDS, PackedLayout, Structure, check_same, container,
+                                     leaf_error, pack_whole)
+from extsrc.engine.take import Cursor, first_ready
 from extsrc.engine.threads import OwnedThread
 from extsrc.engine.spec import (AUTO_OUTPUTS, START_METHODS, UNSET, PoolSpec, SourceSpec, check_backend,
                                 non_negative_int, non_negative_number, positive_int)
@@ -52,11 +58,14 @@ from extsrc.shm.segment import backend as shm_backend
 __all__ = [
     # sources and pools
     "ParallelSource", "WorkerPool", "Batch", "BatchOutput", "SampleInfo", "BatchInfo", "Order",
-    "RecordCache", "SampleFault", "SourceSpec", "PoolSpec", "AUTO_OUTPUTS", "START_METHODS", "UNSET",
+    "RecordCache", "EpochTable", "SampleFault", "Cursor", "first_ready",
+    # nested samples flattened in a worker, rebuilt by a layer
+    "Flattener", "ForeignLeaves", "Structure", "PackedLayout", "pack_whole", "HEAP_BUFFERS", "check_same",
+    "container", "leaf_error", "NUMERIC_KINDS", "ARRAY", "STRING", "BYTES", "SCALAR", "PICKLED", "MAPPING", "SourceSpec", "PoolSpec", "AUTO_OUTPUTS", "START_METHODS", "UNSET",
     "SourceKind", "SAMPLE", "BATCH_CALLABLE", "BATCH_ITERABLE", "BATCH_GENERATOR",
     # what a layer passes in
     "Hooks", "WorkerHooks", "Pickler", "PicklerSpec", "DefaultPickler", "pickle_by_value",
-    "attribute_at", "is_async", "default_prefetch",
+    "attribute_at", "dumps_classes_by_path", "is_async", "default_prefetch",
     # checks a layer's own arguments reuse
     "positive_int", "non_negative_int", "non_negative_number", "is_int", "check_backend",
     # backends: the protocol, the writer seam, what a worker runs

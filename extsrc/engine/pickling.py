@@ -18,6 +18,7 @@ import importlib
 import inspect
 import io
 import pickle
+import sys
 import types
 from typing import Any, Callable, Dict, Optional, Protocol, Tuple, Type, TypeVar
 
@@ -91,6 +92,49 @@ class DefaultPickler:
     @staticmethod
     def loads(data: bytes) -> Any:  # whatever was pickled
         return pickle.loads(data)
+
+
+def dumps_classes_by_path(obj: object) -> bytes:
+    """``obj`` pickled with each class by reference wherever its module holds it (by name, as
+    a class body's attribute, or under another name: ``Pair = namedtuple("Pair", ...)`` in a
+    class body, which pickle alone refuses), and by value where no module does (a class made
+    in a function: a class of the same name and fields, not the same class). For small
+    descriptions made once and read by many processes, e.g. a sample's structure."""
+    try:
+        buffer = io.BytesIO()
+        _ClassByPathPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        return buffer.getvalue()
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return DefaultPickler.dumps(obj)
+
+
+class _ClassByPathPickler(pickle.Pickler):
+    def reducer_override(self, obj: object) -> Any:  # a reduce value, or NotImplemented (untyped)
+        if not isinstance(obj, type) or _held_at(obj.__module__, obj.__qualname__) is obj:
+            return NotImplemented
+        path = _path_in_module(obj)
+        return NotImplemented if path is None else (attribute_at, (obj.__module__, path))
+
+
+def _held_at(module_name: str, path: str) -> object:
+    """``module_name.path`` (dotted) of an imported module, or ``None`` where there is none."""
+    value: object = sys.modules.get(module_name)
+    for part in path.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def _path_in_module(cls: type) -> Optional[str]:
+    """Where ``cls``'s module holds it: a module attribute, or one of a module class's."""
+    module = sys.modules.get(cls.__module__)
+    for name, value in list(vars(module).items()) if module is not None else ():
+        if value is cls:
+            return name
+        if isinstance(value, type):
+            for inner, member in list(vars(value).items()):
+                if member is cls:
+                    return f"{name}.{inner}"
+    return None
 
 
 # What a user may pass as ``pickler=`` (resolved once into a :class:`Pickler`): ``None``, a

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Callable, FrozenSet, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Callable, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -105,6 +105,61 @@ class Taken:
         self.ready_ahead = ready_ahead
 
 
+class Cursor:
+    """Where handing items on in order stands: the first not handed on yet (``next``), and the
+    later ones that were (``ahead``: out of order; entries below ``next`` mean nothing).
+
+    Changed by single calls (``add``, ``discard``, one assignment), each complete or not made
+    when an interrupt lands, so that :meth:`hand` may be called again for the same item.
+    """
+
+    __slots__ = ("next", "ahead")
+
+    def __init__(self, first: int, ahead: Iterable[int] = ()):
+        self.next = first
+        self.ahead: Set[int] = set(ahead)
+        self._skip_ahead()
+
+    def hand(self, iteration: int) -> None:
+        """Item ``iteration`` was handed on; idempotent."""
+        if iteration > self.next:
+            self.ahead.add(iteration)
+            return
+        if iteration == self.next:
+            self.next = iteration + 1
+        self._skip_ahead()  # also when called again: an interrupt may have cut it short
+
+    def handed_out(self) -> List[int]:
+        """The items after ``next`` handed on already, ascending."""
+        return sorted(i for i in self.ahead if i > self.next)
+
+    def _skip_ahead(self) -> None:
+        # each step moves the cursor, then forgets the entry passed: an entry left behind by an
+        # interrupt means nothing
+        while self.next in self.ahead:
+            passed = self.next
+            self.next = passed + 1
+            self.ahead.discard(passed)
+
+
+def first_ready(pool: "WorkerPool", epochs: Sequence["Epoch"], timeout: Optional[float]) -> "Epoch":
+    """The first of ``epochs`` (of sources of ``pool``) whose ``next()`` returns or raises at
+    once, waiting for one as long as needed; past ``timeout`` seconds, the first of them, whose
+    own wait raises the timeout naming what is stuck. Consumer thread, lock not held."""
+    waited = 0.0
+    while True:
+        with pool.lock:
+            waiter = pool.waiter()  # taken before looking: a change after it releases it
+        ready = next((epoch for epoch in epochs if epoch.ready()), None)
+        if ready is not None:
+            return ready
+        if timeout is not None and waited >= timeout:
+            return epochs[0]
+        started = time.monotonic()
+        pool.wait(waiter, None if timeout is None else timeout - waited)
+        waited += time.monotonic() - started
+
+
 class Epoch:
     """The iterator of one epoch of a source, what ``iter(source)`` returns.
 
@@ -117,14 +172,11 @@ class Epoch:
         self.taker = taker
         self.run = run
         self.epoch_idx = run.epoch_idx
-        self.next_yield = run.first_iteration
-        # Iterations after next_yield already handed out (in_order=False, and those a resume
-        # skips); entries below next_yield mean nothing. Changed by single calls (add,
-        # discard), each complete or not made when an interrupt lands.
-        self.ahead: Set[int] = set(run.skip)
+        # The first iteration not handed over yet, and those after it that were (in_order=False,
+        # and those a resume skips).
+        self.cursor = Cursor(run.first_iteration, run.skip)
         # Finished batches after next_yield that cannot be made (their error comes in place).
         self.in_place: FrozenSet[int] = frozenset()
-        self._skip_ahead()
         self.state = EpochState.RUNNING
         self.superseded_by = ""
         self.taken: Optional[Taken] = None
@@ -179,13 +231,15 @@ class Epoch:
         return (not self.taker.spec.in_order and iteration > self.next_yield
                 and iteration not in self.ahead)
 
-    def _skip_ahead(self) -> None:
-        """Moves the cursor past the iterations handed out ahead of it (each step moves it,
-        then forgets the entry passed: an interrupt leaves a consistent cursor)."""
-        while self.next_yield in self.ahead:
-            passed = self.next_yield
-            self.next_yield = passed + 1
-            self.ahead.discard(passed)  # after the move: an entry left behind means nothing
+    @property
+    def next_yield(self) -> int:
+        """The first iteration not handed over yet."""
+        return self.cursor.next
+
+    @property
+    def ahead(self) -> Set[int]:
+        """Iterations after :attr:`next_yield` handed over already; entries below it mean nothing."""
+        return self.cursor.ahead
 
 
 class Taker:
@@ -346,13 +400,9 @@ class Taker:
             return
         producer.slots.commit(pending.slot, taken.lease)
         producer.commit(pending)
-        if taken.iteration > epoch.next_yield:  # handed out ahead (in_order=False)
-            epoch.ahead.add(taken.iteration)
-            return
-        if taken.iteration == epoch.next_yield:
-            epoch.next_yield = taken.iteration + 1
-        epoch._skip_ahead()  # also when re-run: an interrupt may have cut it short
-        if taken.ends_epoch:
+        ahead = taken.iteration > epoch.next_yield  # handed out ahead (in_order=False)
+        epoch.cursor.hand(taken.iteration)  # idempotent: also when re-run after an interrupt
+        if taken.ends_epoch and not ahead:
             epoch.state = EpochState.LAST_GIVEN
 
     # -- finding the batch (lock held) -------------------------------------------------------------

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Optional, Union
 
 import torch
 
 from extsrc.dma import CUDA_HOST_REGISTER_PORTABLE, InFlight, PageLock, page_lock
-from extsrc.engine import ParallelSource, gpu_visible
+from extsrc.engine import Cursor, ParallelSource, gpu_visible
 from extsrc.torch.tensors import batch_tensors, each_tensor, map_tensors
 
 
@@ -245,42 +245,27 @@ def _page_lock_with_torch(source: ParallelSource, index: int) -> PageLock:
 
 
 class LoopPosition:
-    """Where a loop over a loader stands: the epoch, the iteration of the next batch, and the
-    later ones already handed on (``in_order=False``; entries below ``next_iteration`` mean
-    nothing)."""
+    """Where a loop over a loader stands: the epoch, and a :class:`~extsrc.engine.Cursor` of
+    the batches handed on (the next one, and later ones handed on already, ``in_order=False``)."""
 
-    __slots__ = ("epoch_idx", "next_iteration", "ahead", "finished", "ended_by")
+    __slots__ = ("epoch_idx", "cursor", "finished", "ended_by")
 
     def __init__(self, epoch_idx: int, next_iteration: int, ahead: Iterable[int] = ()):
         self.epoch_idx = epoch_idx
-        self.next_iteration = next_iteration
-        self.ahead = set(ahead)  # changed by single calls (add, discard), as the engine's epoch
+        self.cursor = Cursor(next_iteration, ahead)
         self.finished = False
         self.ended_by: Optional[str] = None  # what ended the loop before its epoch's end
 
     def handed(self, iteration: int) -> None:
-        """Batch ``iteration`` was handed on; idempotent (each step moves the cursor, then
-        forgets the entry passed), so that it may be called again for a batch an interrupt
-        made the loop hand on again."""
-        if iteration > self.next_iteration:
-            self.ahead.add(iteration)
-            return
-        if iteration == self.next_iteration:
-            self.next_iteration = iteration + 1
-        while self.next_iteration in self.ahead:  # also when called again: an interrupt may
-            passed = self.next_iteration  # have cut it short
-            self.next_iteration = passed + 1
-            self.ahead.discard(passed)  # after the move: an entry left behind means nothing
-
-    def handed_out(self) -> List[int]:
-        """The iterations after ``next_iteration`` handed on already, ascending."""
-        return sorted(i for i in self.ahead if i > self.next_iteration)
+        """Batch ``iteration`` was handed on; idempotent (for a batch an interrupt made the loop
+        hand on again)."""
+        self.cursor.hand(iteration)
 
     def state(self, state: Dict[str, Any]) -> Dict[str, Any]:
         """``state`` (the source's) at this position."""
-        state = {**state, "epoch_idx": self.epoch_idx, "iteration": self.next_iteration}
+        state = {**state, "epoch_idx": self.epoch_idx, "iteration": self.cursor.next}
         state.pop("handed_out", None)
-        handed_out = self.handed_out()
+        handed_out = self.cursor.handed_out()
         if handed_out:
             state["handed_out"] = handed_out
         return state

@@ -5,18 +5,17 @@ dataset, over a :class:`~extsrc.torch.TorchLoader` it holds), :class:`IterableLo
 from __future__ import annotations
 
 import signal
-import time
 import warnings
 from typing import Any, Callable, Iterator, List, Optional, Protocol
 
 import torch
 from torch.utils.data import default_collate
 
-from extsrc.engine import (EpochSupersededError, ForkedChildError, InternalError, PoolClosedError,
+from extsrc.engine import (EpochSupersededError, Flattener, first_ready, ForkedChildError, InternalError, PoolClosedError,
                            SharedMemoryError, SourceTimeoutError, WorkerDiedError)
 from extsrc.torch.arguments import DATALOADER_ATTRIBUTES, Loading, draw_seed
 from extsrc.torch.loader import LoopPosition, TorchLoader, parse_device, require_cuda
-from extsrc.torch.structure import Collation, Flattener
+from extsrc.torch.structure import TENSOR_LEAVES, Collation
 from extsrc.torch.tensors import map_tensors
 from extsrc.torch.workers import OrderBatches, WorkerStart, fetch, grouped
 
@@ -95,7 +94,7 @@ class InProcessLoader(_Attributes):
         order = args.order
         self._batches = None if order is None else OrderBatches(order, args.batch_size, args.batches(len(order)))
         self._collate = None if args.default else args.collate_fn  # None: as the workers collate
-        self._flatten, self._rebuild = Flattener(), Collation()
+        self._flatten, self._rebuild = Flattener(TENSOR_LEAVES), Collation()
         self._device = parse_device(args.device)  # refused or honoured as with workers
         if self._device is not None:
             require_cuda(f"device={args.device!r}")
@@ -451,19 +450,7 @@ class _WorkerTurns:
         loader = self._loader
         if loader._args.in_order:
             return self._active[self._turn]
-        pool, waited = loader._pool, 0.0
-        while True:
-            with pool.lock:
-                waiter = pool.waiter()  # taken before looking: a change after it releases it
-            ready = next((epoch for epoch in self._active if epoch.ready()), None)
-            if ready is not None:
-                return ready
-            timeout = loader._args.timeout
-            if timeout and waited >= timeout:
-                return self._active[0]
-            started = time.monotonic()
-            pool.wait(waiter, None if not timeout else timeout - waited)
-            waited += time.monotonic() - started
+        return first_ready(loader._pool, self._active, loader._args.timeout or None)
 
     def _warn_past_length(self) -> None:
         loader = self._loader

@@ -10,14 +10,21 @@ from typing import Any, Callable, List, Optional, Protocol
 import torch
 from torch.utils.data import IterableDataset, IterDataPipe
 
-from extsrc.engine import AUTO_OUTPUTS, Hooks, Order, ParallelSource, WorkerPool, is_async
+from extsrc.engine import AUTO_OUTPUTS, EpochTable, Hooks, Order, ParallelSource, WorkerPool, is_async
 from extsrc.torch.arguments import DEFAULT_PREFETCH_FACTOR, Loading
 from extsrc.torch.loader import TorchLoader
 from extsrc.torch.loaders import DatasetLoader, InProcessLoader, IterableLoader
-from extsrc.torch.sampling import IndexTable, draw_batches
 from extsrc.torch.structure import Collation, unpack_whole
 from extsrc.torch.workers import (AsyncDatasetSamples, DatasetSamples, IndexedBatches, IterableBatches,
                                   OrderBatches, Replacement, WorkerStart, any_worker, round_robin)
+
+
+def draw_batches(index_sampler: Any, batched: bool) -> List[Any]:
+    """One epoch of ``index_sampler``, iterated in this process when a loop begins, as
+    DataLoader's iterator does: its batches of indices (each index alone when not ``batched``),
+    published to the workers in an :class:`~extsrc.engine.EpochTable`."""
+    # a comprehension, not list(): that would ask the sampler's len(), which may raise
+    return [list(batch) for batch in index_sampler] if batched else [i for i in index_sampler]
 
 
 class Plan(Protocol):
@@ -122,7 +129,7 @@ class SharedMemory(WorkerPlan):
 
 class WholeBatches(WorkerPlan):
     """Batches of indices fetched and collated by ``collate_fn`` in a worker, packed whole: a
-    sampler's, drawn here as each loop begins (into an :class:`IndexTable`), or the own order's."""
+    sampler's, drawn here as each loop begins (into an :class:`EpochTable`), or the own order's."""
 
     rebuild = staticmethod(unpack_whole)
 
@@ -130,7 +137,7 @@ class WholeBatches(WorkerPlan):
         super().__init__(args)
         order = args.order
         self.resumable = order is not None
-        self.indices = IndexTable() if order is None else OrderBatches(order, args.batch_size,
+        self.indices = EpochTable() if order is None else OrderBatches(order, args.batch_size,
                                                                      args.batches(len(order)))
 
     def source(self, start: WorkerStart) -> ParallelSource:
@@ -150,7 +157,7 @@ class WholeBatches(WorkerPlan):
         return len(batches)
 
     def close(self) -> None:
-        if isinstance(self.indices, IndexTable):
+        if isinstance(self.indices, EpochTable):
             self.indices.close()
 
 
@@ -164,7 +171,7 @@ class Iterable:
         args = self.args
         pool = WorkerPool(args.num_workers, start_method=args.start_method, pickler=args.pickler,
                           worker_restarts=args.worker_restarts)
-        seeds = IndexTable() if isinstance(args.dataset, IterDataPipe) else None
+        seeds = EpochTable() if isinstance(args.dataset, IterDataPipe) else None
         start = WorkerStart(args.dataset, args.base_seed, args.worker_init_fn)
         loaders: List[TorchLoader] = []
         try:

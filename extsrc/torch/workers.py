@@ -11,11 +11,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterDataPipe
 
-from extsrc.engine import Order, RecordCache
-from extsrc.torch.sampling import IndexTable
-from extsrc.torch.structure import Flattener, pack_whole
-
-_NUMERIC_KINDS = frozenset("biufc")
+from extsrc.engine import HEAP_BUFFERS, NUMERIC_KINDS, EpochTable, Flattener, Order, RecordCache, pack_whole
+from extsrc.torch.structure import TENSOR_LEAVES
 
 
 class WorkerStart:
@@ -97,8 +94,8 @@ class DatasetSamples:
 
     def __init__(self, dataset: Any):
         self.dataset = dataset
-        self.flatten = Flattener()
-        self._single = Flattener()(np.zeros(0), "")[0]  # the structure of one array
+        self.flatten = Flattener(TENSOR_LEAVES)
+        self._single = Flattener(TENSOR_LEAVES)(np.zeros(0), "")[0]  # the structure of one array
 
     def __call__(self, info: Any) -> Any:
         record = info.record
@@ -111,7 +108,7 @@ class DatasetSamples:
 
     def shaped(self, sample: Any, where: str) -> Any:
         """``sample`` as the engine takes it (its structure, then its arrays)."""
-        if type(sample) is np.ndarray and sample.dtype.kind in _NUMERIC_KINDS:
+        if type(sample) is np.ndarray and sample.dtype.kind in NUMERIC_KINDS:
             return self._single, sample  # the common case, first; the engine checks the rest
         return self.flatten(sample, where)
 
@@ -143,7 +140,7 @@ class Replacement:
 
 class OrderBatches:
     """The batches of indices of the loader's own order (each record alone with
-    ``batch_size=None``), computed where they are read, as an ``IndexTable``'s are read."""
+    ``batch_size=None``), computed where they are read, as an ``EpochTable``'s are read."""
 
     def __init__(self, order: Order, batch_size: Optional[int], count: int):
         self.order = order
@@ -166,10 +163,10 @@ class OrderBatches:
 class IndexedBatches:
     """The callback (sample mode, in place) of workers making whole batches: batch ``k`` of
     epoch ``e`` is ``indices.batch(e, k)``, fetched, collated by ``collate_fn`` and packed
-    whole into the batch's shared memory (:func:`~extsrc.torch.structure.pack_whole`)."""
+    whole into the batch's shared memory (:func:`~extsrc.engine.pack_whole`)."""
 
     def __init__(self, dataset: Any, collate_fn: Callable[[Any], Any],
-                 indices: Union[OrderBatches, IndexTable], batched: bool):
+                 indices: Union[OrderBatches, EpochTable], batched: bool):
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.indices = indices
@@ -178,15 +175,7 @@ class IndexedBatches:
     def __call__(self, info: Any, buffers: Any) -> Any:
         indices = self.indices.batch(info.epoch_idx, info.idx_in_epoch)
         batch = self.collate_fn(fetch(self.dataset, indices, self.batched))
-        return pack_whole(batch, buffers, f"collate_fn's batch {info.idx_in_epoch}")
-
-
-class _HeapBuffers:
-    """Room for a packed batch in the worker's memory (in batch mode the engine copies it)."""
-
-    @staticmethod
-    def array(nbytes: int, dtype: Any, output: int = 0) -> np.ndarray:
-        return np.empty(nbytes, dtype)
+        return pack_whole(batch, buffers, f"collate_fn's batch {info.idx_in_epoch}", TENSOR_LEAVES)
 
 
 class IterableBatches:
@@ -195,11 +184,11 @@ class IterableBatches:
     flattened (default collation) or made by ``collate_fn`` and packed whole."""
 
     def __init__(self, batch_size: Optional[int], drop_last: bool,
-                 collate_fn: Optional[Callable[[Any], Any]], seeds: Optional[IndexTable]):
+                 collate_fn: Optional[Callable[[Any], Any]], seeds: Optional[EpochTable]):
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.collate_fn = collate_fn  # None: default collation, in shared memory
-        self.flatten = Flattener()
+        self.flatten = Flattener(TENSOR_LEAVES)
         self.seeds = seeds  # a datapipe's: each epoch's shuffle seed, written by the consumer
         self.epoch_seed: Optional[int] = None
 
@@ -221,5 +210,6 @@ class IterableBatches:
             if self.collate_fn is None:
                 yield self.flatten.columns(batch, where)
             else:
-                description, buffer = pack_whole(self.collate_fn(batch), _HeapBuffers, f"collate_fn's {where}")
+                description, buffer = pack_whole(self.collate_fn(batch), HEAP_BUFFERS, f"collate_fn's {where}",
+                                                 TENSOR_LEAVES)
                 yield [description], [buffer]

@@ -1,11 +1,12 @@
-"""A user's ``sampler`` / ``batch_sampler`` driving a loader's workers, as DataLoader's does.
+"""Data of each epoch that the consumer decides and the workers read: :class:`EpochTable`.
 
-The consumer iterates the loader's index sampler (a ``BatchSampler``, or the
-``sampler`` itself with ``batch_size=None``) when a loop begins, as a DataLoader's
-iterator does (:func:`draw_batches`), and writes the epoch's batches of indices to
-an :class:`IndexTable`; a worker making batch ``k`` of epoch ``e``
-(:class:`~extsrc.torch.workers.IndexedBatches`) reads the table of ``e`` once and
-collates the samples of batch ``k`` there, in the worker, as a DataLoader worker does.
+A layer whose order is drawn in the consumer (a user's sampler, a seed drawn
+when a loop begins) publishes each epoch's list with :meth:`EpochTable.write`
+before the epoch's tasks are sent; a worker, whatever its start method, reads
+it with :meth:`EpochTable.read` or :meth:`EpochTable.batch` when its first
+task of that epoch runs. Who calls what: the consumer's thread that begins
+epochs writes and closes; workers (or the pool's threads, for a thread
+backend) read. Local to one host.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 _SHM_DIR = "/dev/shm"  # memory-backed where it exists: the tables are never written to disk
 TABLES_KEPT = 2  # an epoch's table outlives it by one epoch: a superseded epoch's late tasks read it
-_MEMFD_PREFIX = "extsrc-indices-"  # a table's memfd is named <prefix><token>-epoch-<e>
+_MEMFD_PREFIX = "extsrc-epochs-"  # a table's memfd is named <prefix><token>-epoch-<e>
 
 
 def _remove(directory: str, owner_pid: int) -> None:
@@ -40,8 +41,13 @@ def _memfd_usable() -> bool:
             and os.path.isdir(f"/proc/{os.getpid()}/fd"))
 
 
-class IndexTable:
-    """The batches of indices of each epoch, written by the consumer, read by the workers.
+def _loaded(data: bytes) -> List[Any]:
+    table: List[Any] = pickle.loads(data)
+    return table
+
+
+class EpochTable:
+    """A list per epoch (e.g. its batches of indices), written by the consumer, read by workers.
 
     :meth:`write` publishes epoch ``e`` atomically (a reader sees all of it or nothing);
     :meth:`read` (in a worker, whatever its start method) returns it. On Linux each epoch is
@@ -63,7 +69,7 @@ class IndexTable:
             self._finalizer = weakref.finalize(self, _close_fds, self._fds, self._owner)
         else:
             parent = _SHM_DIR if os.path.isdir(_SHM_DIR) and os.access(_SHM_DIR, os.W_OK) else None
-            self.directory = tempfile.mkdtemp(prefix="extsrc-indices-", dir=parent)
+            self.directory = tempfile.mkdtemp(prefix="extsrc-epochs-", dir=parent)
             self._token = ""
             self._finalizer = weakref.finalize(self, _remove, self.directory, self._owner)
 
@@ -75,8 +81,8 @@ class IndexTable:
         return f"{_MEMFD_PREFIX}{self._token}-epoch-{epoch_idx}"
 
     def write(self, epoch_idx: int, batches: List[Any]) -> None:
-        """Publishes ``batches`` (batch ``k``: its indices) as epoch ``epoch_idx``'s; drops the
-        tables of epochs older than :data:`TABLES_KEPT`."""
+        """Publishes ``batches`` (item ``k``: what task ``k`` of the epoch reads) as epoch
+        ``epoch_idx``'s; drops the tables of epochs older than :data:`TABLES_KEPT`."""
         data = pickle.dumps(batches, protocol=pickle.HIGHEST_PROTOCOL)
         if self.directory is None:
             fd = os.memfd_create(self._memfd_name(epoch_idx), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -116,35 +122,35 @@ class IndexTable:
         """Frees the tables (idempotent)."""
         self._finalizer()
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> Dict[str, Any]:
         # a reader: the owner alone frees the tables
         return {"directory": self.directory, "_token": self._token, "_owner": self._owner}
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fds, self._read, self._read_epoch = {}, None, -1
         self._finalizer = None  # type: ignore[assignment]
 
     def read(self, epoch_idx: int) -> List[Any]:
-        """Epoch ``epoch_idx``'s batches of indices (raises ``RuntimeError`` if not written)."""
+        """Epoch ``epoch_idx``'s list (raises ``RuntimeError`` if it was not written)."""
         if self.directory is None:
             data = self._read_memfd(epoch_idx)
             if data is not None:
-                return pickle.loads(data)
+                return _loaded(data)
             where = f"the memory of process {self._owner}"
         else:
             where = self.directory
             try:
                 with open(self._path(epoch_idx), "rb") as file:
-                    return pickle.load(file)
+                    return _loaded(file.read())
             except FileNotFoundError:
                 pass
         raise RuntimeError(
-            f"the indices of epoch {epoch_idx} are not in {where}: the loader that "
-            "wrote them was closed, or the epoch was superseded long ago")
+            f"the table of epoch {epoch_idx} is not in {where}: the loader that "
+            "wrote it was closed, or the epoch was superseded long ago")
 
     def batch(self, epoch_idx: int, k: int) -> Any:
-        """Batch ``k`` of epoch ``epoch_idx`` (its table read once); ``StopIteration`` past the last."""
+        """Item ``k`` of epoch ``epoch_idx`` (its table read once); ``StopIteration`` past the last."""
         if self._read is None or self._read_epoch != epoch_idx:
             self._read, self._read_epoch = self.read(epoch_idx), epoch_idx
         if k >= len(self._read):
@@ -165,7 +171,7 @@ class IndexTable:
         except PermissionError:
             raise RuntimeError(
                 f"the worker (pid {os.getpid()}) cannot read {fd_dir}, where the loader's process "
-                "keeps the batches of indices of a sampler: run the workers as the same user, "
+                "keeps each epoch's table (e.g. a sampler's indices): run the workers as the same user, "
                 "with /proc mounted without hidepid") from None
         for name in names:
             try:
@@ -184,11 +190,3 @@ class IndexTable:
             finally:
                 os.close(fd)
         return None
-
-
-def draw_batches(index_sampler: Any, batched: bool) -> List[Any]:
-    """One epoch of ``index_sampler`` (iterated now, in this process, as DataLoader's iterator
-    does it): a list of batches of indices (each index alone when not ``batched``)."""
-    if batched:
-        return [list(batch) for batch in index_sampler]
-    return [index for index in index_sampler]
