@@ -16,7 +16,7 @@ from extsrc.checks import is_int
 from extsrc.closing import close_when_collected
 from extsrc.forking import lock as fork_lock
 from extsrc.engine.assembly import BatchOutput
-from extsrc.engine.backend import (Arrival, Fault, HeldBy, Received, Wakeable, WorkerBackend,
+from extsrc.engine.backend import (Arrival, Fault, HeldBy, Lost, Received, Wakeable, WorkerBackend,
                                    backend_names, register_backend, unregister_backend)
 from extsrc.engine.channel import Channel, OwnedFds
 from extsrc.engine.concurrent import is_async
@@ -61,7 +61,9 @@ __all__ = [
     "RecordCache", "EpochTable", "SampleFault", "Cursor", "first_ready",
     # nested samples flattened in a worker, rebuilt by a layer
     "Flattener", "ForeignLeaves", "Structure", "PackedLayout", "pack_whole", "HEAP_BUFFERS", "check_same",
-    "container", "leaf_error", "NUMERIC_KINDS", "ARRAY", "STRING", "BYTES", "SCALAR", "PICKLED", "MAPPING", "SourceSpec", "PoolSpec", "AUTO_OUTPUTS", "START_METHODS", "UNSET",
+    "container", "leaf_error", "NUMERIC_KINDS", "ARRAY", "STRING", "BYTES", "SCALAR", "PICKLED", "MAPPING",
+    # what describes a source and a pool
+    "SourceSpec", "PoolSpec", "AUTO_OUTPUTS", "START_METHODS", "UNSET",
     "SourceKind", "SAMPLE", "BATCH_CALLABLE", "BATCH_ITERABLE", "BATCH_GENERATOR",
     # what a layer passes in
     "Hooks", "WorkerHooks", "Pickler", "PicklerSpec", "DefaultPickler", "pickle_by_value",
@@ -69,7 +71,7 @@ __all__ = [
     # checks a layer's own arguments reuse
     "positive_int", "non_negative_int", "non_negative_number", "is_int", "check_backend",
     # backends: the protocol, the writer seam, what a worker runs
-    "WorkerBackend", "Arrival", "Fault", "HeldBy", "Received", "Wakeable", "register_backend",
+    "WorkerBackend", "Arrival", "Fault", "HeldBy", "Lost", "Received", "Wakeable", "register_backend",
     "unregister_backend", "backend_names", "setup_failed", "Channel", "OwnedFds", "AddSlot",
     "DropSlot", "Result", "SetupFailed", "SourceSetup", "Task", "TaskDone", "TaskFailed",
     "SourceRunner", "load_source", "slot_writer", "failure", "serve", "SampleChecker",

@@ -84,7 +84,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
-from extsrc.engine import (AddSlot, Arrival, Channel, DropSlot, Fault, HeldBy, InternalError, OwnedFds,
+from extsrc.engine import (AddSlot, Arrival, Channel, DropSlot, Fault, HeldBy, InternalError, Lost, OwnedFds,
                            Received, SetupFailed, SourceSetup, Task, TaskDone, TaskFailed, Wakeable,
                            WorkerDiedError, setup_failed, shm_backend)
 from extsrc.ray.options import check_options
@@ -181,6 +181,8 @@ class ActorHandle:
     def __init__(self, index: int, actor: Any):
         self.index = index
         self.actor = actor
+        self.started_at = time.monotonic()  # asked of Ray (at start(), or in a lost one's place)
+        self.asked_by = "start()"  # what asked for it, for an error
         self.outbox: Deque[Task] = deque()  # assigned, not yet sent
         self.calls: Dict[int, List[Any]] = {}  # call id -> its ObjectRefs, until its answer is handled
         self.task_calls = 0  # calls of run() among them: 0 or 1
@@ -263,6 +265,12 @@ class RayBackend:
             raise ValueError(f"ray_options={options!r}: Ray refused them: {exc}") from None
         self._workers: List[ActorHandle] = []
         self._writers: Dict[int, ResultWriter] = {}  # source id -> its writer
+        # The sources, put in Ray's object store again for an actor started in a lost one's place
+        # (no ObjectRef is kept: releasing one after ray.shutdown() ends the process).
+        self._sources: Optional[Tuple[SourceSetup, ...]] = None
+        # Live slots: (source id, slot id) -> (region fd, overflow fds), the pool's descriptors,
+        # opened again by an actor started in a lost one's place.
+        self._slots: Dict[Tuple[int, int], Tuple[int, Tuple[int, ...]]] = {}
         # Calls answered, queued by Ray's threads for the I/O thread: (worker, call, its
         # ObjectRefs, whether it ran tasks, the future of its last return value).
         self._arrivals: Deque[Tuple[ActorHandle, int, List[Any], bool, Any]] = deque()
@@ -316,6 +324,7 @@ class RayBackend:
             self._home = ray.get_runtime_context().get_node_id()
             home = self._home if LOCAL_WRITES else None
             shared = ray.put(sources)  # once for all actors
+            self._sources = sources
             for index in range(self.num_workers):
                 worker = ActorHandle(index, self._actor_class.remote(index, shared, pickler, home))
                 self._workers.append(worker)
@@ -325,6 +334,7 @@ class RayBackend:
             self._workers = []
             self._writers = {}
             self._waker = None
+            self._sources = None
             raise
         self._poller = select.poll()
         self._poller.register(waker.fileno(), select.POLLIN)
@@ -349,6 +359,8 @@ class RayBackend:
     def stop(self, ask: bool) -> None:
         workers, self._workers = self._workers, []
         writers, self._writers = self._writers, {}
+        self._sources = None
+        self._slots.clear()
         self._kill(workers)
         self._arrivals.clear()  # the answers and the object-store memory they pin
         for writer in writers.values():
@@ -371,6 +383,8 @@ class RayBackend:
         self._workers = []
         self._writers = {}
         self._arrivals = deque()
+        self._sources = None
+        self._slots = {}
         listener, self._listener = self._listener, None
         if listener is not None:
             try:
@@ -397,17 +411,22 @@ class RayBackend:
             for fds in lent:
                 fds.close()
             raise
-        pid = os.getpid()
+        self._slots[(source_id, slot_id)] = (region_fd, tuple(overflow_fds))
         for worker, fds in zip((w for w in self._workers if not w.remote), lent):
-            if worker.channel is not None:
-                worker.direct.append((AddSlot(source_id, slot_id, kind), fds))
-                continue
-            region, overflow = fds.fds
-            worker.slot_changes.append((SlotOpen(source_id, slot_id, kind, pid, region, overflow,
-                                                 _file_id(region), _file_id(overflow)), fds))
+            self._open_slot(worker, source_id, slot_id, kind, fds)
+
+    def _open_slot(self, worker: ActorHandle, source_id: int, slot_id: int, kind: str, fds: OwnedFds) -> None:
+        """Tells ``worker`` of a slot it may write into, lending it ``fds``."""
+        if worker.channel is not None:
+            worker.direct.append((AddSlot(source_id, slot_id, kind), fds))
+            return
+        region, overflow = fds.fds
+        worker.slot_changes.append((SlotOpen(source_id, slot_id, kind, os.getpid(), region, overflow,
+                                             _file_id(region), _file_id(overflow)), fds))
 
     def drop_slot(self, source_id: int, slot_id: int) -> None:
         """The slot's mappings go at the I/O thread's next round."""
+        self._slots.pop((source_id, slot_id), None)
         writer = self._writers.get(source_id)
         if writer is not None:
             writer.drop_slot(slot_id)
@@ -592,10 +611,13 @@ class RayBackend:
         for writer in list(self._writers.values()):
             writer.apply_drops()
         delivered: List[Arrival] = []
-        for worker, call, refs, runs, future in arrivals:
+        for k, (worker, call, refs, runs, future) in enumerate(arrivals):
+            if not self._current(worker):
+                continue  # a call of an actor replaced since: its tasks were given to the new one
             direct: Dict[int, bool] = {}  # ticket -> written by the actor itself
             answer = self._land(worker, refs, runs, future, direct)
             if isinstance(answer, _Lost):
+                self._arrivals.extendleft(reversed(arrivals[k + 1:]))  # the others' answers stay
                 return Received(tuple(delivered), self._actor_lost(worker, answer.error), True)
             if isinstance(answer, SetupFailed):
                 return Received(tuple(delivered), setup_failed(answer, "extsrc ray worker"), True)
@@ -641,6 +663,10 @@ class RayBackend:
                     worker.direct_samples += message.samples
                 delivered.append(Arrival(worker.index, message.ticket, message.source_id, message))
         return Received(tuple(delivered), None, True)
+
+    def _current(self, worker: ActorHandle) -> bool:
+        """Whether ``worker`` is still the pool's worker of its index (not replaced)."""
+        return worker.index < len(self._workers) and self._workers[worker.index] is worker
 
     def _land(self, worker: ActorHandle, refs: List[Any], runs: bool, future: Any,
               direct: Dict[int, bool]) -> Any:
@@ -702,10 +728,11 @@ class RayBackend:
             if worker.channel_lost_at is not None and now - worker.channel_lost_at > CHANNEL_LOST_GRACE_S:
                 return self._channel_lost(worker)
         late = [w for w in self._workers if w.ready is None]
-        if late and time.monotonic() - self._started_at > ACTOR_START_TIMEOUT_S:
+        oldest = min(late, key=lambda w: w.started_at) if late else None
+        if oldest is not None and now - oldest.started_at > ACTOR_START_TIMEOUT_S:
             message = (
-                f"extsrc ray worker {late[0].index} (of {len(late)} not started) was not running "
-                f"{ACTOR_START_TIMEOUT_S:g} s after start(): no node of the cluster has room for an "
+                f"extsrc ray worker {oldest.index} (of {len(late)} not started) was not running "
+                f"{ACTOR_START_TIMEOUT_S:g} s after {oldest.asked_by}: no node of the cluster has room for an "
                 f"actor with {self._asked()}. The cluster has {self._resources(ray)}. Lower "
                 "num_workers, ask for less in ray_options, or add nodes."
             )
@@ -713,16 +740,38 @@ class RayBackend:
         return None
 
     def replace(self, worker: int) -> bool:
-        """A lost actor is not replaced (yet): the pool breaks."""
-        return False
+        """Lock held, I/O thread: a new actor in the place of the lost ``worker``, wherever Ray
+        places it (another node, if its node is gone), asked for with the same options and
+        sources; it opens the live slots with its first call, and gets the lost one's tasks
+        again from the pool. The lost actor is killed, its calls and lent descriptors dropped."""
+        if self._poller is None or self._sources is None or not 0 <= worker < len(self._workers):
+            return False
+        lost = self._workers[worker]
+        if lost.channel is not None and lost.channel_lost_at is None:
+            self._poller.unregister(lost.channel.fileno())
+        self._kill([lost])
+        home = self._home if LOCAL_WRITES else None
+        ray = import_ray()
+        _connected(ray)  # not Ray's auto-init behind the user's back
+        new = ActorHandle(worker, self._actor_class.remote(worker, ray.put(self._sources), self.pickler, home))
+        new.asked_by = "it was asked for in a lost actor's place"
+        self._workers[worker] = new
+        self._watch(new, False, [new.actor.ready.remote()])
+        if LOCAL_WRITES:
+            kind = shm_backend()
+            for (source_id, slot_id), (region_fd, overflow_fds) in self._slots.items():
+                self._open_slot(new, source_id, slot_id, kind, OwnedFds((region_fd, overflow_fds[worker])))
+        return True
 
     def describe_worker(self, worker: int) -> str:
         """Which actor, where it runs; for one not running yet, why it may not be."""
-        ready = self._workers[worker].ready if worker < len(self._workers) else None
+        handle = self._workers[worker] if worker < len(self._workers) else None
+        ready = handle.ready if handle is not None else None
         if ready is not None:
             return f"worker {worker} (Ray actor pid {ready.pid} on node {ready.node_ip} ({ready.hostname}))"
         return (f"worker {worker} (a Ray actor not running yet, "
-                f"{time.monotonic() - self._started_at:.0f} s after start(): it asks for {self._asked()}; "
+                f"{time.monotonic() - (handle.started_at if handle else self._started_at):.0f} s after "
+                f"{handle.asked_by if handle else 'start()'}: it asks for {self._asked()}; "
                 f"the cluster has {self._resources(import_ray())})")
 
     def _asked(self) -> str:
@@ -750,19 +799,22 @@ class RayBackend:
             # first, sometimes before Ray says it is disconnected: say what happened.
             return self._connection_lost(error)
         described = worker.describe()
+        if isinstance(error, ray.exceptions.RayTaskError):
+            def failed(held: HeldBy) -> BaseException:
+                broken = InternalError(f"{described} failed outside the callback: {_first_lines(error)}")
+                broken.__cause__ = error
+                return broken
 
-        def fault(held: HeldBy) -> BaseException:
-            if isinstance(error, ray.exceptions.RayTaskError):
-                broken: BaseException = InternalError(
-                    f"{described} failed outside the callback: {_first_lines(error)}")
-            else:
-                broken = WorkerDiedError(
-                    f"{described} died while it held {held(worker.index)}. Ray says: "
-                    f"{_first_lines(error)} The remaining workers were shut down.")
+            return failed
+
+        def died(held: HeldBy) -> BaseException:
+            broken = WorkerDiedError(
+                f"{described} died while it held {held(worker.index)}. Ray says: "
+                f"{_first_lines(error)} The remaining workers were shut down.")
             broken.__cause__ = error
             return broken
 
-        return fault
+        return Lost(worker.index, died)  # the pool may put a new actor in its place
 
     @staticmethod
     def _channel_lost(worker: ActorHandle) -> Fault:
@@ -774,7 +826,7 @@ class RayBackend:
                 f"{described} died while it held {held(index)}: its channel to the pool closed, "
                 "and Ray said nothing of it. The remaining workers were shut down.")
 
-        return fault
+        return Lost(index, fault)
 
     def _connection_lost(self, error: Optional[BaseException]) -> Fault:
         indices = [w.index for w in self._workers]
