@@ -168,7 +168,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print("extsrc bench: --dali needs NVIDIA DALI (pip install 'extsrc[dali]')", file=sys.stderr)
             return 2
         tables.append(dali_table())
-        tables.append(dropin_engine_table())
+        tables.append(dropin_engine_table(torch=installed("torch") and not args.no_torch))
     if args.torch_api:
         if not installed("torch"):
             print("extsrc bench: --torch-api needs PyTorch (pip install 'extsrc[torch]')", file=sys.stderr)

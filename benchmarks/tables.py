@@ -144,17 +144,21 @@ def dali_table() -> Table:
                           EXTSRC_DALI, DALI, Target("startup_s", 1.0), kind="startup"))
     return table
 
-def dropin_engine_table() -> Table:
-    """extsrc's DALI drop-in (DALI's default arguments) against its own engine, the same callback:
-    what the meeting of DALI's threads and the pool's costs the consumer."""
-    table = Table("dropin-engine", f"extsrc drop-in vs extsrc.ParallelSource under it ({WORKERS} workers, "
-                  f"fork, num_threads={DALI_THREADS}, DALI's default prefetch_queue_depth)",
-                  "extsrc drop-in", "ParallelSource")
+def dropin_engine_table(torch: bool = False) -> Table:
+    """extsrc's layers with their defaults (the DALI drop-in with DALI's default arguments;
+    ``from_dataset`` with DataLoader's, when PyTorch is installed) against the engine under
+    them, the same callback: what each layer costs the consumer."""
+    table = Table("dropin-engine", f"extsrc layers vs extsrc.ParallelSource under them ({WORKERS} workers, "
+                  f"fork; the drop-in with num_threads={DALI_THREADS} and DALI's default "
+                  "prefetch_queue_depth, from_dataset with DataLoader's defaults)",
+                  "the layer", "ParallelSource")
     table.rows = [
-        Row(_SMALL_FRESH, "small-fresh", EXTSRC_DALI, EXTSRC,
-            Target("samples_per_s", 0.8)),
-        Row(workload_label("small"), "small", EXTSRC_DALI, EXTSRC, Target("samples_per_s", 0.8)),
+        Row(f"drop-in, {_SMALL_FRESH}", "small-fresh", EXTSRC_DALI, EXTSRC, Target("samples_per_s", 0.8)),
+        Row(f"drop-in, {workload_label('small')}", "small", EXTSRC_DALI, EXTSRC, Target("samples_per_s", 0.8)),
     ]
+    if torch:
+        table.rows.append(Row(f"from_dataset, the same samples from a map-style Dataset, {_SMALL_FRESH}",
+                              "small-fresh", EXTSRC_FROM_DATASET, EXTSRC, Target("samples_per_s", 0.8)))
     return table
 
 

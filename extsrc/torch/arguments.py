@@ -70,6 +70,7 @@ class Loading:
     default: bool = False
     start_method: str = "fork"
     base_seed: int = 0
+    engine_prefetch: bool = False  # no prefetch_factor given: the engine's own, which may go further
 
     def __post_init__(self, unknown: Dict[str, Any]) -> None:
         for name in unknown:
@@ -189,6 +190,9 @@ class Loading:
         if sampled:
             self.index_sampler = self.batch_sampler if self.batch_sampler is not None else self.sampler
         if self.num_workers > 0:
+            # Without a prefetch_factor, the engine's default prefetch: DataLoader's 2 batches per
+            # worker, and further ahead for small batches (which a number given forbids).
+            self.engine_prefetch = self.prefetch_factor is None
             self.prefetch_factor = self.prefetch_factor or DEFAULT_PREFETCH_FACTOR
         self._check_workers(sampled)
 

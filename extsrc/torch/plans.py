@@ -94,13 +94,14 @@ class WorkerPlan:
     def _source(self, callback: Any, batch_size: int, start: WorkerStart, name: str = "",
                 **shape: Any) -> ParallelSource:
         """A source of ``num_workers`` workers, as DataLoader's: ``prefetch_factor`` batches
-        ahead per worker, batch i made whole by worker i % num_workers (with ``in_order=False``
-        by one with room)."""
+        ahead per worker (without one, the engine's default: as many, or more for small
+        batches), batch i made whole by worker i % num_workers (with ``in_order=False`` by one
+        with room)."""
         args = self.args
+        prefetch = None if args.engine_prefetch else (args.prefetch_factor or DEFAULT_PREFETCH_FACTOR) * args.num_workers
         return ParallelSource(
             callback, batch_size, num_workers=args.num_workers, start_method=args.start_method,
-            worker_restarts=args.worker_restarts,
-            pickler=args.pickler, prefetch=(args.prefetch_factor or DEFAULT_PREFETCH_FACTOR) * args.num_workers,
+            worker_restarts=args.worker_restarts, pickler=args.pickler, prefetch=prefetch,
             timeout=args.timeout or None, name=f"from_dataset({type(args.dataset).__name__}{name})",
             hooks=Hooks(worker_init=start, assign=round_robin if args.in_order else any_worker,
                         dense_arrays=True),

@@ -140,6 +140,31 @@ def test_dataloader_arguments_that_map_are_taken():
         assert _labels(loader) == list(range(12))
 
 
+def test_without_prefetch_factor_small_batches_go_further_ahead_and_with_one_they_do_not():
+    # The engine's default prefetch (as many batches per worker as DataLoader's 2) widens for
+    # batches of at most 1 MiB once their tasks are timed as short; prefetch_factor=2, given,
+    # stays 2 per worker.
+    import time
+
+    class Small(torch.utils.data.Dataset):
+        def __len__(self):
+            return 1 << 30
+
+        def __getitem__(self, i):
+            return np.full(64, i % 251, np.uint8)
+
+    with from_dataset(Small(), batch_size=8, num_workers=2) as loader:
+        batches = iter(loader)
+        deadline = time.monotonic() + 60
+        while loader.source.prefetch <= 4 and time.monotonic() < deadline:
+            next(batches)
+        assert loader.source.prefetch > 4 and loader.prefetch_factor == 2
+    with from_dataset(Small(), batch_size=8, num_workers=2, prefetch_factor=2) as loader:
+        for _, _ in zip(range(300), loader):
+            pass
+        assert loader.source.prefetch == 4
+
+
 class _KeysInAnyOrder(torch.utils.data.Dataset):
     """Dict samples whose keys come in an order that depends on the record."""
 
