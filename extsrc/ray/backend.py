@@ -560,10 +560,11 @@ class RayBackend:
 
     def _hello(self, sock: socket.socket) -> Optional[ActorHandle]:
         """The worker a new connection is, if it is a process of this user that says the
-        pool's token and the index of a worker waiting to connect; nothing it sent before is
-        unpickled."""
-        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                             struct.calcsize("3i")))
+        pool's token and the index of a worker waiting to connect, and is that worker's process
+        (not a lost actor of that index whose connection waited to be taken); nothing it sent
+        before is unpickled."""
+        pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                            struct.calcsize("3i")))
         if uid != os.getuid():
             return None
         sock.settimeout(HELLO_TIMEOUT_S)
@@ -580,6 +581,8 @@ class RayBackend:
         if not secrets.compare_digest(token, self._token) or not 0 <= index < len(self._workers):
             return None
         worker = self._workers[index]
+        if worker.ready is None or worker.ready.pid != pid:
+            return None
         return worker if worker.connecting and worker.channel is None else None
 
     def _connected(self, worker: ActorHandle, channel: Channel) -> None:
