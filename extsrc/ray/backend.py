@@ -57,9 +57,10 @@ without the pool's lock: only the I/O thread touches the writers' memory,
 and a dropped slot is unmapped by it, between writes.
 
 Faults: an actor that dies (``ray.kill``, a crash in native code, its node
-lost) fails its calls with Ray's ``RayActorError``; the pool then raises
-:class:`~extsrc.errors.WorkerDiedError` naming the actor, its node and the
-samples it held, and kills the other actors. A callback's exception comes
+lost) fails its calls with Ray's ``RayActorError``; within the pool's
+``worker_restarts`` a new actor takes its place (:meth:`RayBackend.replace`),
+else the pool raises :class:`~extsrc.errors.WorkerDiedError` naming the
+actor, its node and the samples it held, and kills the other actors. A callback's exception comes
 back like a worker process's. ``close()`` kills the actors, waits until Ray
 reports them dead, and drops every reference to their results, so the object
 store can free them. If Ray goes away (``ray.shutdown()``, the connection to

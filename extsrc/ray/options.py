@@ -18,7 +18,8 @@ RAY_OPTION_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "accelerator_t
 RAY_STRATEGIES = ("DEFAULT", "SPREAD")  # Ray's scheduling strategies given by name
 # Actor options the pool sets itself, and why a user's value would break its contract.
 RAY_OPTIONS_OWNED = {
-    "max_restarts": "a restarted actor would have lost its source's state; a dead actor is an error",
+    "max_restarts": "a restarted actor would have lost its source's state; the pool replaces a lost "
+                    "actor itself within worker_restarts=",
     "max_task_retries": "a retried task would call the callback twice; a dead actor is an error",
     "max_concurrency": "a worker runs its tasks one at a time, in the order sent",
     "concurrency_groups": "a worker runs its tasks one at a time, in the order sent",
