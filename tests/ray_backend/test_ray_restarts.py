@@ -65,7 +65,7 @@ def _case(marks: int, restarts: int) -> str:
 def test_an_actor_killed_mid_task_is_replaced_and_both_epochs_are_whole_and_in_order():
     result = run_fault(_case(marks=1, restarts=1), timeout=180)
     assert result.type is None, result.stderr[-3000:]
-    line = next(l for l in result.stdout.splitlines() if l.startswith("EPOCHS "))
+    line = next(text for text in result.stdout.splitlines() if text.startswith("EPOCHS "))
     epochs, restarts, counted = json.loads(line[len("EPOCHS "):])
     assert epochs == [list(range(200)), list(range(200))]
     assert len(restarts) == 1 and "extsrc ray worker" in restarts[0] and counted == 1
