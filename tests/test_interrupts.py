@@ -16,9 +16,10 @@ from faultkit import run_isolated
 SCENARIO = '''
 import collections, os, random, signal, sys
 import numpy as np, extsrc
-from sources import StopsAt, jittered
+from sources import FailsOn, StopsAt, jittered
 
 MODE, SEED, IN_ORDER, KEPT = sys.argv[1] if len(sys.argv) > 1 else "{mode}", {seed}, {in_order}, {kept}
+SKIP = {skip}
 EXTSRC = os.path.dirname(extsrc.__file__)
 rng = random.Random(SEED)
 armed = [False]
@@ -46,11 +47,14 @@ def arm():
         sys.settrace(at_nth_call(rng.randint(1, 40)))
 
 signal.signal(signal.SIGALRM, on_alarm)
-if IN_ORDER:
+if SKIP:  # records 5 and 50 skipped: each batch after one is refilled from the next
+    src = extsrc.ParallelSource(FailsOn(122, (5, 50)), 4, num_workers=2, on_error="skip")
+elif IN_ORDER:
     src = extsrc.ParallelSource(StopsAt(120), 4, num_workers=2)
 else:  # batches that finish out of order, handed out as they finish
     src = extsrc.ParallelSource(jittered, 4, num_workers=2, order=extsrc.Order(120), in_order=False)
-expected = [[k + i for i in range(4)] for k in range(0, 120, 4)]
+good = [r for r in range(122) if r not in (5, 50)] if SKIP else list(range(120))
+expected = [good[k:k + 4] for k in range(0, 120, 4)]
 interrupts = restarts = 0
 kept = collections.deque(maxlen=KEPT)  # the last KEPT batches (none with 0)
 epoch = -1
@@ -92,10 +96,11 @@ print("interrupts", interrupts, "restarts", restarts)
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["timer", "call"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-@pytest.mark.parametrize("in_order, kept", [(True, 0), (False, 0), (True, 8)],
-                         ids=["in-order", "out-of-order", "keeping-8"])
-def test_interrupts_anywhere_in_next_lose_and_repeat_nothing(mode, seed, in_order, kept):
-    scenario = SCENARIO.format(mode=mode, seed=seed, in_order=in_order, kept=kept)
+@pytest.mark.parametrize("in_order, kept, skip", [(True, 0, False), (False, 0, False), (True, 8, False),
+                                                  (True, 0, True)],
+                         ids=["in-order", "out-of-order", "keeping-8", "refilled"])
+def test_interrupts_anywhere_in_next_lose_and_repeat_nothing(mode, seed, in_order, kept, skip):
+    scenario = SCENARIO.format(mode=mode, seed=seed, in_order=in_order, kept=kept, skip=skip)
     result = run_isolated(scenario, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     interrupts = int(result.stdout.split()[1])

@@ -1,6 +1,9 @@
-"""on_error= and max_errors=: a sample the callback fails on is skipped or replaced, counted and
-listed, and the epoch goes on; past the budget the source raises with the list."""
+"""on_error= and max_errors=: a sample the callback fails on is skipped (its batch refilled from
+the next) or replaced, counted and listed, and the epoch goes on; past the budget the source
+raises with the list."""
 
+import json
+import sys
 import time
 
 import numpy as np
@@ -9,6 +12,7 @@ import pytest
 import extsrc
 from extsrc import Order, ParallelSource, TooManyErrorsError
 
+from interrupting import interrupt_at_landing
 from sources import FailsOn, minus_record
 
 BAD = (7, 300)
@@ -27,8 +31,8 @@ def test_skip_gives_every_other_record_once_and_lists_the_bad_ones(start_method,
             batches = list(source)
             assert _records(batches) == [r for r in range(1000) if r not in BAD]
             sizes = [len(batch) for batch in batches]
-            # The epoch keeps its batches (ranks stay in step): the two with a bad record are short.
-            assert len(sizes) == 63 and sizes.count(15) == 2 and sizes[0] == 15
+            # Full batches: the samples after a skipped one move up; the last holds what is left.
+            assert sizes == [16] * 62 + [998 - 62 * 16]
         faults = source.faults()
         assert [f.record for f in faults] == [7, 300, 7, 300]
         assert faults[1].type_name == "OSError" and "cannot decode record 300" in faults[1].message
@@ -42,9 +46,12 @@ def test_skip_gives_every_other_record_once_and_lists_the_bad_ones(start_method,
 def test_skip_leaves_a_sample_out_of_every_output_of_a_tuple():
     with ParallelSource(FailsOn(64, (3,), outputs=2), 8, num_outputs=2, num_workers=2,
                         on_error="skip") as source:
-        first, tails = next(iter(source))
-        assert [int(s[0]) for s in first] == [0, 1, 2, 4, 5, 6, 7]
-        assert [len(t) for t in tails] == [r % 3 for r in (0, 1, 2, 4, 5, 6, 7)]
+        epoch = iter(source)
+        first, tails = next(epoch)
+        assert [int(s[0]) for s in first] == [0, 1, 2, 4, 5, 6, 7, 8]
+        assert [len(t) for t in tails] == [r % 3 for r in (0, 1, 2, 4, 5, 6, 7, 8)]
+        second, _ = next(epoch)
+        assert [int(s[0]) for s in second] == list(range(9, 17))
 
 
 def test_a_replacement_comes_in_place_of_the_sample():
@@ -74,12 +81,13 @@ def test_past_max_errors_the_batch_raises_with_every_error_of_the_epoch():
     with ParallelSource(FailsOn(1000, (7, 300, 500)), 16, num_workers=2, on_error="skip",
                         max_errors=1, last_batch="partial") as source:
         epoch = iter(source)
-        taken = [next(epoch) for _ in range(18)]  # through batch 17: one error, in the budget
+        # 17 batches hold the 271 good records of the first 272: one error, in the budget.
+        taken = [next(epoch) for _ in range(17)]
         with pytest.raises(TooManyErrorsError) as raised:
-            next(epoch)  # batch 18 holds record 300
+            next(epoch)  # it needs records 272-288, and record 300 is in their producer's batch
         assert [f.record for f in raised.value.faults] == [7, 300]
         assert "max_errors=1" in str(raised.value) and "record 7" in str(raised.value)
-        assert len(taken[0]) == 15
+        assert [len(batch) for batch in taken] == [16] * 17
 
 
 def test_max_errors_as_a_fraction_of_an_ordered_epoch():
@@ -123,6 +131,38 @@ def test_a_checkpoint_between_two_errors_resumes_every_record_once_and_keeps_the
     assert head + tail == whole and len(set(whole)) == len(whole)
 
 
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_checkpoint_in_a_refilled_batch_resumes_every_record_once(start_method):
+    # Without an order; the checkpoint falls after the first error, before the second, and
+    # the next producer's batch is half handed out already.
+    options = dict(num_workers=2, start_method=start_method, on_error="skip", last_batch="partial")
+    with ParallelSource(FailsOn(1000, BAD), 16, **options) as source:
+        epoch = iter(source)
+        head = _records([next(epoch) for _ in range(5)])
+        state = json.loads(json.dumps(source.get_state()))  # as a checkpoint file keeps it
+    assert state["refill"]["carry"] and state["faults"] == 1
+    with ParallelSource(FailsOn(1000, BAD), 16, **options) as resumed:
+        resumed.set_state(state)
+        tail = _records(resumed)
+        assert [f.record for f in resumed.faults()] == [300]
+        with pytest.raises(extsrc.StateMismatchError, match="same batch_size"):
+            ParallelSource(FailsOn(1000, BAD), 8, **options).set_state(state)
+    assert head + tail == [r for r in range(1000) if r not in BAD]
+
+
+def test_pad_keeps_every_rank_at_len_batches_whatever_it_skipped():
+    # Two shards of 100 records, one with 12 bad ones: both give len() full batches.
+    for shard, bad_count in ((0, 0), (1, 12)):
+        order = Order(200, shard=(shard, 2))
+        mine = [int(r) for r in order.epoch(0)]
+        bad = mine[:bad_count]
+        with ParallelSource(FailsOn(200, bad), 8, num_workers=2, on_error="skip",
+                            last_batch="pad", order=order) as source:
+            batches = list(source)
+            assert len(batches) == len(source) == 13 and {len(b) for b in batches} == {8}
+            assert set(_records(batches)) == set(mine) - set(bad)
+
+
 def test_errors_that_are_not_the_callbacks_still_fail_the_batch():
     def wrong_dtype(info):
         if info.idx_in_epoch >= 16:
@@ -136,13 +176,12 @@ def test_errors_that_are_not_the_callbacks_still_fail_the_batch():
         assert source.faults() == []
 
 
-def test_a_batch_whose_every_sample_failed_raises_in_its_place():
-    with ParallelSource(FailsOn(24, range(8, 16)), 8, num_workers=2, on_error="skip") as source:
-        epoch = iter(source)
-        assert len(next(epoch)) == 8
-        with pytest.raises(extsrc.CallbackError, match="every sample of batch 1"):
-            next(epoch)
-        assert _records([next(epoch)]) == list(range(16, 24))
+def test_a_batch_whose_every_sample_failed_is_filled_from_the_next():
+    with ParallelSource(FailsOn(40, range(8, 20)), 8, num_workers=2, on_error="skip",
+                        last_batch="partial") as source:
+        assert [_records([batch]) for batch in source] == [
+            list(range(8)), list(range(20, 28)), list(range(28, 36)), list(range(36, 40))]
+        assert len(source.faults()) == 12
 
 
 def test_a_batch_callable_may_replace_its_batch():
@@ -216,7 +255,8 @@ def test_a_task_skipped_whole_before_the_outputs_are_known_is_no_error():
     with ParallelSource(_first_task_skipped_late, 8, num_outputs="auto", num_workers=2, prefetch=1,
                         on_error="skip") as source:
         firsts = [int(s[0]) for images, _ in source for s in images]
-        assert firsts == [r for r in range(64) if r not in (0, 1, 17)]
+        # 61 good records make 7 full batches; last_batch="drop" drops the 5 left.
+        assert firsts == [r for r in range(64) if r not in (0, 1, 17)][:56]
 
 
 def _slow_first_batch(info):
@@ -227,17 +267,19 @@ def _slow_first_batch(info):
     return FailsOn(64, (9, 17, 25))(info)
 
 
-def test_a_state_saved_out_of_order_keeps_the_epochs_fault_count():
-    options = dict(num_workers=2, on_error="skip", max_errors=2, in_order=False)
+def test_a_state_saved_out_of_order_resumes_every_record_once_and_keeps_the_count():
+    options = dict(num_workers=2, on_error="skip", max_errors=3, in_order=False, last_batch="partial")
     with ParallelSource(_slow_first_batch, 8, **options) as source:
         epoch = iter(source)
-        assert sorted(int(next(epoch)[0][0]) // 8 for _ in range(2)) == [1, 2]
+        head = _records([next(epoch) for _ in range(2)])  # batch 0 is slow: from later ones
         state = source.get_state()
-    assert (state["iteration"], state["handed_out"], state["faults"]) == (0, [1, 2], 2)
+    assert len(head) == 16 and min(head) >= 8
     with ParallelSource(_slow_first_batch, 8, **options) as resumed:
         resumed.set_state(state)
-        with pytest.raises(TooManyErrorsError):  # record 25: the third of the epoch
-            list(resumed)
+        tail = _records(resumed)
+        # Each bad record is counted once: before the checkpoint or after the resume.
+        assert state.get("faults", 0) + len(resumed.faults()) == 3
+    assert sorted(head + tail) == [r for r in range(64) if r not in (9, 17, 25)]
 
 
 def test_overflow_of_a_batch_ended_before_a_failure_is_kept_while_read():
@@ -257,3 +299,45 @@ def test_overflow_of_a_batch_ended_before_a_failure_is_kept_while_read():
         (batch,) = list(source)
         assert [int((np.asarray(s) == 0).sum()) for s in batch] == [0, 0, 0, 0]
         assert [int(s[0]) for s in batch] == [1, 2, 3, 4]
+
+
+def test_an_epoch_whose_every_sample_failed_raises_rather_than_ending_empty():
+    with ParallelSource(FailsOn(40, range(40)), 8, num_workers=2, on_error="skip") as source:
+        with pytest.raises(extsrc.CallbackError, match="every sample of epoch 0 failed"):
+            list(source)
+        assert len(source.faults()) == 40
+
+
+def test_a_state_after_the_epochs_end_points_at_the_next_epoch():
+    with ParallelSource(FailsOn(40, (3,)), 8, num_workers=2, on_error="skip") as source:
+        assert len(list(source)) == 4  # 39 good records: 7 left over, dropped
+        state = source.get_state()
+    assert (state["epoch_idx"], state["iteration"]) == (1, 0) and "refill" not in state
+
+
+def test_an_interrupt_at_any_place_of_a_refill_loses_and_repeats_nothing():
+    # Epoch k is cut once, at the k-th place a Ctrl-C can land in the refill (counted from the
+    # epoch's start), and the loop goes on after it; k = 1, 2, ... until an epoch has no k-th.
+    import extsrc.engine.refill as refill
+
+    bad = (2, 9, 10)
+    expected = [r for r in range(24) if r not in bad]
+    with ParallelSource(FailsOn(24, bad), 4, num_workers=2, on_error="skip",
+                        last_batch="partial") as source:
+        k, over = 0, False
+        while not over:
+            k += 1
+            epoch, got, landings = iter(source), [], [0]
+            for _ in range(len(expected) + 1):  # at most one call per batch, one cut, the end
+                sys.setprofile(interrupt_at_landing(k, landings, refill.__file__))
+                try:
+                    got.extend(_records([epoch.__next__()]))
+                except KeyboardInterrupt:
+                    pass
+                except StopIteration:
+                    break
+                finally:
+                    sys.setprofile(None)
+            over = landings[0] < k
+            assert got == expected, k
+    assert k > 100  # the places walked

@@ -118,8 +118,23 @@ class Feeder:
         epoch_idx, iteration = position
         if not self.callable_source:
             iteration = 0  # an iterator cannot be rewound: it restarts (DALI warns at definition)
+        if self.source.spec.on_error == "skip" and iteration:
+            self._replay(epoch_idx, iteration)
+            return
         self.source.set_state({"epoch_idx": epoch_idx, "iteration": iteration})
         self._epoch = iter(self.source)
+
+    def _replay(self, epoch_idx: int, iteration: int) -> None:
+        """DALI's batch ``iteration`` of an epoch whose skipped samples moved the samples after
+        them up (on_error="skip"): which records it holds depends on the skips before it, which
+        DALI's checkpoint does not keep, so the epoch is made again from its start up to it."""
+        self.source.set_state({"epoch_idx": epoch_idx, "iteration": 0})
+        self._epoch = iter(self.source)
+        for _ in range(iteration):
+            try:
+                self._epoch.__next__()
+            except (StopIteration, ExhaustedIteratorError):
+                return  # the epoch ends before DALI's batch: its next() says so
 
     def _after_end(self, position: tuple) -> Any:
         epoch_idx = position[0]

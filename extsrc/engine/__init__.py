@@ -35,6 +35,7 @@ from extsrc.engine.faults import SampleFault
 from extsrc.engine.runner import SourceRunner, failure, load_source, slot_writer
 from extsrc.engine.samples import SampleChecker
 from extsrc.engine.sink import TaskSink, WriterSink
+from extsrc.engine.refill import Refill
 from extsrc.engine.source import ParallelSource
 from extsrc.engine.structure import (ARRAY, BYTES, HEAP_BUFFERS, MAPPING, PICKLED, SCALAR, STRING, Flattener,
                                      ForeignLeaves, NUMERIC_KINDS, PackedLayout, Structure, check_same, container,
@@ -80,7 +81,7 @@ __all__ = [
     "close_when_collected", "fork_lock", "OwnedThread", "gpu_visible", "no_gpu_message", "limits", "streaming",
     "Segment", "shm_backend",
     # errors
-    "CallbackError", "EmptyEpochError", "EpochLengthError", "EpochSupersededError",
+    "Refill", "CallbackError", "EmptyEpochError", "EpochLengthError", "EpochSupersededError",
     "ExhaustedIteratorError", "ExtsrcError", "ForkedChildError", "InternalError", "OrderWarning",
     "PoolClosedError", "SampleError", "SharedMemoryError", "SourcePicklingError",
     "SourceTimeoutError", "StateMismatchError", "TooManyErrorsError", "WorkerDiedError",

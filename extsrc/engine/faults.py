@@ -2,9 +2,9 @@
 
 ``on_error="raise"`` (the default) fails the sample's batch: its error is
 raised in the batch's place, and the epoch goes on (see docs/engine.md).
-``on_error="skip"`` drops the sample: its batch comes out without it, one
-sample shorter, so that an epoch keeps its number of batches (ranks of a
-distributed job stay in step) and a resumed run skips the same records. A
+``on_error="skip"`` drops the sample: its batch comes from the workers
+without it, one sample shorter, and the source's refill
+(:mod:`extsrc.engine.refill`) fills it up from the next batch. A
 callable ``on_error(info, error)`` runs in the worker and returns the
 sample to use in its place (what it raises fails the batch, as the
 callback's error would). Only what the callback raises counts, never a
@@ -181,8 +181,13 @@ class FaultLedger:
         """A resumed epoch starts with the ``count`` faults its state recorded."""
         self.epoch = {epoch_idx: [_UNLISTED] * count}
 
-    def count(self, epoch_idx: int) -> int:
-        return len(self.epoch.get(epoch_idx, ()))
+    def count(self, epoch_idx: int, handed: Optional[Callable[[int], bool]] = None) -> int:
+        """Faults of the epoch; with ``handed``, only those of the batches it says were handed
+        out (those before a resume count as such)."""
+        faults = self.epoch.get(epoch_idx, ())
+        if handed is None:
+            return len(faults)
+        return sum(1 for f in faults if f is _UNLISTED or handed(f.iteration))
 
     def taken(self, seq: int, epoch_idx: int, faults: Tuple[SampleFault, ...]) -> Optional[TooManyErrorsError]:
         """Counts the faults of batch ``seq`` (once however often it is taken); the error to

@@ -18,7 +18,9 @@ consumer's arrays hold the lease -> freed when the last reference is gone
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import os
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple, Union
@@ -34,6 +36,7 @@ from extsrc.engine.hooks import Hooks
 from extsrc.engine.kinds import BATCH_CALLABLE, SAMPLE, STREAMS, Source, SourceKind, classify
 from extsrc.engine.pool import WorkerPool
 from extsrc.engine.producer import Producer, Run
+from extsrc.engine.refill import Refill
 from extsrc.engine.spec import UNSET, DTypes, NDims, SourceSpec
 from extsrc.engine.stats import SourceStats, publish
 from extsrc.engine.take import EpochState, Taker
@@ -88,6 +91,16 @@ class ParallelSource(ClosedWhenCollected):
     ``timeout`` seconds :class:`~extsrc.errors.SourceTimeoutError` (after
     those two the pool is shut down). In a process forked from the one that
     created it, every method raises :class:`~extsrc.errors.ForkedChildError`.
+
+    Bad data and lost workers (see docs/engine.md): ``on_error="skip"``
+    leaves out a sample whose callback raised, and the batches after it are
+    refilled from the next ones (:mod:`extsrc.engine.refill`), so each stays
+    whole; ``on_error(info, error)`` returns a sample in its place;
+    ``max_errors`` is an epoch's budget of such samples (a count, or a
+    fraction of an order's records), past which the batch raises
+    :class:`~extsrc.errors.TooManyErrorsError`; :meth:`faults` lists them.
+    ``worker_restarts=N`` replaces up to ``N`` lost workers, their batches
+    redone, before a loss raises ``WorkerDiedError``.
 
     Threads: several threads may take batches from one epoch; each batch
     goes to exactly one of them, whole. A source serves one loop at a time:
@@ -214,15 +227,19 @@ class ParallelSource(ClosedWhenCollected):
         self.kind = kind
         self._pool = pool
         self._pid = os.getpid()
-        self._producer = Producer(source, kind, self.spec, pool, name)
+        engine_spec = _refilled(self.spec)
+        self._producer = Producer(source, kind, engine_spec, pool, name)
         self.name = self._producer.name
         self._last_report = time.monotonic()
-        self._taker = Taker(pool, self._producer, self.spec, self.name,
+        self._taker = Taker(pool, self._producer, engine_spec, self.name,
                             report=None if self.spec.stats_every is None else self._maybe_report)
         self._next_epoch = 0
         self._resume_iteration = 0
         self._resume_skip: FrozenSet[int] = frozenset()  # handed out after it (in_order=False)
         self._resume_faults = 0  # samples of the resumed epoch skipped or replaced before it
+        self._resume_carry: Dict[int, int] = {}  # batch -> good samples handed out (on_error="skip")
+        self._resume_given = 0  # batches of the resumed epoch handed out (on_error="skip")
+        self._refill: Optional[Refill] = None  # the running epoch's, with on_error="skip"
         self._early: Optional[Run] = None  # the next epoch's run, filled by start() ahead of iter()
         self._closed = False
         self._close_done = False  # close() ran to its end
@@ -364,12 +381,17 @@ class ParallelSource(ClosedWhenCollected):
             assert run is not None
             epoch = self._taker.begin(run)
             self._producer.faults.resume(run.epoch_idx, self._resume_faults)
+            refill = self._refill = None if self.spec.on_error != "skip" else Refill(
+                epoch, self.spec.batch_size, self.spec.last_batch, self.spec.batches_per_epoch,
+                functools.partial(self._producer.faults.count, run.epoch_idx),
+                self._resume_carry, self._resume_given)
             self._next_epoch += 1
             self._resume_iteration = 0
             self._resume_skip = frozenset()
-            self._resume_faults = 0
+            self._resume_faults = self._resume_given = 0
+            self._resume_carry = {}
             self._pool.notify()
-            return epoch
+            return epoch if refill is None else refill
 
     @property
     def next_epoch_idx(self) -> int:
@@ -400,15 +422,31 @@ class ParallelSource(ClosedWhenCollected):
         """
         self._pool.check_owner()
         with self._pool.lock:
-            epoch = self._taker.current
+            epoch, refill = self._taker.current, self._refill
+            if epoch is not None and refill is not None and refill.epoch is epoch and refill.goes_on():
+                return self.refill_state(refill)
             if epoch is not None and epoch.state is EpochState.RUNNING:
-                epoch_idx = epoch.epoch_idx
                 iteration, handed_out = epoch.position()
-                faults = self._producer.faults.count(epoch_idx)
-            else:
-                epoch_idx, iteration = self._next_epoch, self._resume_iteration
-                handed_out = sorted(self._resume_skip)
-                faults = self._resume_faults
+                return self._state_of(epoch.epoch_idx, iteration, handed_out,
+                                      self._producer.faults.count(epoch.epoch_idx))
+            state = self._state_of(self._next_epoch, self._resume_iteration,
+                                   sorted(self._resume_skip), self._resume_faults)
+            if self._resume_given or self._resume_carry:
+                state["refill"] = {"given": self._resume_given,
+                                   "carry": [list(c) for c in sorted(self._resume_carry.items())]}
+            return state
+
+    def refill_state(self, refill: Refill, given: Optional[int] = None) -> Dict[str, Any]:
+        """The state after ``given`` batches (default: those handed out) of ``refill``, the
+        running epoch of a source with ``on_error="skip"``; for a layer that runs ahead."""
+        at = refill.position(given)
+        state = self._state_of(refill.epoch_idx, at.iteration, list(at.handed_out), at.faults)
+        if at.carry or at.given:
+            # The batches' good samples handed out (on_error="skip"), and the batches (for "pad").
+            state["refill"] = {"given": at.given, "carry": [list(c) for c in at.carry]}
+        return state
+
+    def _state_of(self, epoch_idx: int, iteration: int, handed_out: List[int], faults: int) -> Dict[str, Any]:
         state: Dict[str, Any] = {
             "epoch_idx": epoch_idx, "iteration": iteration,
             "batch_size": self.spec.batch_size, "records": iteration * self.spec.batch_size,
@@ -443,6 +481,13 @@ class ParallelSource(ClosedWhenCollected):
                 f"batches {sorted(skip)} were handed out ahead of batch {iteration} "
                 f"(in_order=False), and this source has batch_size={self.spec.batch_size}: "
                 "resuming would repeat or skip records. Resume with the same batch_size")
+        refilled = _parse_refill(state)
+        if refilled[1] and state.get("batch_size", self.spec.batch_size) != self.spec.batch_size:
+            raise StateMismatchError(
+                f"set_state: the state was saved with batch_size={state.get('batch_size')} in the "
+                "middle of a batch refilled after on_error='skip', and this source has "
+                f"batch_size={self.spec.batch_size}: resuming would repeat or skip records. "
+                "Resume with the same batch_size")
         iteration = self._check_state(state, iteration)
         if iteration and self.kind in STREAMS:
             raise ValueError("resuming in the middle of an epoch needs a callable source, not an iterable")
@@ -457,6 +502,7 @@ class ParallelSource(ClosedWhenCollected):
             self._producer.request(None)
             self._next_epoch, self._resume_iteration, self._resume_skip = epoch_idx, iteration, skip
             self._resume_faults = _parse_count(state, "faults") if iteration or skip else 0
+            self._resume_given, self._resume_carry = refilled
 
     def _check_state(self, state: Dict[str, Any], iteration: int) -> int:
         """The iteration of this source at which ``state`` resumes exactly; raises
@@ -595,6 +641,30 @@ def _checked_kind(source: Source, spec: SourceSpec, pool: WorkerPool, order: Opt
     if spec.hooks.batch_info and kind != BATCH_CALLABLE:
         raise ValueError("hooks.batch_info=True needs a callable source (not an iterable or generator)")
     return kind
+
+
+def _refilled(spec: SourceSpec) -> SourceSpec:
+    """The spec the producer works to: with ``on_error="skip"``, ``last_batch="drop"`` is the
+    refill's (:mod:`extsrc.engine.refill`), and the producer hands out every sample."""
+    if spec.on_error != "skip" or spec.last_batch != "drop":
+        return spec
+    engine = copy.copy(spec)
+    object.__setattr__(engine, "last_batch", "partial")
+    return engine
+
+
+def _parse_refill(state: Dict[str, Any]) -> Tuple[int, Dict[int, int]]:
+    """``(batches handed out, {batch: good samples handed out})`` of a state's ``refill``."""
+    refill = state.get("refill", {})
+    try:
+        given = refill.get("given", 0)
+        carry = {int(i): int(n) for i, n in refill.get("carry", ())}
+    except (AttributeError, TypeError, ValueError):
+        raise ValueError(f"set_state: 'refill' must be {{'given': int, 'carry': [[batch, count], ...]}}, "
+                         f"got {refill!r}") from None
+    if not is_int(given) or given < 0 or any(i < 0 or n <= 0 for i, n in carry.items()):
+        raise ValueError(f"set_state: 'refill' holds a negative count or batch: {refill!r}")
+    return given, carry
 
 
 def _parse_count(state: Dict[str, Any], key: str) -> int:

@@ -54,7 +54,7 @@ import numpy as np
 
 from extsrc.batch import Batch
 from extsrc.engine.assembly import BatchOutput, Decision, Output, PendingBatch
-from extsrc.errors import (ENDS_EPOCH, CallbackError, EmptyEpochError, EpochLengthError, EpochSupersededError,
+from extsrc.errors import (ENDS_EPOCH, EmptyEpochError, EpochLengthError, EpochSupersededError,
                            SampleError, SharedMemoryError, SourceTimeoutError)
 from extsrc.shm import limits
 from extsrc.shm.slots import Lease
@@ -503,17 +503,12 @@ class Taker:
 
     def _counted(self, epoch: Epoch, pending: PendingBatch, decision: Decision) -> Decision:
         """``decision`` once the batch's skipped or replaced samples are counted: an error in
-        its place past the source's ``max_errors``, or when no sample of it is left."""
+        its place past the source's ``max_errors``. A batch whose every sample was skipped is
+        an empty one (the refill, :mod:`extsrc.engine.refill`, takes the next batch's)."""
         faults = pending.faults
         if not faults or decision.error is not None:
             return decision
         error: Optional[BaseException] = self.producer.faults.taken(pending.seq, epoch.epoch_idx, faults)
-        left = decision.size - sum(1 for f in faults if not f.replaced and f.idx_in_batch < decision.size)
-        if error is None and decision.size and not left:
-            error = CallbackError(
-                f"source {self.name}: every sample of batch {pending.iteration} of epoch "
-                f"{epoch.epoch_idx} failed and was skipped (on_error='skip'), so it has none "
-                "to hand out:\n" + "\n".join(f"  {f}" for f in faults[:20]))
         return decision if error is None else decision._replace(error=error)
 
     def _finish(self, outcome: BatchOutput) -> BatchOutput:

@@ -57,7 +57,7 @@ def _from_dataset(
     how many lost workers are replaced, their batches redone, before a loss
     raises (default 0: as DataLoader, a lost worker ends the loop);
     ``on_error`` and ``max_errors`` (default collation, own order): a sample
-    whose ``__getitem__`` raises is skipped (its batch one shorter) or
+    whose ``__getitem__`` raises is skipped (its batch refilled from the next) or
     replaced (see :class:`extsrc.ParallelSource`; ``loader.source.faults()``
     lists them).
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Callable, Dict, Iterable, Optional, Union
 
 import torch
 
 from extsrc.dma import CUDA_HOST_REGISTER_PORTABLE, InFlight, PageLock, page_lock
-from extsrc.engine import Cursor, ParallelSource, gpu_visible
+from extsrc.engine import Cursor, ParallelSource, Refill, gpu_visible
 from extsrc.torch.tensors import batch_tensors, each_tensor, map_tensors
 
 
@@ -246,15 +247,27 @@ def _page_lock_with_torch(source: ParallelSource, index: int) -> PageLock:
 
 class LoopPosition:
     """Where a loop over a loader stands: the epoch, and a :class:`~extsrc.engine.Cursor` of
-    the batches handed on (the next one, and later ones handed on already, ``in_order=False``)."""
+    the batches handed on (the next one, and later ones handed on already, ``in_order=False``).
+    ``after(n)``, where given, is the source's state after ``n`` batches of the epoch (a source
+    with ``on_error="skip"`` counts batches its own way; see :mod:`extsrc.engine.refill`)."""
 
-    __slots__ = ("epoch_idx", "cursor", "finished", "ended_by")
+    __slots__ = ("epoch_idx", "cursor", "finished", "ended_by", "after")
 
-    def __init__(self, epoch_idx: int, next_iteration: int, ahead: Iterable[int] = ()):
+    def __init__(self, epoch_idx: int, next_iteration: int, ahead: Iterable[int] = (),
+                 after: Optional[Callable[[int], Dict[str, Any]]] = None):
         self.epoch_idx = epoch_idx
         self.cursor = Cursor(next_iteration, ahead)
         self.finished = False
         self.ended_by: Optional[str] = None  # what ended the loop before its epoch's end
+        self.after = after
+
+    @classmethod
+    def of(cls, source: ParallelSource, batches: Any, start: Dict[str, Any]) -> "LoopPosition":
+        """The position of a loop over ``batches``, the source's epoch begun at ``start``."""
+        if isinstance(batches, Refill):
+            return cls(start["epoch_idx"], start.get("refill", {}).get("given", 0),
+                       after=functools.partial(source.refill_state, batches))
+        return cls(start["epoch_idx"], start["iteration"], start.get("handed_out", ()))
 
     def handed(self, iteration: int) -> None:
         """Batch ``iteration`` was handed on; idempotent (for a batch an interrupt made the loop
@@ -263,6 +276,8 @@ class LoopPosition:
 
     def state(self, state: Dict[str, Any]) -> Dict[str, Any]:
         """``state`` (the source's) at this position."""
+        if self.after is not None:
+            return self.after(self.cursor.next)
         state = {**state, "epoch_idx": self.epoch_idx, "iteration": self.cursor.next}
         state.pop("handed_out", None)
         handed_out = self.cursor.handed_out()
@@ -277,7 +292,7 @@ class _Epoch:
     def __init__(self, loader: TorchLoader, batches: Any, start: Dict[str, Any]):
         self.loader = loader
         self.batches = batches
-        self.position = LoopPosition(start["epoch_idx"], start["iteration"], start.get("handed_out", ()))
+        self.position = LoopPosition.of(loader.source, batches, start)
         # A batch taken from the source and not yet handed on: an interrupt (KeyboardInterrupt)
         # arriving in between leaves it here, and the next call hands it on.
         self._taken: Any = None

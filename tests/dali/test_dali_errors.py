@@ -180,15 +180,34 @@ def test_a_source_converted_for_conditionals_is_refused_with_dalis_phrase():
     assert converted == ["autograph__pipe"], converted
 
 
-def test_on_error_skip_hands_dali_the_batch_without_the_bad_sample():
+def test_on_error_skip_hands_dali_full_batches_without_the_bad_sample():
     with _pipe(FailsOn(16, (5,)), on_error="skip", last_batch="partial") as p:
-        first, second = (np.array(p.run()[0].as_tensor()) for _ in range(2))
-        assert first[:, 0].tolist() == [0, 1, 2, 3]
-        assert second[:, 0].tolist() == [4, 6, 7]  # record 5 left out: a batch of 3
+        batches = [np.array(p.run()[0].as_tensor())[:, 0].tolist() for _ in range(4)]
+        # Record 5 left out, the batches after it refilled from the next: DALI gets full ones.
+        assert batches == [[0, 1, 2, 3], [4, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15]]
         assert [[f.record for f in faults] for faults in p.extsrc_faults().values()] == [[5]]
     with _pipe(FailsOn(16, (5,)), on_error=minus_record) as p:
         p.run()
         assert np.array(p.run()[0].as_tensor())[:, 0].tolist() == [4, -5, 6, 7]
+
+
+def test_a_checkpoint_after_a_skip_resumes_at_the_same_records():
+    @pipeline_def(batch_size=4, py_num_workers=2, enable_checkpointing=True, **CPU)
+    def pipe():
+        return fn.external_source(FailsOn(40, (5, 22)), parallel=True, batch=False,
+                                  on_error="skip", last_batch="partial")
+
+    def records(p, n):
+        return [np.array(p.run()[0].as_tensor())[:, 0].tolist() for _ in range(n)]
+
+    with pipe() as p:
+        head = records(p, 3)  # past record 5: the batches after it hold the next records
+        saved = p.checkpoint()
+        rest = records(p, 6)
+    with pipe(checkpoint=saved) as restored:
+        assert records(restored, 6) == rest
+    good = [r for r in range(40) if r not in (5, 22)]
+    assert sum(head + rest, []) == good[:36]
 
 
 def test_on_error_needs_parallel():

@@ -197,11 +197,14 @@ def test_a_failing_sample_raises_its_own_error_naming_where_and_the_epoch_goes_o
         assert as_numpy(es())[0][1, 0] == 8
 
 
-def test_on_error_skip_leaves_the_sample_out_and_counts_it():
+def test_on_error_skip_leaves_the_sample_out_of_full_batches_and_counts_it():
     with ndd.ExternalSource(fails_on_five, parallel=True, batch_size=4, num_workers=2,
                             on_error="skip") as es:
         batches = epoch_of(es)
-        assert [len(b) for b in batches] == [4, 3, 4, 4, 4]
+        # Full batches: those after record 5 are refilled from the next; the 3 samples left at
+        # the end make no batch of 4 (last_batch="drop").
+        assert [[int(s[1, 0]) for s in b] for b in batches] == [
+            [0, 1, 2, 3], [4, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]
         assert [(f.idx_in_epoch, f.type_name) for f in es.faults()] == [(5, "KeyError")]
 
 
@@ -260,6 +263,23 @@ def test_a_checkpoint_mid_captured_epoch_is_refused_and_between_epochs_is_exact(
                     es.get_state()
         state = json.loads(es.get_state())
     assert (state["epoch_idx"], state["iteration"]) == (1, 0)
+
+
+def test_a_checkpoint_after_a_skip_resumes_at_the_same_samples():
+    def fails_early(info: SampleInfo) -> np.ndarray:
+        if info.idx_in_epoch in (1, 2, 3, 5):
+            raise OSError(f"record {info.idx_in_epoch} is damaged")
+        return stamped(info)
+
+    options = dict(parallel=True, batch_size=4, num_workers=2, on_error="skip")
+    with ndd.ExternalSource(fails_early, **options) as es:
+        head = [[int(s[1, 0]) for s in as_numpy(es())] for _ in range(2)]
+        state = es.get_state()
+        rest = [[int(s[1, 0]) for s in b] for b in epoch_of(es)]
+    with ndd.ExternalSource(fails_early, **options) as resumed:
+        resumed.set_state(state)
+        assert [[int(s[1, 0]) for s in b] for b in epoch_of(resumed)] == rest
+    assert head == [[0, 4, 6, 7], [8, 9, 10, 11]] and rest == [[12, 13, 14, 15], [16, 17, 18, 19]]
 
 
 def test_the_module_is_dalis_under_extsrcs_name():
