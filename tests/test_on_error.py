@@ -341,3 +341,14 @@ def test_an_interrupt_at_any_place_of_a_refill_loses_and_repeats_nothing():
             over = landings[0] < k
             assert got == expected, k
     assert k > 100  # the places walked
+
+
+def test_a_refilled_batch_keeps_one_workers_batch_in_shared_memory():
+    # Record 3 skipped: batch 0 takes record 8 from the workers' batch 1, batch 1 records 9-15
+    # (views) and 16 (a copy): the smaller part of each is copied, so that a held batch keeps
+    # one of the workers' batches mapped, not two.
+    with ParallelSource(FailsOn(64, (3,)), 8, num_workers=2, on_error="skip") as source:
+        batches = list(source)
+    assert [int(s[0]) for s in batches[1]] == list(range(9, 17))
+    copies = [[bool(s.flags.owndata) for s in batch] for batch in batches]
+    assert copies[0] == [False] * 7 + [True] and all(c == [False] * 7 + [True] for c in copies[1:])

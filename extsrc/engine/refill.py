@@ -6,7 +6,9 @@ and the consumer and hands out batches of ``batch_size`` made of the good
 samples in epoch order: the missing sample is taken from the next batch,
 whose missing first sample from the one after it, and so on. Until the first
 skip a batch is handed out as it came (zero-copy, dense); after it, a batch
-spans two of the producer's batches, a list of zero-copy views of both.
+spans two of the producer's batches: a list of zero-copy views of the one
+it takes most samples from, and copies of the others' (so that each batch
+a loop holds keeps one producer's batch in shared memory, not two).
 
 The end of the epoch follows ``last_batch``: ``"drop"`` drops the good
 samples left that do not fill a batch, ``"partial"`` hands them out, and
@@ -277,13 +279,17 @@ def _cut_output(output: Output, start: int, stop: int) -> Output:
 
 
 def _joined(parts: List[BatchOutput]) -> BatchOutput:
-    """One batch of the parts' samples, in order: views where the outputs are Batches, one
-    array (a copy) where they are arrays (``dense_arrays``)."""
+    """One batch of the parts' samples, in order. The largest part stays views of its shared
+    memory; the samples of the others are copied, so that a batch holds one producer's batch
+    in memory, as an unrefilled one does (a loop holding n batches holds n, not 2n). Outputs
+    that are arrays (``dense_arrays``) are concatenated (a copy)."""
+    kept = max(range(len(parts)), key=lambda k: _size(parts[k]))
     columns = list(zip(*(_outputs(p) for p in parts)))
     joined: List[Output] = []
     for column in columns:
         if all(isinstance(o, Batch) for o in column):
-            joined.append(Batch([sample for o in column for sample in o]))
+            joined.append(Batch([sample if k == kept else np.array(sample)
+                                 for k, o in enumerate(column) for sample in o]))
         else:
             joined.append(np.concatenate([np.asarray(o) for o in column]))
     return tuple(joined) if isinstance(parts[0], tuple) else joined[0]
