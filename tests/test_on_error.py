@@ -352,3 +352,72 @@ def test_a_refilled_batch_keeps_one_workers_batch_in_shared_memory():
     assert [int(s[0]) for s in batches[1]] == list(range(9, 17))
     copies = [[bool(s.flags.owndata) for s in batch] for batch in batches]
     assert copies[0] == [False] * 7 + [True] and all(c == [False] * 7 + [True] for c in copies[1:])
+
+
+@pytest.mark.parametrize("taken", [3, 4])
+def test_a_checkpoint_among_pad_batches_resumes_the_rest_of_them(taken):
+    # Rank 1 skips 8 of its 20 records: its 5 batches end in repeats, and a resume among
+    # them still gives len(source) batches in all.
+    order = Order(40, shard=(1, 2))
+    bad = [int(r) for r in order.epoch(0)][:8]
+
+    def make():
+        return ParallelSource(FailsOn(40, bad), 4, num_workers=2, on_error="skip",
+                              last_batch="pad", order=order)
+
+    with make() as source:
+        whole = [_records([b]) for b in source]
+    with make() as source:
+        epoch = iter(source)
+        head = [_records([epoch.__next__()]) for _ in range(taken)]
+        state = json.loads(json.dumps(source.get_state()))
+    with make() as resumed:
+        resumed.set_state(state)
+        assert head + [_records([b]) for b in resumed] == whole
+    assert len(whole) == 5
+
+
+def test_a_checkpoint_after_a_batch_that_raised_resumes_after_it():
+    def make():
+        return ParallelSource(FailsOn(24, (5, 13)), 4, num_workers=2, on_error="skip",
+                              max_errors=1, last_batch="partial")
+
+    def steps(epoch, most=99):
+        out = []
+        while len(out) < most:
+            try:
+                out.append(_records([epoch.__next__()]))
+            except StopIteration:
+                break
+            except TooManyErrorsError:
+                out.append("error")
+        return out
+
+    with make() as source:
+        whole = steps(iter(source))
+    with make() as source:
+        head = steps(iter(source), 3)
+        state = source.get_state()
+    assert head[-1] == "error" and state["faults"] == 2
+    with make() as resumed:
+        resumed.set_state(state)
+        assert head + steps(iter(resumed)) == whole
+
+
+def test_dense_arrays_of_other_shapes_are_joined_as_a_batch():
+    with ParallelSource(FailsOn(24, (13, 14), outputs=2), 4, num_outputs=2, num_workers=2,
+                        on_error="skip", last_batch="partial",
+                        hooks=extsrc.Hooks(dense_arrays=True)) as source:
+        firsts = [int(s[0]) for first, _ in source for s in first]
+    assert firsts == [r for r in range(24) if r not in (13, 14)]
+
+
+@pytest.mark.parametrize("refill, message", [
+    ({"carry": [[2, 1.5]]}, "'refill' must be"), ({"carry": [[2, 4]]}, "0 < count < batch_size"),
+    ({"carry": [[0, 2]]}, "at or after the state's iteration"), ({"given": "2"}, "'given': int"),
+])
+def test_a_malformed_refill_state_says_what_was_expected(refill, message):
+    state = {"epoch_idx": 0, "iteration": 2, "batch_size": 4, "refill": refill}
+    with ParallelSource(FailsOn(24, ()), 4, num_workers=1, on_error="skip") as source:
+        with pytest.raises(ValueError, match=message.replace("(", "\\(")):
+            source.set_state(state)

@@ -52,8 +52,10 @@ class ExternalSource(tn.BaseNode[Dict[str, Any]]):
             self._source.set_state(initial_state["source"])
         elif self._started:
             position = json.loads(self._source.get_state())
-            if position["iteration"] > 0:  # mid-epoch: the next one from its start
-                fresh = {k: v for k, v in position.items() if k not in ("faults", "handed_out")}
+            if position["iteration"] > 0 or "refill" in position or "handed_out" in position:
+                # Mid-epoch: the next one from its start.
+                fresh = {k: v for k, v in position.items()
+                         if k not in ("faults", "handed_out", "refill")}
                 self._source.set_state({**fresh, "epoch_idx": position["epoch_idx"] + 1,
                                         "iteration": 0, "records": 0})
         self._started = False

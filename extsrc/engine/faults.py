@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
 
 from extsrc.checks import is_int
 from extsrc.errors import ExtsrcError, TooManyErrorsError
@@ -176,18 +176,19 @@ class FaultLedger:
         self.replaced = 0
         self.epoch: Dict[int, List[SampleFault]] = {}  # epoch_idx -> its faults (the current one)
         self._seen: Dict[int, int] = {}  # batch seq -> faults counted (a batch counts once)
+        self._per_batch: Dict[int, Dict[int, int]] = {}  # epoch_idx -> iteration -> its faults
 
     def resume(self, epoch_idx: int, count: int) -> None:
         """A resumed epoch starts with the ``count`` faults its state recorded."""
         self.epoch = {epoch_idx: [_UNLISTED] * count}
+        self._per_batch = {}
 
-    def count(self, epoch_idx: int, handed: Optional[Callable[[int], bool]] = None) -> int:
-        """Faults of the epoch; with ``handed``, only those of the batches it says were handed
-        out (those before a resume count as such)."""
-        faults = self.epoch.get(epoch_idx, ())
-        if handed is None:
-            return len(faults)
-        return sum(1 for f in faults if f is _UNLISTED or handed(f.iteration))
+    def count(self, epoch_idx: int, besides: Iterable[int] = ()) -> int:
+        """Faults of the epoch, but those of its batches ``besides`` (taken from the workers,
+        not handed out yet: a resume takes them again)."""
+        count = len(self.epoch.get(epoch_idx, ()))
+        per_batch = self._per_batch.get(epoch_idx, {})
+        return count - sum(per_batch.get(iteration, 0) for iteration in besides)
 
     def taken(self, seq: int, epoch_idx: int, faults: Tuple[SampleFault, ...]) -> Optional[TooManyErrorsError]:
         """Counts the faults of batch ``seq`` (once however often it is taken); the error to
@@ -200,7 +201,11 @@ class FaultLedger:
                 self._seen.pop(next(iter(self._seen)))
             if epoch_idx not in self.epoch:
                 self.epoch = {epoch_idx: []}
+                self._per_batch = {}
             self.epoch[epoch_idx].extend(faults)
+            per_batch = self._per_batch.setdefault(epoch_idx, {})
+            for f in faults:
+                per_batch[f.iteration] = per_batch.get(f.iteration, 0) + 1
             self.listed.extend(faults)
             for f in faults:
                 if f.replaced:

@@ -35,7 +35,7 @@ is the swap of :attr:`Refill._ready`, which gives a batch to one thread.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -61,6 +61,7 @@ class RefillState(NamedTuple):
     ended: bool = False  # the producer's epoch ended
     done: bool = False  # so did this one: what is left makes no batch
     last: Optional[BatchOutput] = None  # the last batch handed out (kept for "pad" only)
+    data_given: int = 0  # batches handed out before the last one of data (not of repeats)
 
 
 class RefillPosition(NamedTuple):
@@ -70,6 +71,7 @@ class RefillPosition(NamedTuple):
     carry: Tuple[Tuple[int, int], ...]  # (producer's batch, its good samples handed out)
     faults: int  # samples of the producer's batches handed out that were skipped
     given: int  # the refill's batches handed out
+    discard: int = 0  # batches a resume makes again and drops (to repeat them, "pad")
 
 
 # Positions a refill remembers, of the batches handed out last: a layer that runs ahead (CUDA
@@ -82,13 +84,13 @@ class Refill:
 
     Caller: the consumer's threads, as an epoch. Owner: the source, which
     makes one per epoch (``iter()``, the pool's lock held) and asks it for
-    :meth:`position`. ``faults(handed)`` counts the epoch's faults in the
-    producer's batches ``handed`` says were handed out (the pool's lock held).
+    :meth:`position`. ``faults(besides)`` counts the epoch's faults but those of
+    the producer's batches ``besides`` (the pool's lock held).
     """
 
     def __init__(self, epoch: "Epoch", batch_size: int, last_batch: str, batches: Optional[int],
-                 faults: Callable[[Callable[[int], bool]], int],
-                 carry: Optional[Dict[int, int]] = None, given: int = 0):
+                 faults: Callable[[Iterable[int]], int],
+                 carry: Optional[Dict[int, int]] = None, given: int = 0, discard: int = 0):
         self.epoch = epoch
         self.epoch_idx = epoch.epoch_idx
         self.batch_size = batch_size
@@ -100,7 +102,10 @@ class Refill:
         self._arrival: Optional[BatchOutput] = None  # a producer's batch not yet a piece
         # Made, not handed over yet: the batch, and the state before it.
         self._ready: Optional[Tuple[BatchOutput, RefillState]] = None
-        self._marks: Dict[int, RefillPosition] = {given: self._mark(self._state)}
+        # "pad": the position after the batches made, and before the last one of data.
+        self._true = self._data_mark = self._mark(self._state)
+        self._discard = discard  # batches to make again and drop (a resume in the pad tail)
+        self._marks: Dict[int, RefillPosition] = {given: self._true._replace(discard=discard)}
         self.last_given = given - 1  # the number of the batch handed out last, from 0
         self._lock = threading.Lock()
 
@@ -151,7 +156,7 @@ class Refill:
             first, later = self.epoch.position()
             start = min([first, *held])
             handed = (set(later) | set(range(start, first))) - held
-            faults = self._faults(lambda i: (i < start or i in handed) and i not in held)
+            faults = self._faults(held)  # the batches taken and not handed out are those held
         carry = {p.iteration: p.start for p in state.pieces if p.start}
         carry.update({i: n for i, n in self._drop.items()
                       if i >= start and i not in held and i not in handed})
@@ -161,26 +166,45 @@ class Refill:
     # -- making a batch (the refill's lock held) ---------------------------------------------
 
     def _make(self) -> None:
-        """Takes the producer's batches until one of ours is full (or the epoch ends), then
-        commits it to :attr:`_ready`; raises what the producer's ``next()`` raises."""
+        """Makes the next batch and commits it to :attr:`_ready` (those a resume in the pad
+        tail discards are made and dropped); raises what the producer's ``next()`` raises."""
+        while True:
+            state = self._fill()
+            made = self._cut(state)
+            if made is None:
+                self._state = state._replace(done=True, last=None)
+                raise StopIteration
+            after = made[1]
+            if self.last_batch != "pad":
+                self._marks[after.given] = self._mark(after)
+            else:  # a resume makes the last batch of data again: the batches of repeats need it
+                if after.data_given == state.given:  # a batch of data
+                    self._data_mark, self._true = self._true, self._mark(after)
+                self._marks[after.given] = self._data_mark._replace(
+                    discard=after.given - after.data_given)
+            self._marks.pop(after.given - _MARKS_KEPT, None)
+            if self._discard:
+                self._state, self._discard = after, self._discard - 1  # two stores, no call
+                continue
+            self._ready, self._state = (made[0], state), after  # two stores, no call between
+            return
+
+    def _fill(self) -> RefillState:
+        """Takes the producer's batches until one of ours is full or the epoch ends."""
         while True:
             if self._arrival is not None:
                 self._settle()
             state = self._state
             if _count(state.pieces) >= self.batch_size or state.ended:
-                break
+                return state
             try:
                 self._arrival = self.epoch.__next__()  # one store: the batch is the refill's
             except StopIteration:
                 self._state = state._replace(ended=True)
-        made = self._cut(state)
-        if made is None:
-            self._state = state._replace(done=True, last=None)
-            raise StopIteration
-        after = made[1]
-        self._marks[after.given] = self._mark(after)
-        self._marks.pop(after.given - _MARKS_KEPT, None)
-        self._ready, self._state = (made[0], state), after  # two stores, no call between
+            except BaseException:
+                if self.epoch.goes_on():  # a batch's error, in its place: the position is past it
+                    self._marks[state.given] = self._mark(state)
+                raise
 
     def _settle(self) -> None:
         """The arrived batch becomes a piece (less what a resume drops of it)."""
@@ -219,7 +243,7 @@ class Refill:
     def _all_failed(self) -> None:
         """Raises when the epoch's every sample was skipped: a bug (a path, a decoder), not
         bad data, which an empty epoch would hide."""
-        failed = self._faults(lambda iteration: True)
+        failed = self._faults(())
         if failed:
             raise CallbackError(
                 f"every sample of epoch {self.epoch_idx} failed and was skipped "
@@ -242,7 +266,8 @@ class Refill:
                 pieces[0] = piece._replace(start=piece.start + used)
         outcome = parts[0] if len(parts) == 1 else _joined(parts)
         last = outcome if self.last_batch == "pad" else None  # held for "pad" only: it holds memory
-        return outcome, state._replace(pieces=tuple(pieces), given=state.given + 1, last=last)
+        return outcome, state._replace(pieces=tuple(pieces), given=state.given + 1, last=last,
+                                       data_given=state.given)
 
     def _pads_left(self, state: RefillState) -> int:
         if self.last_batch != "pad" or self.batches is None:
@@ -282,16 +307,18 @@ def _joined(parts: List[BatchOutput]) -> BatchOutput:
     """One batch of the parts' samples, in order. The largest part stays views of its shared
     memory; the samples of the others are copied, so that a batch holds one producer's batch
     in memory, as an unrefilled one does (a loop holding n batches holds n, not 2n). Outputs
-    that are arrays (``dense_arrays``) are concatenated (a copy)."""
+    that are arrays (``dense_arrays``) stay one array where the samples share shape and dtype
+    (concatenated: a copy), else become a Batch."""
     kept = max(range(len(parts)), key=lambda k: _size(parts[k]))
     columns = list(zip(*(_outputs(p) for p in parts)))
     joined: List[Output] = []
     for column in columns:
-        if all(isinstance(o, Batch) for o in column):
-            joined.append(Batch([sample if k == kept else np.array(sample)
-                                 for k, o in enumerate(column) for sample in o]))
-        else:
-            joined.append(np.concatenate([np.asarray(o) for o in column]))
+        if all(isinstance(o, np.ndarray) for o in column) and len(
+                {(o.shape[1:], o.dtype) for o in column}) == 1:
+            joined.append(np.concatenate(column))
+            continue
+        joined.append(Batch([sample if k == kept else np.array(sample)
+                             for k, o in enumerate(column) for sample in o]))
     return tuple(joined) if isinstance(parts[0], tuple) else joined[0]
 
 

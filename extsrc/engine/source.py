@@ -239,6 +239,7 @@ class ParallelSource(ClosedWhenCollected):
         self._resume_faults = 0  # samples of the resumed epoch skipped or replaced before it
         self._resume_carry: Dict[int, int] = {}  # batch -> good samples handed out (on_error="skip")
         self._resume_given = 0  # batches of the resumed epoch handed out (on_error="skip")
+        self._resume_discard = 0  # of them, those to make again and drop (last_batch="pad")
         self._refill: Optional[Refill] = None  # the running epoch's, with on_error="skip"
         self._early: Optional[Run] = None  # the next epoch's run, filled by start() ahead of iter()
         self._closed = False
@@ -384,11 +385,11 @@ class ParallelSource(ClosedWhenCollected):
             refill = self._refill = None if self.spec.on_error != "skip" else Refill(
                 epoch, self.spec.batch_size, self.spec.last_batch, self.spec.batches_per_epoch,
                 functools.partial(self._producer.faults.count, run.epoch_idx),
-                self._resume_carry, self._resume_given)
+                self._resume_carry, self._resume_given, self._resume_discard)
             self._next_epoch += 1
             self._resume_iteration = 0
             self._resume_skip = frozenset()
-            self._resume_faults = self._resume_given = 0
+            self._resume_faults = self._resume_given = self._resume_discard = 0
             self._resume_carry = {}
             self._pool.notify()
             return epoch if refill is None else refill
@@ -434,6 +435,8 @@ class ParallelSource(ClosedWhenCollected):
             if self._resume_given or self._resume_carry:
                 state["refill"] = {"given": self._resume_given,
                                    "carry": [list(c) for c in sorted(self._resume_carry.items())]}
+                if self._resume_discard:
+                    state["refill"]["discard"] = self._resume_discard
             return state
 
     def refill_state(self, refill: Refill, given: Optional[int] = None) -> Dict[str, Any]:
@@ -444,6 +447,8 @@ class ParallelSource(ClosedWhenCollected):
         if at.carry or at.given:
             # The batches' good samples handed out (on_error="skip"), and the batches (for "pad").
             state["refill"] = {"given": at.given, "carry": [list(c) for c in at.carry]}
+            if at.discard:
+                state["refill"]["discard"] = at.discard
         return state
 
     def _state_of(self, epoch_idx: int, iteration: int, handed_out: List[int], faults: int) -> Dict[str, Any]:
@@ -481,7 +486,7 @@ class ParallelSource(ClosedWhenCollected):
                 f"batches {sorted(skip)} were handed out ahead of batch {iteration} "
                 f"(in_order=False), and this source has batch_size={self.spec.batch_size}: "
                 "resuming would repeat or skip records. Resume with the same batch_size")
-        refilled = _parse_refill(state)
+        refilled = _parse_refill(state, state.get("batch_size", self.spec.batch_size))
         if refilled[1] and state.get("batch_size", self.spec.batch_size) != self.spec.batch_size:
             raise StateMismatchError(
                 f"set_state: the state was saved with batch_size={state.get('batch_size')} in the "
@@ -502,7 +507,7 @@ class ParallelSource(ClosedWhenCollected):
             self._producer.request(None)
             self._next_epoch, self._resume_iteration, self._resume_skip = epoch_idx, iteration, skip
             self._resume_faults = _parse_count(state, "faults") if iteration or skip else 0
-            self._resume_given, self._resume_carry = refilled
+            self._resume_given, self._resume_carry, self._resume_discard = refilled
 
     def _check_state(self, state: Dict[str, Any], iteration: int) -> int:
         """The iteration of this source at which ``state`` resumes exactly; raises
@@ -653,18 +658,24 @@ def _refilled(spec: SourceSpec) -> SourceSpec:
     return engine
 
 
-def _parse_refill(state: Dict[str, Any]) -> Tuple[int, Dict[int, int]]:
-    """``(batches handed out, {batch: good samples handed out})`` of a state's ``refill``."""
+def _parse_refill(state: Dict[str, Any], batch_size: int) -> Tuple[int, Dict[int, int], int]:
+    """``(batches handed out, {batch: good samples handed out}, batches to make again and
+    drop)`` of a state's ``refill``."""
     refill = state.get("refill", {})
+    expected = ("set_state: 'refill' must be {'given': int >= 0, 'carry': [[batch, count], ...], "
+                "'discard': int >= 0} "
+                f"with 0 < count < batch_size={batch_size} and each batch at or after the state's "
+                f"iteration, as get_state() makes it; got {refill!r}")
     try:
-        given = refill.get("given", 0)
-        carry = {int(i): int(n) for i, n in refill.get("carry", ())}
+        given, discard = refill.get("given", 0), refill.get("discard", 0)
+        pairs = [(i, n) for i, n in refill.get("carry", ())]
     except (AttributeError, TypeError, ValueError):
-        raise ValueError(f"set_state: 'refill' must be {{'given': int, 'carry': [[batch, count], ...]}}, "
-                         f"got {refill!r}") from None
-    if not is_int(given) or given < 0 or any(i < 0 or n <= 0 for i, n in carry.items()):
-        raise ValueError(f"set_state: 'refill' holds a negative count or batch: {refill!r}")
-    return given, carry
+        raise ValueError(expected) from None
+    iteration = state.get("iteration", 0)
+    if not is_int(given) or given < 0 or not is_int(discard) or discard < 0 or not all(
+            is_int(i) and is_int(n) and i >= iteration and 0 < n < batch_size for i, n in pairs):
+        raise ValueError(expected)
+    return given, {int(i): int(n) for i, n in pairs}, discard
 
 
 def _parse_count(state: Dict[str, Any], key: str) -> int:

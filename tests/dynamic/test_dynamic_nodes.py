@@ -68,3 +68,25 @@ def test_a_source_without_parallel_or_with_other_outputs_is_refused():
     source, _ = make_loader()
     with source, pytest.raises(ValueError, match="2 output"):
         SourceNode(source, output_names=("only",))
+
+
+def test_an_epoch_after_one_left_early_with_skipped_samples_is_whole():
+    def fails_on_one(info: SampleInfo) -> np.ndarray:
+        if info.idx_in_epoch >= 24:
+            raise StopIteration
+        if info.idx_in_epoch == 1:
+            raise OSError("record 1 is damaged")
+        return np.array([info.idx_in_epoch], np.int64)
+
+    def records(batch):
+        data = batch["data"]
+        return [int(np.asarray(data.select(i))[0]) for i in range(data.batch_size)]
+
+    with ndd.ExternalSource(fails_on_one, parallel=True, batch_size=4, num_workers=2,
+                            on_error="skip", last_batch="partial") as es:
+        loader = tn.Loader(SourceNode(es))
+        for k, _ in enumerate(loader):  # left after two batches, in a refilled one's middle
+            if k == 1:
+                break
+        second = [r for batch in loader for r in records(batch)]
+    assert second == [r for r in range(24) if r != 1]
