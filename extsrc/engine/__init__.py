@@ -58,7 +58,7 @@ from extsrc.shm.segment import backend as shm_backend
 
 __all__ = [
     # sources and pools
-    "ParallelSource", "WorkerPool", "Batch", "BatchOutput", "SampleInfo", "BatchInfo", "Order",
+    "ParallelSource", "Refill", "WorkerPool", "Batch", "BatchOutput", "SampleInfo", "BatchInfo", "Order",
     "RecordCache", "EpochTable", "SampleFault", "Cursor", "first_ready",
     # nested samples flattened in a worker, rebuilt by a layer
     "Flattener", "ForeignLeaves", "Structure", "PackedLayout", "pack_whole", "HEAP_BUFFERS", "check_same",
@@ -81,7 +81,7 @@ __all__ = [
     "close_when_collected", "fork_lock", "OwnedThread", "gpu_visible", "no_gpu_message", "limits", "streaming",
     "Segment", "shm_backend",
     # errors
-    "Refill", "CallbackError", "EmptyEpochError", "EpochLengthError", "EpochSupersededError",
+    "CallbackError", "EmptyEpochError", "EpochLengthError", "EpochSupersededError",
     "ExhaustedIteratorError", "ExtsrcError", "ForkedChildError", "InternalError", "OrderWarning",
     "PoolClosedError", "SampleError", "SharedMemoryError", "SourcePicklingError",
     "SourceTimeoutError", "StateMismatchError", "TooManyErrorsError", "WorkerDiedError",

@@ -105,8 +105,11 @@ class Refill:
         # "pad": the position after the batches made, and before the last one of data.
         self._true = self._data_mark = self._mark(self._state)
         self._discard = discard  # batches to make again and drop (a resume in the pad tail)
-        self._marks: Dict[int, RefillPosition] = {given: self._true._replace(discard=discard)}
-        self.last_given = given - 1  # the number of the batch handed out last, from 0
+        # The batches handed out before this run, those it makes again and drops counted in.
+        self.resumed_at = given + discard
+        resumed = self._true._replace(discard=discard)
+        self._marks: Dict[int, RefillPosition] = {given: resumed, self.resumed_at: resumed}
+        self.last_given = self.resumed_at - 1  # the number of the batch handed out last, from 0
         self._lock = threading.Lock()
 
     def __iter__(self) -> "Refill":
@@ -141,7 +144,7 @@ class Refill:
         """Where the epoch stands after ``given`` of its batches (default: those handed out;
         one of the last few, for a layer that runs ahead)."""
         ready = self._ready
-        handed = (self._state if ready is None else ready[1]).given
+        handed = max((self._state if ready is None else ready[1]).given, self.resumed_at)
         mark = self._marks.get(handed if given is None else given)
         if mark is None or (given is not None and given > handed):
             raise ValueError(f"the position after {given} batches of epoch {self.epoch_idx} is "

@@ -265,7 +265,7 @@ class LoopPosition:
     def of(cls, source: ParallelSource, batches: Any, start: Dict[str, Any]) -> "LoopPosition":
         """The position of a loop over ``batches``, the source's epoch begun at ``start``."""
         if isinstance(batches, Refill):
-            return cls(start["epoch_idx"], start.get("refill", {}).get("given", 0),
+            return cls(start["epoch_idx"], batches.resumed_at,
                        after=functools.partial(source.refill_state, batches))
         return cls(start["epoch_idx"], start["iteration"], start.get("handed_out", ()))
 

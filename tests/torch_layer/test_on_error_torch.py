@@ -55,3 +55,42 @@ def test_a_state_dict_between_two_errors_resumes_every_sample_once(shuffle):
         resumed.load_state_dict(state)
         assert [int(x) for batch in resumed for x in batch["label"]] == rest
     assert sorted(head + rest) == [i for i in range(64) if i not in bad]
+
+
+@pytest.mark.parametrize("taken", [3, 4])
+def test_a_state_dict_among_pad_batches_resumes_the_rest_of_them(taken):
+    # A shard whose 8 bad records leave it 3 batches of data and 2 of repeats: a state_dict
+    # among them, and one right after the resume, still give len(source) batches in all.
+    import extsrc
+    from extsrc.torch import TorchLoader
+
+    from sources import FailsOn
+
+    order = extsrc.Order(40, shard=(1, 2))
+    bad = [int(r) for r in order.epoch(0)][:8]
+
+    def make():
+        return extsrc.ParallelSource(FailsOn(40, bad), 4, num_workers=2, on_error="skip",
+                                     last_batch="pad", order=order)
+
+    def firsts(batch):
+        return [int(x) for x in batch[:, 0]]
+
+    with make() as source:
+        whole = [firsts(b) for b in TorchLoader(source)]
+    with make() as source:
+        loader = TorchLoader(source)
+        loop = iter(loader)
+        head = [firsts(loop.__next__()) for _ in range(taken)]
+        state = loader.state_dict()
+    with make() as source:
+        loader = TorchLoader(source)
+        loader.load_state_dict(state)
+        loop = iter(loader)
+        assert loader.state_dict() == state  # nothing handed on yet: where it was saved
+        middle = [firsts(loop.__next__())]
+        again = loader.state_dict()  # a checkpoint of the resumed loop
+    with make() as source:
+        loader = TorchLoader(source)
+        loader.load_state_dict(again)
+        assert head + middle + [firsts(b) for b in loader] == whole
