@@ -1,8 +1,10 @@
 """Batches stay right for as long as they are held, and memory follows what is held."""
 
+import collections
 import gc
 import resource
 import time
+from typing import Set
 
 import numpy as np
 import pytest
@@ -110,6 +112,41 @@ def test_a_loop_that_keeps_nothing_runs_in_the_same_memory_and_mappings():
     # 300 batches of 1 MiB: far fewer faults than one per page of a batch (256), besides the
     # pages of the few new slots
     assert faults - new_mappings * batch_bytes // 4096 < 300, f"{faults} page faults in 300 batches"
+
+
+def _extsrc_mapping_names() -> Set[str]:
+    with open("/proc/self/maps") as maps:
+        return {line.split(None, 5)[-1] for line in maps if "extsrc:" in line}
+
+
+def test_skipped_samples_make_no_new_memory_per_batch():
+    # on_error="skip" refills each batch from the next workers' batch, which the source
+    # holds meanwhile: one slot more, not a new one per batch.
+    def sample(info):
+        if info.idx_in_epoch >= 256:
+            raise StopIteration
+        if info.idx_in_epoch % 97 == 96:
+            raise OSError(f"record {info.idx_in_epoch} is corrupt")
+        return np.full((16 << 10,), info.idx_in_epoch, np.int32)
+
+    with ParallelSource(sample, 8, num_workers=2, on_error="skip", last_batch="partial",
+                        batches_held=4) as src:
+        held: collections.deque = collections.deque(maxlen=src.batches_held)
+        for _ in range(3):
+            held.extend(src)
+        seen = _extsrc_mapping_names()
+        before = len(seen)
+        for _ in range(12):
+            records = []
+            for batch in src:
+                held.append(batch)
+                time.sleep(0.002)  # a training step: the workers run ahead
+                seen |= _extsrc_mapping_names()
+                assert all(int(s.min()) == int(s.max()) for s in batch)
+                records += [int(s[0]) for s in batch]
+            assert records == [r for r in range(256) if r % 97 != 96]
+    # 12 epochs of 32 batches: the same slots all along, not new memory per batch
+    assert len(seen) - before <= 4, f"{len(seen) - before} new shared memory mappings in 384 batches"
 
 
 def test_holding_batches_costs_their_memory_and_dropping_them_gives_it_back():

@@ -649,12 +649,17 @@ def _checked_kind(source: Source, spec: SourceSpec, pool: WorkerPool, order: Opt
 
 
 def _refilled(spec: SourceSpec) -> SourceSpec:
-    """The spec the producer works to: with ``on_error="skip"``, ``last_batch="drop"`` is the
-    refill's (:mod:`extsrc.engine.refill`), and the producer hands out every sample."""
-    if spec.on_error != "skip" or spec.last_batch != "drop":
+    """The spec the producer works to. With ``on_error="skip"`` the refill
+    (:mod:`extsrc.engine.refill`) holds one workers' batch beyond those the consumer holds (the
+    one it is handing out in parts), so the source keeps a slot more for it, rather than make
+    a new one per batch; and ``last_batch="drop"`` is the refill's, the producer hands out
+    every sample."""
+    if spec.on_error != "skip":
         return spec
-    engine = copy.copy(spec)
-    object.__setattr__(engine, "last_batch", "partial")
+    engine = copy.copy(spec)  # the spec is frozen and checked; these two values stay valid
+    object.__setattr__(engine, "batches_held", spec.batches_held + 1)
+    if spec.last_batch == "drop":
+        object.__setattr__(engine, "last_batch", "partial")
     return engine
 
 
