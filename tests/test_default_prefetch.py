@@ -46,19 +46,22 @@ def test_small_batches_go_further_ahead_with_the_default_prefetch(tmp_path):
     # more be made (prefetch + batches_held slots); with it, more.
     with ParallelSource(Marks(str(tmp_path), 1024), BATCH, num_workers=WORKERS) as src:
         batches = iter(src)
-        kept = next(batches)
         # The prefetch widens once the pool has timed the source's tasks as short (a task
-        # preempted on a busy machine may take long): wait for that.
+        # preempted on a busy machine may take long): take batches until it has, so that
+        # tasks keep running and being timed.
+        taken = 0
         deadline = time.monotonic() + DEADLINE_S
         while src.prefetch <= DEFAULT and time.monotonic() < deadline:
-            time.sleep(0.01)
+            next(batches)
+            taken += 1
         assert src.prefetch > DEFAULT
-        beyond_default = (1 + DEFAULT + HELD) * BATCH
+        kept = next(batches)
+        beyond_default = (taken + 1 + DEFAULT + HELD) * BATCH
         assert wait_until_made(tmp_path, beyond_default + BATCH) > beyond_default
-        assert int(kept[0][0]) == 0
+        assert int(kept[0][0]) == (taken * BATCH) & 0xFF
         # Every batch still comes once, in order.
         rest = [int(b[0][0]) for b, _ in zip(batches, range(20))]
-        assert rest == [(k * BATCH) & 0xFF for k in range(1, 21)]
+        assert rest == [(k * BATCH) & 0xFF for k in range(taken + 1, taken + 21)]
 
 
 def test_a_given_prefetch_and_large_batches_are_left_as_they_are(tmp_path):
