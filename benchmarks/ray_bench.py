@@ -70,7 +70,7 @@ def open_ray_loader(loader: str, workload: str, workers: int) -> Opened:
     else:
         raise ValueError(f"unknown Ray loader {loader!r}")
     source = extsrc.ParallelSource(CALLBACKS[workload], WORKLOADS[workload].batch_size,
-                                   num_workers=workers, backend="ray")
+                                   pool=extsrc.PoolSpec(num_workers=workers, backend="ray"))
     batches = iter(source)
 
     def take():

@@ -1,6 +1,6 @@
 """extsrc: parallel Python data sources over shared memory, for GPU pipelines.
 
-Core (imports NumPy only): :class:`ParallelSource`, :class:`WorkerPool`,
+Core (imports NumPy only): :class:`ParallelSource`, :class:`WorkerPool`, :class:`PoolSpec`,
 :class:`Batch`, :class:`SampleInfo`, :class:`BatchInfo`, :class:`Order`, :class:`Hooks`,
 :func:`pickle_by_value` and the exceptions in :mod:`extsrc.errors`.
 
@@ -30,6 +30,7 @@ from extsrc.engine import (
     OrderWarning,
     ParallelSource,
     PoolClosedError,
+    PoolSpec,
     SampleError,
     SampleFault,
     SampleInfo,
@@ -60,6 +61,7 @@ __all__ = [
     "OrderWarning",
     "ParallelSource",
     "PoolClosedError",
+    "PoolSpec",
     "SampleError",
     "SampleFault",
     "SampleInfo",

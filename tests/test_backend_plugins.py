@@ -69,7 +69,7 @@ def test_an_unregistered_backend_is_no_longer_offered():
 
 def test_a_registered_backend_is_offered_by_name_and_runs_sources():
     assert RecordingBackend.name in backend_names()
-    with ParallelSource(sample_of, 4, num_workers=2, backend=RecordingBackend.name) as source:
+    with ParallelSource(sample_of, 4, pool=extsrc.PoolSpec(num_workers=2, backend=RecordingBackend.name)) as source:
         batch = next(iter(source))
     assert [int(sample[0]) for sample in batch] == [0, 1, 2, 3]
 
@@ -107,7 +107,7 @@ def test_concurrency_is_refused_on_a_backend_whose_workers_run_one_sample_at_a_t
 def test_a_backend_that_answers_a_ticket_no_task_has_breaks_the_pool_at_once():
     # Unchecked, such answers were taken, batches came, and the epoch waited for ever for the
     # answers that never came (no timeout= given).
-    with ParallelSource(sample_of, 2, num_workers=2, backend=MisnumberingBackend.name,
+    with ParallelSource(sample_of, 2, pool=extsrc.PoolSpec(num_workers=2, backend=MisnumberingBackend.name),
                         order=extsrc.Order(64)) as source:
         with pytest.raises(InternalError, match=r"answered ticket \d+ of source \d+ for worker \d, "
                                                 r"and that worker holds no such task"):

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from extsrc import ParallelSource, SourcePicklingError, pickle_by_value
+from extsrc import ParallelSource, PoolSpec, SourcePicklingError, pickle_by_value
 from extsrc.engine.pickling import DefaultPickler, Pickler
 
 
@@ -69,14 +69,14 @@ def test_pickle_by_value_rejects_non_functions():
 def test_dill_with_keyword_arguments():
     dill = pytest.importorskip("dill")
     base = np.array([5])
-    src = ParallelSource(lambda info: base * 2, 2, start_method="spawn", pickler=(dill, {"recurse": True}))
+    src = ParallelSource(lambda info: base * 2, 2, pool=PoolSpec(start_method="spawn", pickler=(dill, {"recurse": True})))
     assert first_value(src) == 10
 
 
 def test_pickler_keyword_arguments_reach_dumps():
     import pickle
 
-    src = ParallelSource(np.zeros, 2, start_method="spawn", pickler=(pickle, {"not_an_option": 1}))
+    src = ParallelSource(np.zeros, 2, pool=PoolSpec(start_method="spawn", pickler=(pickle, {"not_an_option": 1})))
     # The pickler's own error comes as it is (DALI lets it through too), noting where it came from.
     with pytest.raises(TypeError, match="not_an_option") as caught:
         src.start()
@@ -101,7 +101,7 @@ def test_unpicklable_source_fails_at_start_naming_the_object_and_the_fixes():
 
 def test_invalid_pickler_is_rejected_early():
     with pytest.raises(TypeError, match="dumps"):
-        ParallelSource(np.zeros, 2, pickler=object())
+        ParallelSource(np.zeros, 2, pool=PoolSpec(pickler=object()))
 
 
 def test_core_import_loads_numpy_only():

@@ -6,7 +6,7 @@ import logging
 import numpy as np
 import pytest
 
-from extsrc import ParallelSource, WorkerDiedError, WorkerPool
+from extsrc import ParallelSource, PoolSpec, WorkerDiedError, WorkerPool
 
 from procs import live_children
 from sources import KillsItsWorker
@@ -82,12 +82,12 @@ def test_worker_restarts_is_checked():
 
 
 def test_a_source_that_owns_its_pool_takes_worker_restarts(tmp_path):
-    with ParallelSource(KillsItsWorker(96, 40, _marks(tmp_path, 1)), 8, num_workers=2,
-                        worker_restarts=1) as source:
+    spec = PoolSpec(num_workers=2, worker_restarts=1)
+    with ParallelSource(KillsItsWorker(96, 40, _marks(tmp_path, 1)), 8, pool=spec) as source:
         assert _records(source) == list(range(96))
         assert source.pool.restarts and source.stats().worker_restarts == 1
-    with pytest.raises(ValueError, match="worker_restarts come"):
-        ParallelSource(KillsItsWorker(8, 99), 4, pool=WorkerPool(1), worker_restarts=1)
+    with pytest.raises(ValueError, match="num_workers come.* from pool= .*give them in the pool"):
+        ParallelSource(KillsItsWorker(8, 99), 4, num_workers=2, pool=PoolSpec(worker_restarts=1))
 
 
 @pytest.mark.parametrize("at", [45, 46])

@@ -38,7 +38,7 @@ from extsrc.dali.external_source import engine_source
 from extsrc.dali.feeder import CYCLE_OFF, CYCLE_QUIET, cycle_mode
 from extsrc.dali.pickling import DaliDefaultPickler
 from extsrc.engine import (UNSET, BatchOutput, ExhaustedIteratorError, Hooks, Order, ParallelSource,
-                           SampleFault, positive_int)
+                           PoolSpec, SampleFault, positive_int)
 
 _CALLER = "extsrc.dynamic.ExternalSource"
 _PARALLEL_ONLY = ("batch_size", "num_workers", "start_method", "batch", "batch_info", "prefetch",
@@ -126,9 +126,9 @@ class ExternalSource(_ndd.ExternalSource, metaclass=_EitherClass):
             raise ValueError(f"{_CALLER}: py_callback_pickler is used only by spawn and forkserver workers")
         self._source = ParallelSource(
             runs, batch_size, num_outputs=None if num_outputs == 1 else num_outputs, batch=bool(batch),
-            num_workers=num_workers, start_method=start_method, worker_restarts=worker_restarts,
-            pickler=(DaliDefaultPickler if py_callback_pickler is None else py_callback_pickler)
-            if start_method != "fork" else UNSET,
+            pool=PoolSpec(num_workers=num_workers, start_method=start_method, worker_restarts=worker_restarts,
+                          pickler=(DaliDefaultPickler if py_callback_pickler is None else py_callback_pickler)
+                          if start_method != "fork" else UNSET),
             prefetch=prefetch, order=order, last_batch=last_batch, concurrency=concurrency,
             timeout=timeout, on_error=on_error, max_errors=max_errors, batches_held=batches_held,
             name=name if name is not None else f"ndd.ExternalSource({source_name(source)})",

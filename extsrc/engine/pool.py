@@ -74,7 +74,8 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Set, Tuple
+from typing import (TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Set, Tuple,
+                    cast)
 
 from extsrc.engine import policy
 from extsrc.engine import workers as worker_processes
@@ -238,6 +239,12 @@ class WorkerPool(ClosedWhenCollected):
 
     # -- what users see -------------------------------------------------------------------------
 
+    @classmethod
+    def from_spec(cls, spec: PoolSpec) -> "WorkerPool":
+        """A pool that runs its workers as ``spec`` says."""
+        return cls(spec.num_workers, spec.start_method, spec.pickler, spec.backend, spec.backend_options,
+                   spec.worker_restarts)
+
     @property
     def num_workers(self) -> int:
         return self.spec.num_workers
@@ -264,7 +271,7 @@ class WorkerPool(ClosedWhenCollected):
 
     @property
     def pickler(self) -> "Pickler":
-        return self.spec.pickler
+        return cast("Pickler", self.spec.pickler)  # PoolSpec made it one
 
     @property
     def state(self) -> PoolState:

@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -37,14 +37,11 @@ from extsrc.engine.kinds import BATCH_CALLABLE, SAMPLE, STREAMS, Source, SourceK
 from extsrc.engine.pool import WorkerPool
 from extsrc.engine.producer import Producer, Run
 from extsrc.engine.refill import Refill
-from extsrc.engine.spec import UNSET, DTypes, NDims, SourceSpec
+from extsrc.engine.spec import UNSET, DTypes, NDims, PoolSpec, SourceSpec
 from extsrc.engine.stats import SourceStats, publish
 from extsrc.engine.take import EpochState, Taker
 from extsrc.errors import EmptyEpochError, StateMismatchError
 from extsrc.order import Order
-
-if TYPE_CHECKING:
-    from extsrc.engine.pickling import PicklerSpec
 
 
 class ParallelSource(ClosedWhenCollected):
@@ -169,17 +166,18 @@ class ParallelSource(ClosedWhenCollected):
 
     ``dtype``/``ndim`` (one value, or one per output) declare what samples
     must be. Workers start on first use or at ``start()``; ``close()`` (or
-    ``with``) stops them and frees the shared memory no batch holds. ``pool``
-    shares one :class:`~extsrc.WorkerPool` between sources; then
-    ``num_workers``, ``start_method``, ``pickler`` and ``backend`` come from
-    the pool and giving them is an error.
+    ``with``) stops them and frees the shared memory no batch holds.
 
-    ``backend="ray"`` runs the workers as Ray actors anywhere in the cluster
-    this process is connected to (or a local Ray started on first use);
-    everything above holds unchanged (see :class:`extsrc.ray.RayBackend`).
-    Options for the actors (``num_cpus``, ``resources``, ...) are the pool's:
-    ``pool=WorkerPool(n, backend="ray", ray_options={...})``. The default,
-    ``"processes"``, runs worker processes on this host.
+    The workers: ``num_workers`` and ``start_method`` make a pool of worker
+    processes for this source alone. ``pool=`` takes the rest: a
+    :class:`~extsrc.PoolSpec` (``pickler``, ``backend``, ``worker_restarts``
+    too) makes a pool for this source alone, closed with it; a
+    :class:`~extsrc.WorkerPool` is shared with other sources and closed by
+    its maker. With either, ``num_workers`` and ``start_method`` are the
+    pool's and giving them too is an error. ``PoolSpec(backend="ray")`` runs
+    the workers as Ray actors anywhere in the cluster this process is
+    connected to (or a local Ray started on first use); everything above
+    holds unchanged (see :class:`extsrc.ray.RayBackend`).
     """
 
     def __init__(
@@ -191,10 +189,7 @@ class ParallelSource(ClosedWhenCollected):
         batch: bool = False,
         num_workers: int = UNSET,
         start_method: str = UNSET,
-        pickler: PicklerSpec = UNSET,
-        backend: str = UNSET,
-        worker_restarts: int = UNSET,
-        pool: Optional[WorkerPool] = None,
+        pool: Union[None, WorkerPool, PoolSpec] = None,
         prefetch: Optional[int] = None,
         last_batch: str = "drop",
         dtype: DTypes = None,  # a NumPy dtype (anything np.dtype() takes), or one per output
@@ -211,9 +206,7 @@ class ParallelSource(ClosedWhenCollected):
         on_error: OnError = "raise",
         max_errors: Union[None, int, float] = None,
     ):
-        pool, self._owns_pool = _own_or_shared_pool(pool, num_workers=num_workers,
-                                                    start_method=start_method, pickler=pickler,
-                                                    backend=backend, worker_restarts=worker_restarts)
+        pool, self._owns_pool = _own_or_shared_pool(pool, num_workers=num_workers, start_method=start_method)
         self.spec = SourceSpec(
             batch_size, num_outputs=num_outputs, batch=batch, prefetch=prefetch,
             last_batch=last_batch, dtype=dtype, ndim=ndim, timeout=timeout,
@@ -599,21 +592,24 @@ class ParallelSource(ClosedWhenCollected):
             publish(self.stats())
 
 
-def _own_or_shared_pool(pool: Optional[WorkerPool], **pool_args: Any) -> Tuple[WorkerPool, bool]:
-    """``(pool, whether the source owns it)``: ``pool``, or one made of the given arguments
-    (``pool_args``: the source's arguments of the pool as given, ``UNSET`` where not)."""
-    given = {k: v for k, v in pool_args.items() if v is not UNSET}
+def _own_or_shared_pool(pool: Union[None, WorkerPool, PoolSpec], **shortcuts: Any) -> Tuple[WorkerPool, bool]:
+    """``(pool, whether the source owns it)``: the shared ``pool``, or one made of the spec
+    ``pool`` or of the ``shortcuts`` (``num_workers``, ``start_method``: ``UNSET`` where not
+    given)."""
+    given = {k: v for k, v in shortcuts.items() if v is not UNSET}
     if pool is None:
         return WorkerPool(**{"num_workers": 1, **given}), True
-    if not isinstance(pool, WorkerPool):
-        raise TypeError(f"pool must be an extsrc.WorkerPool, got {type(pool).__name__}")
+    if not isinstance(pool, (WorkerPool, PoolSpec)):
+        raise TypeError(f"pool must be an extsrc.WorkerPool or an extsrc.PoolSpec, got {type(pool).__name__}")
+    spec = pool.spec if isinstance(pool, WorkerPool) else pool
     if given:
         raise ValueError(
-            f"{', '.join(given)} come(s) from the shared pool (num_workers="
-            f"{pool.num_workers}, start_method={pool.start_method!r}, backend="
-            f"{pool.backend!r}); do not pass them together with pool="
+            f"{', '.join(given)} come(s) from pool= (num_workers={spec.num_workers}, start_method="
+            f"{spec.start_method!r}, backend={spec.backend!r}); give them in the pool, not beside it"
         )
-    return pool, False
+    if isinstance(pool, WorkerPool):
+        return pool, False
+    return WorkerPool.from_spec(pool), True
 
 
 def _checked_kind(source: Source, spec: SourceSpec, pool: WorkerPool, order: Optional[Order]) -> SourceKind:

@@ -25,7 +25,7 @@ from extsrc.order import Order
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike
 
-    from extsrc.engine.pickling import Pickler
+    from extsrc.engine.pickling import PicklerSpec
 
 START_METHODS = ("fork", "spawn", "forkserver")
 LAST_BATCH_POLICIES = ("drop", "partial", "pad")
@@ -150,7 +150,7 @@ class PoolSpec:
 
     num_workers: int = 1
     start_method: Optional[str] = UNSET
-    pickler: Pickler = UNSET  # or what Pickler() takes; made a Pickler here
+    pickler: PicklerSpec = UNSET  # a Pickler or what Pickler() takes; made a Pickler here
     backend: str = "processes"
     backend_options: Optional[Dict[str, Any]] = None
     worker_restarts: int = 0

@@ -1,6 +1,6 @@
 """extsrc's Ray backend: the workers of a pool as Ray actors, anywhere in a cluster.
 
-Use it through ``ParallelSource(..., backend="ray")``,
+Use it through ``ParallelSource(..., pool=PoolSpec(backend="ray"))``,
 ``WorkerPool(num_workers, backend="ray")`` or ``pipeline_def(...,
 py_backend="ray")``: the pool finds :class:`RayBackend` by its name
 (:mod:`extsrc.engine.backend`) and ``pool.workers_backend`` is it. Needs

@@ -222,7 +222,7 @@ class RayBackend:
     """The workers of a :class:`~extsrc.WorkerPool` as ``num_workers`` Ray actors.
 
     Made by ``WorkerPool(num_workers, backend="ray", ray_options=...)``,
-    ``ParallelSource(..., backend="ray")`` or ``pipeline_def(...,
+    ``ParallelSource(..., pool=PoolSpec(backend="ray"))`` or ``pipeline_def(...,
     py_backend="ray")``; ``pool.workers_backend`` is this object. Sources on
     it behave as on worker processes: the same batches in the same order,
     zero-copy and valid for as long as they are held, the same errors (see

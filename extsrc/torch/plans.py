@@ -10,7 +10,8 @@ from typing import Any, Callable, List, Optional, Protocol
 import torch
 from torch.utils.data import IterableDataset, IterDataPipe
 
-from extsrc.engine import AUTO_OUTPUTS, EpochTable, Hooks, Order, ParallelSource, WorkerPool, is_async
+from extsrc.engine import (AUTO_OUTPUTS, EpochTable, Hooks, Order, ParallelSource, PoolSpec, WorkerPool,
+                           is_async)
 from extsrc.torch.arguments import DEFAULT_PREFETCH_FACTOR, Loading
 from extsrc.torch.loader import TorchLoader
 from extsrc.torch.loaders import DatasetLoader, InProcessLoader, IterableLoader
@@ -100,8 +101,9 @@ class WorkerPlan:
         args = self.args
         prefetch = None if args.engine_prefetch else (args.prefetch_factor or DEFAULT_PREFETCH_FACTOR) * args.num_workers
         return ParallelSource(
-            callback, batch_size, num_workers=args.num_workers, start_method=args.start_method,
-            worker_restarts=args.worker_restarts, pickler=args.pickler, prefetch=prefetch,
+            callback, batch_size, prefetch=prefetch,
+            pool=PoolSpec(num_workers=args.num_workers, start_method=args.start_method,
+                          worker_restarts=args.worker_restarts, pickler=args.pickler),
             timeout=args.timeout or None, name=f"from_dataset({type(args.dataset).__name__}{name})",
             hooks=Hooks(worker_init=start, assign=round_robin if args.in_order else any_worker,
                         dense_arrays=True),

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from extsrc import (
-    Hooks, Order, ParallelSource, PoolClosedError, SampleError, WorkerPool,
+    Hooks, Order, ParallelSource, PoolClosedError, PoolSpec, SampleError, WorkerPool,
 )
 from extsrc.shm.slots import lease_of
 
@@ -85,8 +85,7 @@ def both(**kwargs):
 
 @pytest.mark.parametrize("sample_bytes", [64, 256 << 10])
 def test_actors_on_the_consumers_node_write_the_slots_themselves_others_through_ray(actor_path, sample_bytes):
-    with ParallelSource(ReusesItsBuffers(16, sample_bytes, False), 16, backend="ray",
-                        num_workers=2) as src:
+    with ParallelSource(ReusesItsBuffers(16, sample_bytes, False), 16, pool=PoolSpec(backend="ray", num_workers=2)) as src:
         taken = [_copy(batch) for _, batch in zip(range(6), src)]
         actors = src.pool.workers_backend.actors()
     with ParallelSource(ReusesItsBuffers(16, sample_bytes, False), 16, num_workers=2) as src:
@@ -109,7 +108,7 @@ def test_actors_that_cannot_reach_the_pools_socket_go_on_with_ray_calls(monkeypa
         self._address = "\0extsrc-test-nobody-listens-here"  # the actors' connect() fails
 
     monkeypatch.setattr(extsrc.ray.backend.RayBackend, "_listen", listen_elsewhere)
-    with ParallelSource(sample_of, 8, backend="ray", num_workers=2) as src:
+    with ParallelSource(sample_of, 8, pool=PoolSpec(backend="ray", num_workers=2)) as src:
         taken = [_copy(batch) for _, batch in zip(range(5), src)]
         actors = src.pool.workers_backend.actors()
     with ParallelSource(sample_of, 8, num_workers=2) as src:
@@ -168,7 +167,7 @@ def test_in_place_callbacks_give_what_processes_give(actor_path):
 
 
 def test_statistics_count_what_the_actors_delivered():
-    with ParallelSource(sample_of, 6, num_workers=2, backend="ray") as src:
+    with ParallelSource(sample_of, 6, pool=PoolSpec(num_workers=2, backend="ray")) as src:
         it = iter(src)
         for _ in range(5):
             next(it)
@@ -219,12 +218,12 @@ def test_an_order_with_padding_shards_and_resume_give_the_same_records_and_draws
     kwargs = dict(source=records_and_draws, batch_size=4, order=order, last_batch="pad")
     ours, theirs = both(**kwargs)
     assert_same(ours, theirs)
-    with ParallelSource(backend="ray", num_workers=2, **kwargs) as src:
+    with ParallelSource(pool=PoolSpec(backend="ray", num_workers=2), **kwargs) as src:
         it = iter(src)
         for _ in range(3):
             next(it)
         state = src.get_state()
-    with ParallelSource(backend="ray", num_workers=2, **kwargs) as resumed:
+    with ParallelSource(pool=PoolSpec(backend="ray", num_workers=2), **kwargs) as resumed:
         resumed.set_state(state)
         rest = [_copy(b) for b in iter(resumed)]
     assert_same([rest], [ours[0][3:]])
@@ -234,7 +233,7 @@ def test_batches_are_zero_copy_and_stay_right_for_as_long_as_they_are_held(actor
     def sample(info):
         return np.full((256,), info.idx_in_epoch % 251, np.uint8)
 
-    with ParallelSource(sample, 8, backend="ray", num_workers=2) as src:
+    with ParallelSource(sample, 8, pool=PoolSpec(backend="ray", num_workers=2)) as src:
         kept = []
         it = iter(src)
         for _ in range(30):
@@ -259,7 +258,7 @@ def test_close_kills_every_actor_and_frees_the_shared_memory():
     before = _extsrc_mappings()
     gc.disable()
     try:
-        src = ParallelSource(lambda info: np.ones(1 << 16, np.uint8), 8, backend="ray", num_workers=2)
+        src = ParallelSource(lambda info: np.ones(1 << 16, np.uint8), 8, pool=PoolSpec(backend="ray", num_workers=2))
         it = iter(src)
         for _ in range(5):
             next(it)
@@ -297,7 +296,7 @@ def _raises_at_13(info):
 
 
 def test_a_callback_exception_keeps_its_type_traceback_and_sample_and_the_actor_goes_on():
-    with ParallelSource(_raises_at_13, 8, backend="ray", num_workers=2) as src:
+    with ParallelSource(_raises_at_13, 8, pool=PoolSpec(backend="ray", num_workers=2)) as src:
         it = iter(src)
         next(it)
         with pytest.raises(FileNotFoundError, match="img_13.jpg") as caught:
@@ -331,7 +330,7 @@ def test_a_shared_pool_serves_two_sources_and_owns_its_settings():
         a = ParallelSource(sample_of, 4, pool=pool)
         b = ParallelSource(lambda info: np.full(2, -info.idx_in_epoch, np.int64), 3, pool=pool)
         with pytest.raises(ValueError, match="backend='ray'"):
-            ParallelSource(sample_of, 4, pool=pool, backend="ray")
+            ParallelSource(sample_of, 4, pool=pool, num_workers=2)
         first_a, first_b = next(iter(a)), next(iter(b))
         assert first_a.as_array()[:, 0].tolist() == [0, 1, 2, 3]
         assert first_b.as_array()[:, 1].tolist() == [0, -1, -2]
@@ -413,7 +412,7 @@ def test_reading_idx_in_epoch_under_a_shuffled_order_is_warned_once_with_ray_act
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with ParallelSource(_by_position, 8, backend="ray", num_workers=2,
+        with ParallelSource(_by_position, 8, pool=PoolSpec(backend="ray", num_workers=2),
                             order=Order(32, shuffle=True)) as src:
             for _ in src:
                 pass
@@ -448,7 +447,7 @@ def test_another_process_connecting_to_the_pools_socket_is_ignored_and_nothing_i
     from extsrc.engine.channel import Channel
 
     planted = tmp_path / "planted"
-    with ParallelSource(sample_of, 8, backend="ray", num_workers=2) as src:
+    with ParallelSource(sample_of, 8, pool=PoolSpec(backend="ray", num_workers=2)) as src:
         it = iter(src)
         first = [np.array(s) for s in next(it)]
         (address,) = _pool_sockets()
@@ -477,7 +476,7 @@ def test_another_process_connecting_to_the_pools_socket_is_ignored_and_nothing_i
 def test_a_replacing_on_error_gives_its_samples_and_faults_every_way(actor_path):
     from sources import FailsOn, minus_record
 
-    with ParallelSource(FailsOn(32, (5, 20)), 8, num_workers=2, backend="ray",
+    with ParallelSource(FailsOn(32, (5, 20)), 8, pool=PoolSpec(num_workers=2, backend="ray"),
                         on_error=minus_record) as source:
         records = [int(sample[0]) for batch in source for sample in batch]
         assert records == [-r if r in (5, 20) else r for r in range(32)]
@@ -488,4 +487,4 @@ def test_skipping_needs_worker_processes():
     from sources import FailsOn
 
     with pytest.raises(ValueError, match="on_error='skip' needs backend='processes'"):
-        ParallelSource(FailsOn(32, ()), 8, num_workers=2, backend="ray", on_error="skip")
+        ParallelSource(FailsOn(32, ()), 8, pool=PoolSpec(num_workers=2, backend="ray"), on_error="skip")

@@ -4,8 +4,8 @@ was expected."""
 import numpy as np
 import pytest
 
-from extsrc import Hooks, ParallelSource, WorkerPool
-from extsrc.engine import PoolSpec, SourceSpec
+from extsrc import Hooks, Order, ParallelSource, PoolSpec, WorkerPool
+from extsrc.engine import SourceSpec
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -66,9 +66,29 @@ def test_bad_pool_options_are_refused(kwargs):
         PoolSpec(**kwargs)
 
 
-@pytest.mark.parametrize("given", [{"num_workers": 1}, {"start_method": "fork"}, {"pickler": None}])
-def test_pool_settings_given_with_a_shared_pool_are_an_error_even_at_their_defaults(given):
-    pool = WorkerPool(2)
-    with pytest.raises(ValueError, match="come\\(s\\) from the shared pool \\(num_workers=2"):
+@pytest.mark.parametrize("given", [{"num_workers": 1}, {"start_method": "fork"}])
+@pytest.mark.parametrize("shared", [True, False])
+def test_pool_settings_given_beside_a_pool_are_an_error_even_at_their_defaults(given, shared):
+    pool = WorkerPool(2) if shared else PoolSpec(num_workers=2)
+    with pytest.raises(ValueError, match="come\\(s\\) from pool= \\(num_workers=2"):
         ParallelSource(lambda info: np.zeros(1), 4, pool=pool, **given)
-    pool.close()
+    if shared:
+        pool.close()
+
+
+def _record(info):
+    return np.full(2, info.record)
+
+
+def test_a_pool_spec_makes_a_pool_the_source_runs_on_and_closes():
+    spec = PoolSpec(num_workers=2, start_method="spawn", worker_restarts=1)
+    with ParallelSource(_record, 4, pool=spec, order=Order(8)) as src:
+        assert [int(sample[0]) for batch in src for sample in batch] == list(range(8))
+        pool = src.pool
+        assert (pool.num_workers, pool.start_method, pool.spec.worker_restarts) == (2, "spawn", 1)
+    assert pool.closed
+
+
+def test_a_pool_that_is_neither_a_pool_nor_a_spec_is_refused():
+    with pytest.raises(TypeError, match="pool must be an extsrc.WorkerPool or an extsrc.PoolSpec, got dict"):
+        ParallelSource(np.zeros, 4, pool={"num_workers": 2})

@@ -47,16 +47,16 @@ def test_good_ray_options_are_kept_as_given_and_processes_keep_fork_by_default()
 
 def test_a_bad_backend_given_to_a_source_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match="backend must be one of"):
-        ParallelSource(lambda info: np.zeros(1), 2, backend="Ray")
+        ParallelSource(lambda info: np.zeros(1), 2, pool=PoolSpec(backend="Ray"))
     with pytest.raises(ValueError, match="start_method='fork' chooses"):
-        ParallelSource(lambda info: np.zeros(1), 2, backend="ray", start_method="fork")
+        ParallelSource(lambda info: np.zeros(1), 2, pool=PoolSpec(backend="ray", start_method="fork"))
 
 
 def test_a_process_pool_refuses_backend_settings_given_again_to_its_source():
     pool = WorkerPool(2)
     try:
-        with pytest.raises(ValueError, match="come\\(s\\) from the shared pool .*backend='processes'"):
-            ParallelSource(lambda info: np.zeros(1), 2, pool=pool, backend="processes")
+        with pytest.raises(ValueError, match="start_method come\\(s\\) from pool= .*backend='processes'"):
+            ParallelSource(lambda info: np.zeros(1), 2, pool=pool, start_method="spawn")
     finally:
         pool.close()
 
