@@ -202,7 +202,20 @@ class WorkerPool(ClosedWhenCollected):
                  pickler: "PicklerSpec" = None, backend: str = "processes",
                  ray_options: Optional[Dict[str, Any]] = None,  # options of the Ray actors
                  worker_restarts: int = 0):
-        self.spec = PoolSpec(num_workers, start_method, pickler, backend, ray_options, worker_restarts)
+        self._made(PoolSpec(num_workers, start_method, pickler, backend, ray_options, worker_restarts))
+
+    @classmethod
+    def from_spec(cls, spec: PoolSpec) -> "WorkerPool":
+        """A pool that runs its workers as ``spec`` (checked when it was made) says."""
+        if not isinstance(spec, PoolSpec):
+            raise TypeError(f"spec must be an extsrc.PoolSpec, got {type(spec).__name__}")
+        pool = cls.__new__(cls)
+        pool._made(spec)
+        return pool
+
+    def _made(self, spec: PoolSpec) -> None:
+        """The new pool's state, its workers as ``spec`` says (from __init__ and from_spec)."""
+        self.spec = spec
         self.restarts: List[str] = []  # each lost worker replaced: what happened to it
         maker = backend_class(self.spec.backend)
         self._backend: WorkerBackend = maker(self.spec.num_workers, self.spec.start_method,
@@ -238,12 +251,6 @@ class WorkerPool(ClosedWhenCollected):
         forking.register(self)
 
     # -- what users see -------------------------------------------------------------------------
-
-    @classmethod
-    def from_spec(cls, spec: PoolSpec) -> "WorkerPool":
-        """A pool that runs its workers as ``spec`` says."""
-        return cls(spec.num_workers, spec.start_method, spec.pickler, spec.backend, spec.backend_options,
-                   spec.worker_restarts)
 
     @property
     def num_workers(self) -> int:

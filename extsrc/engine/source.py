@@ -96,7 +96,7 @@ class ParallelSource(ClosedWhenCollected):
     ``max_errors`` is an epoch's budget of such samples (a count, or a
     fraction of an order's records), past which the batch raises
     :class:`~extsrc.errors.TooManyErrorsError`; :meth:`faults` lists them.
-    ``worker_restarts=N`` replaces up to ``N`` lost workers, their batches
+    ``pool=PoolSpec(worker_restarts=N)`` replaces up to ``N`` lost workers, their batches
     redone, before a loss raises ``WorkerDiedError``.
 
     Threads: several threads may take batches from one epoch; each batch

@@ -79,7 +79,7 @@ def assert_same(ours, theirs):
 
 def both(**kwargs):
     """(ray, processes) results of the same source."""
-    return (epochs(backend="ray", num_workers=2, **kwargs),
+    return (epochs(pool=PoolSpec(backend="ray", num_workers=2), **kwargs),
             epochs(num_workers=2, start_method="fork", **kwargs))
 
 
@@ -313,8 +313,8 @@ def test_a_bad_sample_is_named_as_with_processes():
         return np.zeros(3, np.float64) if info.idx_in_epoch == 5 else np.zeros(3, np.uint8)
 
     messages = []
-    for kwargs in ({"backend": "ray"}, {}):
-        with ParallelSource(bad, 4, num_workers=2, dtype=np.uint8, **kwargs) as src:
+    for backend in ("ray", "processes"):
+        with ParallelSource(bad, 4, pool=PoolSpec(num_workers=2, backend=backend), dtype=np.uint8) as src:
             it = iter(src)
             next(it)
             with pytest.raises(SampleError) as caught:

@@ -28,7 +28,7 @@ def load(info):
     return np.int64(info.idx_in_epoch), node
 
 BATCHES = 80  # long enough that which actor started first does not decide the shares
-with extsrc.ParallelSource(load, 8, num_outputs=2, num_workers=2, backend="ray") as source:
+with extsrc.ParallelSource(load, 8, num_outputs=2, pool=extsrc.PoolSpec(num_workers=2, backend="ray")) as source:
     it = iter(source)
     indices, nodes = [], []
     for _ in range(BATCHES):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from extsrc import ParallelSource
+from extsrc import ParallelSource, PoolSpec
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("local_ray")]
 
@@ -47,10 +47,10 @@ def test_a_callback_that_refills_one_large_buffer_per_sample_gives_what_processe
     # gives the same batches as with worker processes." The actor keeps the streamed chunks
     # (lists of the callback's arrays) until the task ends and copies them only then, so every
     # sample of a task comes back as the task's last one.
-    kwargs = dict(source=RefillsOneBuffer(1 << 20), batch_size=4, num_workers=2)
-    theirs = _firsts(**kwargs)
+    kwargs = dict(source=RefillsOneBuffer(1 << 20), batch_size=4)
+    theirs = _firsts(num_workers=2, **kwargs)
     assert theirs == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
-    ours = _firsts(backend="ray", **kwargs)
+    ours = _firsts(pool=PoolSpec(num_workers=2, backend="ray"), **kwargs)
     assert ours == theirs
 
 
@@ -63,7 +63,7 @@ def load(info):
         raise StopIteration
     return np.full(4, info.idx_in_epoch, np.int64)
 
-src = extsrc.ParallelSource(load, 4, num_workers=2, backend="ray")
+src = extsrc.ParallelSource(load, 4, pool=extsrc.PoolSpec(num_workers=2, backend="ray"))
 assert len(list(src)) == 2  # one epoch; the actors now hold nothing
 ray.shutdown()
 try:
@@ -75,8 +75,8 @@ print("RAY INITIALIZED", ray.is_initialized(), flush=True)
 src.close()
 if not ray.is_initialized():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-with extsrc.ParallelSource(lambda info: np.full(2, info.idx_in_epoch), 2, num_workers=1,
-                           backend="ray") as fresh:
+with extsrc.ParallelSource(lambda info: np.full(2, info.idx_in_epoch), 2,
+                           pool=extsrc.PoolSpec(num_workers=1, backend="ray")) as fresh:
     print("FRESH", next(iter(fresh)).as_array()[:, 0].tolist(), flush=True)
 ray.shutdown()
 '''
@@ -125,7 +125,7 @@ def load(info):
     return np.full(2, info.idx_in_epoch, np.int64)
 
 # No ray.init(): "the first Ray source starts a local Ray on this host" (README).
-src = extsrc.ParallelSource(load, 4, num_workers=2, backend="ray")
+src = extsrc.ParallelSource(load, 4, pool=extsrc.PoolSpec(num_workers=2, backend="ray"))
 box = {}
 
 def first_batch():  # e.g. a loader thread that starts the data, then hands over
@@ -138,7 +138,7 @@ thread.join()
 print("FIRST", box["first"], flush=True)
 time.sleep(1)
 src.close()
-with extsrc.ParallelSource(load, 4, num_workers=1, backend="ray") as fresh:
+with extsrc.ParallelSource(load, 4, pool=extsrc.PoolSpec(num_workers=1, backend="ray")) as fresh:
     print("FRESH", next(iter(fresh)).as_array()[:, 0].tolist(), flush=True)
 """
 

@@ -51,7 +51,7 @@ def load(info):
         ray.kill(ray.get_runtime_context().current_actor)
         time.sleep(60)
     return np.full((4,), info.idx_in_epoch, np.int32)
-src = extsrc.ParallelSource(load, 8, num_workers=2, backend="ray")
+src = extsrc.ParallelSource(load, 8, pool=extsrc.PoolSpec(num_workers=2, backend="ray"))
 it = started(src, report)
 report.fault_starts()
 open(go, "w").close()
@@ -77,7 +77,7 @@ def load(info):
     if info.idx_in_epoch >= 16:
         time.sleep(60)  # every actor holds samples when one is killed
     return np.full((4,), info.idx_in_epoch, np.int32)
-src = extsrc.ParallelSource(load, 8, num_workers=2, backend="ray")
+src = extsrc.ParallelSource(load, 8, pool=extsrc.PoolSpec(num_workers=2, backend="ray"))
 it = started(src, report)
 next(it)
 report.fault_starts()
@@ -97,7 +97,7 @@ def load(info):
     if info.idx_in_epoch == 12:
         time.sleep(3600)
     return np.zeros(2)
-src = extsrc.ParallelSource(load, 4, num_workers=2, backend="ray", timeout=2)
+src = extsrc.ParallelSource(load, 4, pool=extsrc.PoolSpec(num_workers=2, backend="ray"), timeout=2)
 it = started(src, report)
 report.fault_starts()
 for _ in it:
@@ -115,7 +115,7 @@ def load(info):
     if info.idx_in_epoch >= 8:
         time.sleep(60)
     return np.zeros(2)
-src = extsrc.ParallelSource(load, 4, num_workers=2, backend="ray")
+src = extsrc.ParallelSource(load, 4, pool=extsrc.PoolSpec(num_workers=2, backend="ray"))
 it = started(src, report)
 report.fault_starts()
 ray.shutdown()
@@ -152,7 +152,7 @@ class Broken:
         return np.zeros(1)
     def __setstate__(self, state):
         raise OSError(f"cannot open {state['path']} on this node")
-src = extsrc.ParallelSource(Broken(), 4, num_workers=2, backend="ray")
+src = extsrc.ParallelSource(Broken(), 4, pool=extsrc.PoolSpec(num_workers=2, backend="ray"))
 report.fault_starts()
 next(iter(src))
 '''), timeout=FAULT_TIMEOUT_S)
