@@ -35,8 +35,10 @@ from extsrc.engine.faults import SampleFault
 from extsrc.engine.runner import SourceRunner, failure, load_source, slot_writer
 from extsrc.engine.samples import SampleChecker
 from extsrc.engine.sink import TaskSink, WriterSink
+from extsrc.engine.position import LoopPosition
 from extsrc.engine.refill import Refill
-from extsrc.engine.source import ParallelSource
+from extsrc.engine.stats import usable_cpus
+from extsrc.engine.source import ParallelSource, parse_state
 from extsrc.engine.structure import (ARRAY, BYTES, HEAP_BUFFERS, MAPPING, PICKLED, SCALAR, STRING, Flattener,
                                      ForeignLeaves, NUMERIC_KINDS, PackedLayout, Structure, check_same, container,
                                      leaf_error, pack_whole)
@@ -59,7 +61,7 @@ from extsrc.shm.segment import backend as shm_backend
 __all__ = [
     # sources and pools
     "ParallelSource", "Refill", "WorkerPool", "Batch", "BatchOutput", "SampleInfo", "BatchInfo", "Order",
-    "RecordCache", "EpochTable", "SampleFault", "Cursor", "first_ready",
+    "RecordCache", "EpochTable", "SampleFault", "Cursor", "LoopPosition", "first_ready", "parse_state",
     # nested samples flattened in a worker, rebuilt by a layer
     "Flattener", "ForeignLeaves", "Structure", "PackedLayout", "pack_whole", "HEAP_BUFFERS", "check_same",
     "container", "leaf_error", "NUMERIC_KINDS", "ARRAY", "STRING", "BYTES", "SCALAR", "PICKLED", "MAPPING",
@@ -68,7 +70,7 @@ __all__ = [
     "SourceKind", "SAMPLE", "BATCH_CALLABLE", "BATCH_ITERABLE", "BATCH_GENERATOR",
     # what a layer passes in
     "Hooks", "WorkerHooks", "Pickler", "PicklerSpec", "DefaultPickler", "pickle_by_value",
-    "attribute_at", "dumps_classes_by_path", "is_async", "default_prefetch",
+    "attribute_at", "dumps_classes_by_path", "is_async", "default_prefetch", "usable_cpus",
     # checks a layer's own arguments reuse
     "positive_int", "non_negative_int", "non_negative_number", "is_int", "check_backend",
     # backends: the protocol, the writer seam, what a worker runs

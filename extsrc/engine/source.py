@@ -471,7 +471,7 @@ class ParallelSource(ClosedWhenCollected):
         resuming mid-epoch an iterable source (it cannot be rewound). A running
         loop is ended (its next ``next()`` raises ``EpochSupersededError``).
         """
-        epoch_idx, iteration = _parse_state(state)
+        epoch_idx, iteration = parse_state(state)
         skip = _parse_handed_out(state, iteration)
         if skip and state.get("batch_size", self.spec.batch_size) != self.spec.batch_size:
             raise StateMismatchError(
@@ -686,18 +686,20 @@ def _parse_count(state: Dict[str, Any], key: str) -> int:
     return int(value)
 
 
-def _parse_state(state: object) -> Tuple[int, ...]:
-    expected = "a dict {'epoch_idx': int, 'iteration': int} as returned by get_state()"
+def parse_state(state: object, caller: str = "set_state", saver: str = "get_state()") -> Tuple[int, ...]:
+    """The epoch and iteration of a saved ``state``; ``ValueError`` naming ``caller`` if it is not
+    a dict of two ints >= 0 (as ``saver`` returns them)."""
+    expected = f"a dict {{'epoch_idx': int, 'iteration': int}} as returned by {saver}"
     if not isinstance(state, dict):
-        raise ValueError(f"set_state expects {expected}, got {type(state).__name__} {state!r}")
+        raise ValueError(f"{caller} expects {expected}, got {type(state).__name__} {state!r}")
     missing = [k for k in ("epoch_idx", "iteration") if k not in state]
     if missing:
-        raise ValueError(f"set_state expects {expected}; {state!r} lacks {', '.join(missing)}")
+        raise ValueError(f"{caller} expects {expected}; {state!r} lacks {', '.join(missing)}")
     values = []
     for key in ("epoch_idx", "iteration"):
         value = state[key]
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-            raise ValueError(f"set_state: {key} must be an int >= 0, got {value!r}")
+            raise ValueError(f"{caller}: {key} must be an int >= 0, got {value!r}")
         values.append(int(value))
     return tuple(values)
 

@@ -351,7 +351,8 @@ def _process_sched(pid: int) -> Optional[Sched]:
     return (cpu, delay) if found else None
 
 
-def _cores() -> int:
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -423,7 +424,7 @@ class SchedWindow:
         now, base = self._now(), self._base
         delta = {key: (now[key][0] - base[key][0], now[key][1] - base[key][1])
                  for key in now if key in base}
-        cores = _cores()
+        cores = usable_cpus()
         if "process" not in delta:
             return (), None, None, cores
         workers = sorted((key, figures) for key, figures in delta.items()

@@ -1,13 +1,7 @@
-"""PyTorch on extsrc: batches as tensors, on the CPU without a copy or on a GPU by DMA.
-
-* :class:`TorchLoader` wraps a :class:`~extsrc.ParallelSource`: tensors that
-  are views of the batches' shared memory, the memory page-locked once for
-  CUDA (``pin_memory=True``), CUDA tensors copied on a side stream
-  (``device="cuda"``), ``len()``, ``state_dict()`` / ``load_state_dict()``.
-* :func:`from_dataset` runs a map-style ``torch.utils.data.Dataset`` on the
-  engine, with DataLoader's arguments: a one-line switch from a DataLoader.
-
-Importing this module imports PyTorch (``pip install 'extsrc[torch]'``);
+"""PyTorch on extsrc: :class:`TorchLoader`, a ``ParallelSource``'s batches as tensors (views of
+the shared memory, page-locked once for CUDA, or copied to a GPU on a side stream), and
+:func:`from_dataset`, a ``Dataset`` run on the engine with DataLoader's arguments (a one-line
+switch from a DataLoader). Importing it imports PyTorch (``pip install 'extsrc[torch]'``);
 ``import extsrc`` does not.
 """
 

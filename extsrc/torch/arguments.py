@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import math
 import multiprocessing.context
-import os
 import warnings
 from dataclasses import InitVar, dataclass
 from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch.utils.data import BatchSampler, IterableDataset, IterDataPipe, RandomSampler, SequentialSampler
-from torch.utils.data import default_collate, default_convert
+from torch.utils.data import default_collate, default_convert, graph_settings
 
-from extsrc.engine import START_METHODS, EmptyEpochError, Order
+from extsrc.engine import START_METHODS, EmptyEpochError, Order, usable_cpus
 
 # The DataLoader attributes of a from_dataset loader, read-only once it is made (as DataLoader's).
 DATALOADER_ATTRIBUTES = (
@@ -82,8 +81,7 @@ class Loading:
         self._translate()
 
     def _check_per_sample(self, feature: str, sampled: bool) -> None:
-        """``feature`` works on the samples the workers load one by one: the default collation
-        of a map-style dataset in the loader's own order, with workers."""
+        """``feature`` needs samples loaded one by one: by workers, in the own order, default collation."""
         if self.iterable or self.num_workers == 0:
             raise ValueError(f"{feature} needs a map-style dataset loaded by workers (num_workers > 0); "
                              f"got {'an IterableDataset' if self.iterable else 'num_workers=0'}")
@@ -145,7 +143,7 @@ class Loading:
         if self.worker_init_fn is not None and not callable(self.worker_init_fn):
             raise TypeError(f"worker_init_fn must be a callable or None, got {type(self.worker_init_fn).__name__}")
         self.start_method = _start_method(self.multiprocessing_context, self.num_workers)
-        cpus = _usable_cpus()
+        cpus = usable_cpus()
         if self.num_workers > cpus:
             warnings.warn(
                 f"from_dataset starts {self.num_workers} worker processes, and this process may use "
@@ -170,8 +168,6 @@ class Loading:
                              "own extsrc.Order; with a sampler, batch_sampler or generator= the sampler "
                              "decides it: give one or the other")
         if isinstance(self.dataset, IterDataPipe):  # DataLoader hands its shuffle setting to a datapipe
-            from torch.utils.data import graph_settings
-
             self.dataset = graph_settings.apply_shuffle_settings(self.dataset, shuffle=self.shuffle)
         elif not self.iterable and not sampled:
             if len(self.dataset) == 0:
@@ -198,15 +194,8 @@ class Loading:
 
     def _check_workers(self, sampled: bool) -> None:
         """What only the workers' ways of loading refuse: concurrency, an epoch of no batch."""
-        if self.concurrency != 1 and (self.iterable or self.num_workers == 0):
-            raise ValueError(f"concurrency={self.concurrency} needs a map-style dataset loaded by workers "
-                             f"(num_workers > 0); got {'an IterableDataset' if self.iterable else 'num_workers=0'}")
-        if self.concurrency != 1 and sampled:
-            raise ValueError(f"concurrency={self.concurrency} needs the loader's own order (no sampler, "
-                             "batch_sampler or generator=): a sampler's batches are made one at a time")
-        if self.concurrency != 1 and not self.default and not self.iterable:
-            raise ValueError(f"concurrency={self.concurrency} needs the default collation (collate_fn=None "
-                             "and a batch_size): a collate_fn makes whole batches in one call, one at a time")
+        if self.concurrency != 1:
+            self._check_per_sample(f"concurrency={self.concurrency}", sampled)
         if self.on_error != "raise" or self.max_errors is not None:
             self._check_per_sample(f"on_error={self.on_error!r}", sampled)
         order, size = self.order, self.batch_size
@@ -228,17 +217,9 @@ class Loading:
         return records // self.batch_size if self.drop_last else math.ceil(records / self.batch_size)
 
 
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def _start_method(context: Any, num_workers: int) -> str:
-    """The start method a ``multiprocessing_context`` names, checked as a DataLoader checks it:
-    ``ValueError`` for an unknown name or with ``num_workers=0``, ``TypeError`` for an object
-    that is neither a name nor a multiprocessing context."""
+    """The start method a ``multiprocessing_context`` names, checked as a DataLoader checks it
+    (``ValueError`` for an unknown name or num_workers=0, ``TypeError`` for another object)."""
     if context is None:
         return "fork"
     if num_workers == 0:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 import weakref
-from typing import Any, Callable, Dict, Iterable, Optional, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 
 from extsrc.dma import CUDA_HOST_REGISTER_PORTABLE, InFlight, PageLock, page_lock
-from extsrc.engine import Cursor, ParallelSource, Refill, gpu_visible
+from extsrc.engine import LoopPosition, ParallelSource, gpu_visible
 from extsrc.torch.tensors import batch_tensors, each_tensor, map_tensors
 
 
@@ -20,9 +19,8 @@ def parse_device(device: Any) -> Optional[torch.device]:
     try:
         parsed = torch.device(device)
     except (TypeError, RuntimeError, ValueError) as exc:
-        raise ValueError(
-            f"device must be None, 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r} ({exc})"
-        ) from None
+        raise ValueError(f"device must be None, 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r} "
+                         f"({exc})") from None
     if parsed.type == "cpu":
         return None
     if parsed.type != "cuda":
@@ -30,17 +28,17 @@ def parse_device(device: Any) -> Optional[torch.device]:
     return parsed
 
 
-def require_cuda(what: str) -> None:
+def cuda_device(device: Optional[torch.device], what: str) -> torch.device:
+    """``device`` (None: the current one) with its index, or ``RuntimeError`` without CUDA."""
     if torch.cuda.is_available():
-        return
+        index = None if device is None else device.index
+        return torch.device("cuda", torch.cuda.current_device() if index is None else index)
     if torch.version.cuda is None:
         why = f"this PyTorch ({torch.__version__}) is built without CUDA"
     else:
         why = gpu_visible()[1] or "no CUDA device is usable here"
-    raise RuntimeError(
-        f"{what} needs CUDA, and torch.cuda.is_available() is False: {why}. Leave device= and "
-        "pin_memory= at their defaults to get CPU tensors, or run where a GPU is visible"
-    )
+    raise RuntimeError(f"{what} needs CUDA, and torch.cuda.is_available() is False: {why}. Leave device= and "
+                       "pin_memory= at their defaults to get CPU tensors, or run where a GPU is visible")
 
 
 class _Handed:
@@ -53,56 +51,35 @@ class _Handed:
         self.device: Optional[torch.device] = None
 
     def cover(self, in_flight: InFlight) -> None:
-        """Hands the batch to ``in_flight`` with an event recorded now on the current stream:
-        it completes after every copy of the batch queued on that stream so far."""
+        """Hands the batch to ``in_flight`` with an event recorded now on the current stream."""
         if self.tensors is not None:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
             in_flight.add(event, self.tensors)
             self.tensors = None
 
-
-def _wait_quietly(in_flight: InFlight, handed: _Handed) -> None:
-    """Finaliser of a loader: its copies complete before their host batches may be reused."""
-    try:
-        handed.cover(in_flight)
-        in_flight.wait_all()
-    except Exception:
-        pass  # at interpreter exit CUDA may be gone, and with it every copy
+    def settle(self, in_flight: InFlight) -> None:
+        """A loader's finaliser: its copies complete before their host batches may be reused."""
+        try:
+            self.cover(in_flight)
+            in_flight.wait_all()
+        except Exception:
+            pass  # at interpreter exit CUDA may be gone, and with it every copy
 
 
 Device = Union[None, str, int, torch.device]  # where batches go: None or "cpu", else a CUDA device
 
 
 class TorchLoader:
-    """The batches of ``source`` (a :class:`~extsrc.ParallelSource`) as torch tensors.
-
-    Every output of a batch is one tensor ``(batch, *sample_shape)`` when its
-    samples share shape and dtype, else a list of per-sample tensors; several
-    outputs make a tuple. Each ``for`` loop is one epoch of the source;
-    ``len()`` is the source's. One loop at a time: a new ``iter()``,
-    ``load_state_dict()`` or ``close()`` ends the running loop, whose next
-    ``next()`` raises ``RuntimeError`` (``ValueError`` after ``close()``). A
-    ``KeyboardInterrupt`` inside ``next()`` loses no batch.
-
-    * ``device=None`` (or ``"cpu"``): ``torch.from_numpy`` views of the
-      batch's shared memory, valid and unchanged while they live.
-    * ``pin_memory=True``: the shared memory is page-locked for CUDA once
-      (``cudaHostRegister``), so ``tensor.to("cuda", non_blocking=True)`` is a
-      DMA; each CPU batch stays referenced until the work queued on the
-      current stream when the next batch is taken has completed (a copy
-      queued on another stream, or later, must keep the batch itself).
-    * ``device="cuda"`` (``"cuda:N"``, a ``torch.device``): CUDA tensors, each
-      batch copied on a side stream while the previous one is in use (DMAs
-      with ``pin_memory=True``, else staged by CUDA); the current stream waits
-      for the copy, and the host batch is kept until the copy is done.
-
-    Asking for CUDA starts the workers first (``fork`` before CUDA is
-    initialised), then raises ``RuntimeError`` without CUDA; a failed
-    page-locking is raised from the next ``next()``. ``state_dict()`` /
-    ``load_state_dict()`` save and restore the next batch a loop would get,
-    as the source's ``get_state()`` / ``set_state()``. ``close()`` (or
-    ``with``) waits for copies in flight; it leaves ``source`` open.
+    """The batches of ``source`` (a :class:`~extsrc.ParallelSource`) as torch tensors: per output
+    one tensor ``(batch, *sample_shape)``, or a list of per-sample tensors where samples differ;
+    a tuple for several outputs. Each ``for`` loop is one epoch, one loop at a time (a new
+    ``iter()``, ``load_state_dict()`` or ``close()`` ends the running one); an interrupt inside
+    ``next()`` loses no batch. ``device=None``: views of the shared memory; ``pin_memory=True``:
+    that memory page-locked for CUDA once; ``device="cuda"``: each batch copied on a side stream
+    while the previous one is in use. ``state_dict()`` / ``load_state_dict()`` save and restore
+    the next batch a loop would get; ``close()`` (or ``with``) leaves ``source`` open. See
+    ``docs/pytorch.md``.
     """
 
     def __init__(self, source: ParallelSource, *, device: Device = None, pin_memory: bool = False):
@@ -138,36 +115,23 @@ class TorchLoader:
         self._closed_fully = False  # close() ran to its end
         self._in_flight = InFlight()
         self._handed = _Handed()
-        self._finalizer = weakref.finalize(self, _wait_quietly, self._in_flight, self._handed)
+        self._finalizer = weakref.finalize(self, self._handed.settle, self._in_flight)
         if self._device is None and not pin_memory:
             return
         source.start()  # fork workers must exist before CUDA is initialised
-        require_cuda("device=" + repr(device) if self._device is not None else "pin_memory=True")
-        index = self._device.index if self._device is not None else None
-        if index is None:
-            index = torch.cuda.current_device()
-        self._cuda = torch.device("cuda", index)
+        self._cuda = cuda_device(self._device, "device=" + repr(device) if self._device is not None
+                                 else "pin_memory=True")
         self._handed.device = self._cuda
         if self._device is not None:
             self._device = self._cuda
             self._stream = torch.cuda.Stream(self._cuda)
         if pin_memory:
-            self._page_lock = _page_lock_with_torch(source, index)
+            self._page_lock = _page_lock_with_torch(source, self._cuda.index)
 
-    @property
-    def source(self) -> ParallelSource:
-        """The source whose batches this loader yields."""
-        return self._source
-
-    @property
-    def device(self) -> torch.device:
-        """Where the tensors are: ``cpu`` or a CUDA device."""
-        return self._device if self._device is not None else torch.device("cpu")
-
-    @property
-    def pin_memory(self) -> bool:
-        """Whether the source's shared memory is page-locked for CUDA."""
-        return self._pin
+    source = property(lambda self: self._source, doc="The source whose batches this loader yields.")
+    device = property(lambda self: self._device if self._device is not None else torch.device("cpu"),
+                      doc="Where the tensors are: ``cpu`` or a CUDA device.")
+    pin_memory = property(lambda self: self._pin, doc="Whether the shared memory is page-locked for CUDA.")
 
     def __len__(self) -> int:
         """Batches per epoch (the source's ``len()``; needs ``order=``)."""
@@ -227,8 +191,7 @@ class TorchLoader:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"TorchLoader({self._source.name}, device={str(self.device)!r}, "
-                f"pin_memory={self._pin})")
+        return f"TorchLoader({self._source.name}, device={str(self.device)!r}, pin_memory={self._pin})"
 
 
 def _page_lock_with_torch(source: ParallelSource, index: int) -> PageLock:
@@ -245,47 +208,6 @@ def _page_lock_with_torch(source: ParallelSource, index: int) -> PageLock:
     return page_lock(source, "PyTorch", register, unregister)
 
 
-class LoopPosition:
-    """Where a loop over a loader stands: the epoch, and a :class:`~extsrc.engine.Cursor` of
-    the batches handed on (the next one, and later ones handed on already, ``in_order=False``).
-    ``after(n)``, where given, is the source's state after ``n`` batches of the epoch (a source
-    with ``on_error="skip"`` counts batches its own way; see :mod:`extsrc.engine.refill`)."""
-
-    __slots__ = ("epoch_idx", "cursor", "finished", "ended_by", "after")
-
-    def __init__(self, epoch_idx: int, next_iteration: int, ahead: Iterable[int] = (),
-                 after: Optional[Callable[[int], Dict[str, Any]]] = None):
-        self.epoch_idx = epoch_idx
-        self.cursor = Cursor(next_iteration, ahead)
-        self.finished = False
-        self.ended_by: Optional[str] = None  # what ended the loop before its epoch's end
-        self.after = after
-
-    @classmethod
-    def of(cls, source: ParallelSource, batches: Any, start: Dict[str, Any]) -> "LoopPosition":
-        """The position of a loop over ``batches``, the source's epoch begun at ``start``."""
-        if isinstance(batches, Refill):
-            return cls(start["epoch_idx"], batches.resumed_at,
-                       after=functools.partial(source.refill_state, batches))
-        return cls(start["epoch_idx"], start["iteration"], start.get("handed_out", ()))
-
-    def handed(self, iteration: int) -> None:
-        """Batch ``iteration`` was handed on; idempotent (for a batch an interrupt made the loop
-        hand on again)."""
-        self.cursor.hand(iteration)
-
-    def state(self, state: Dict[str, Any]) -> Dict[str, Any]:
-        """``state`` (the source's) at this position."""
-        if self.after is not None:
-            return self.after(self.cursor.next)
-        state = {**state, "epoch_idx": self.epoch_idx, "iteration": self.cursor.next}
-        state.pop("handed_out", None)
-        handed_out = self.cursor.handed_out()
-        if handed_out:
-            state["handed_out"] = handed_out
-        return state
-
-
 class _Epoch:
     """One epoch of a loader: what ``iter(loader)`` returns."""
 
@@ -298,9 +220,8 @@ class _Epoch:
         self._taken: Any = None
 
     def _next_host(self) -> Any:
-        """The next batch as host tensors (the one taken before, if it was not handed on);
-        raises StopIteration at the end of the epoch. The caller clears ``_taken`` once the
-        batch is handed on."""
+        """The next batch as host tensors (the one taken before, if not handed on), or
+        StopIteration; the caller clears ``_taken`` once the batch is handed on."""
         if self._taken is None:
             # __next__() rather than next(): the builtin returns into C, where an interrupt can
             # discard the batch it took (see extsrc.engine.take).
@@ -321,11 +242,6 @@ class _Epoch:
             self._taken = None
             raise
 
-    def goes_on(self) -> bool:
-        """Whether the source's epoch may still give batches (after an error raised here,
-        making tensors, it does; after one from the source, it ended)."""
-        return self.batches.goes_on()
-
     def __iter__(self) -> "_Epoch":
         return self
 
@@ -343,11 +259,9 @@ class _Epoch:
         if ended_by == "close()":
             raise ValueError("this TorchLoader is closed")
         if ended_by is not None:
-            raise RuntimeError(
-                f"this loop over the TorchLoader was ended by {ended_by} before the end of its "
-                "epoch: a loader runs one loop at a time (as its source does); finish or leave "
-                "a loop before starting the next"
-            )
+            raise RuntimeError(f"this loop over the TorchLoader was ended by {ended_by} before the end of its "
+                               "epoch: a loader runs one loop at a time (as its source does); finish or "
+                               "leave a loop before starting the next")
         if self.loader._page_lock is not None:
             self.loader._page_lock.check()
 

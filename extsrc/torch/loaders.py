@@ -1,46 +1,28 @@
-"""The loaders from_dataset returns (made by :mod:`extsrc.torch.plans`), each with DataLoader's
-attributes: :class:`InProcessLoader` (``num_workers=0``), :class:`DatasetLoader` (a map-style
-dataset, over a :class:`~extsrc.torch.TorchLoader` it holds), :class:`IterableLoader`."""
+"""The loaders from_dataset returns without a map-style dataset's workers, each with DataLoader's
+attributes: :class:`InProcessLoader` (``num_workers=0``) and :class:`IterableLoader` (their
+common part, :class:`Attributes`, is also :class:`~extsrc.torch.plans.DatasetLoader`'s)."""
 
 from __future__ import annotations
 
+import collections
 import signal
 import warnings
-from typing import Any, Callable, Iterator, List, Optional, Protocol
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
-from torch.utils.data import default_collate
+from torch.utils.data import IterDataPipe, default_collate
 
-from extsrc.engine import (EpochSupersededError, Flattener, first_ready, ForkedChildError, InternalError, PoolClosedError,
-                           SharedMemoryError, SourceTimeoutError, WorkerDiedError)
+from extsrc.engine import (EpochSupersededError, EpochTable, Flattener, ForkedChildError, InternalError,
+                           LoopPosition, PoolClosedError, SharedMemoryError, SourceTimeoutError, WorkerDiedError,
+                           WorkerPool, first_ready, parse_state)
 from extsrc.torch.arguments import DATALOADER_ATTRIBUTES, Loading, draw_seed
-from extsrc.torch.loader import LoopPosition, TorchLoader, parse_device, require_cuda
+from extsrc.torch.loader import TorchLoader, cuda_device, parse_device
 from extsrc.torch.structure import TENSOR_LEAVES, Collation
 from extsrc.torch.tensors import map_tensors
-from extsrc.torch.workers import OrderBatches, WorkerStart, fetch, grouped
+from extsrc.torch.workers import OrderBatches, fetch, grouped
 
 
-
-class Plan(Protocol):
-    """What a :class:`DatasetLoader` asks of its plan (:mod:`extsrc.torch.plans`, which imports
-    this module): loaders of new workers, a loop's preparation, and what it can do."""
-
-    renewable: bool  # each loop may run on new workers
-    resumable: bool  # state_dict() / load_state_dict() work
-
-    def torch_loader(self, start: WorkerStart) -> TorchLoader: ...
-
-    def begin(self, epoch_idx: int) -> Optional[int]: ...
-
-    def close(self) -> None: ...
-
-# Errors after which the workers are gone or the loop was ended: the loop ends. Any other
-# (from the dataset or collate_fn, a sample that cannot be collated) fails its batch alone.
-_ENDS_THE_LOOP = (WorkerDiedError, SourceTimeoutError, SharedMemoryError, PoolClosedError,
-                  ForkedChildError, EpochSupersededError, InternalError)
-
-
-class _Attributes:
+class Attributes:
     """DataLoader's attributes, read-only once described (setting one raises ``ValueError``, as
     DataLoader does), ``len()`` as DataLoader computes it, and ``with``."""
 
@@ -48,6 +30,7 @@ class _Attributes:
     _initialized = False
     _loops_begun = 0
     dataset: Any  # and the other DATALOADER_ATTRIBUTES, set by _describe
+    close: Callable[[], None]  # each loader's own
 
     def _describe(self, args: Loading) -> None:
         self.__dict__.update(args.attributes)
@@ -69,10 +52,8 @@ class _Attributes:
         return args.batches(len(order) if order is not None and order.shard[1] > 1 else len(self.dataset))
 
     def _begin_loop(self) -> Optional[int]:
-        """Draws from ``generator`` what a DataLoader draws when a loop begins: a new base seed
-        for the loop's workers (the first loop's was drawn when the loader was made; persistent
-        workers keep theirs), so that a sampler sharing the generator gives the DataLoader's
-        indices. The seed, or None when the workers of the last loop go on."""
+        """The new workers' base seed a DataLoader draws from ``generator`` as a loop begins (so that
+        a sampler sharing it gives DataLoader's indices), or None where the last loop's go on."""
         seed, args = None, self._args
         if self._loops_begun and not (args.persistent_workers and args.num_workers > 0):
             seed = draw_seed(args.generator)
@@ -83,10 +64,16 @@ class _Attributes:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        self.close()  # type: ignore[attr-defined]
+        self.close()
+
+    def _check_resumable(self, what: str, resumable: bool) -> None:
+        if not resumable:
+            raise TypeError(f"{what} needs a map-style dataset in the loader's own order (no sampler, "
+                            "batch_sampler or generator=): an iterable's or a sampler's epoch cannot be "
+                            "drawn again as it was")
 
 
-class InProcessLoader(_Attributes):
+class InProcessLoader(Attributes):
     """``num_workers=0``: the dataset runs in this process, in the loop, as a DataLoader's does
     without workers (to debug it); the batches are those the workers would give."""
 
@@ -97,9 +84,7 @@ class InProcessLoader(_Attributes):
         self._flatten, self._rebuild = Flattener(TENSOR_LEAVES), Collation()
         self._device = parse_device(args.device)  # refused or honoured as with workers
         if self._device is not None:
-            require_cuda(f"device={args.device!r}")
-            self._device = torch.device("cuda", torch.cuda.current_device() if self._device.index is None
-                                        else self._device.index)
+            self._device = cuda_device(self._device, f"device={args.device!r}")
         self._next_epoch = 0
         self._resume = 0  # the batch the next loop begins at (load_state_dict)
         self._loop: Optional[_InProcessLoop] = None  # the last loop begun
@@ -143,7 +128,7 @@ class InProcessLoader(_Attributes):
     def state_dict(self) -> dict:
         """The epoch and the next batch a loop would get (the loader's own order only): after
         the last batch of a loop, before it ended, that epoch's end."""
-        self._check_resumable("state_dict()")
+        self._check_resumable("state_dict()", self._batches is not None)
         loop = self._loop
         if loop is not None and not loop.finished:
             return {"epoch_idx": self._next_epoch - 1, "iteration": loop.next}
@@ -151,28 +136,16 @@ class InProcessLoader(_Attributes):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Makes the next ``iter()`` resume at ``state_dict`` (from :meth:`state_dict`)."""
-        self._check_resumable("load_state_dict()")
-        try:
-            epoch, iteration = int(state_dict["epoch_idx"]), int(state_dict["iteration"])
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"load_state_dict: expected a dict with epoch_idx and iteration (from "
-                             f"state_dict()), got {state_dict!r}") from None
-        if epoch < 0 or iteration < 0:
-            raise ValueError(f"load_state_dict: epoch_idx and iteration must be >= 0, got {state_dict!r}")
+        self._check_resumable("load_state_dict()", self._batches is not None)
+        epoch, iteration = parse_state(state_dict, "load_state_dict", "state_dict()")
         self._next_epoch, self._resume, self._loop = epoch, iteration, None
-
-    def _check_resumable(self, what: str) -> None:
-        if self._batches is None:
-            raise TypeError(f"{what} needs a map-style dataset without a sampler, batch_sampler or "
-                            "generator: an iterable dataset or a sampler cannot be rewound")
 
     def close(self) -> None:
         self._closed = True
 
 
 class _InProcessLoop:
-    """One loop of an :class:`InProcessLoader`: ``make(part)`` of each next part (indices, or
-    an iterable's samples); a batch that raises is not made again, the loop goes on."""
+    """An :class:`InProcessLoader`'s loop: ``make(part)`` of each part; a batch that raises is not retried."""
 
     def __init__(self, parts: Iterator[Any], make: Callable[[Any], Any], first: int = 0):
         self._parts = parts
@@ -193,113 +166,6 @@ class _InProcessLoop:
         return self._make(part)
 
 
-class DatasetLoader(_Attributes):
-    """A map-style dataset loaded by workers: the batches of a :class:`~extsrc.torch.TorchLoader`
-    it holds (``source``, ``device``, ``state_dict()`` are that loader's), with DataLoader's
-    attributes (``sampler`` and ``batch_sampler`` describe the order as a DataLoader's would).
-    Without persistent workers, each loop after the first runs on new workers."""
-
-    def __init__(self, plan: Plan, args: Loading):
-        self._plan = plan
-        self._loader = plan.torch_loader(WorkerStart(args.dataset, args.base_seed, args.worker_init_fn))
-        self._renews = not args.persistent_workers and plan.renewable
-        self._position: Optional[LoopPosition] = None  # of the last loop begun
-        self._stopped = False  # the last loop's workers stopped at its end
-        self._fresh: Optional[WorkerStart] = None  # new workers load_state_dict made, not started
-        self._closed = False
-        self._describe(args)
-
-    source = property(lambda self: self._loader.source, doc="The source of this loop's workers.")
-    device = property(lambda self: self._loader.device, doc="Where the tensors are.")
-
-    def __iter__(self) -> Any:
-        """Starts the next epoch (a sampler's indices drawn now, as a DataLoader's iterator does)."""
-        if self._closed:
-            raise ValueError("this TorchLoader is closed")
-        self._renew_workers(self._begin_loop())
-        count = self._plan.begin(self.source.next_epoch_idx)
-        if count == 0:  # no batch this epoch: a DataLoader's loop ends at once
-            self._end_loop("a newer iter(loader)")
-            return iter(())
-        return _Loop(self, self._loop(), len(self.source) if count is None else count)
-
-    def _loop(self) -> Any:
-        epoch = self._loader.__iter__()
-        self._position = epoch.position
-        return epoch
-
-    def _end_loop(self, why: str) -> None:
-        if self._position is not None:
-            self._position.ended_by = why
-
-    def _renew_workers(self, base_seed: Optional[int]) -> None:
-        """At a loop after the first, without persistent workers: new workers load it from
-        where the old source stood."""
-        if base_seed is None or not self._renews:
-            return
-        if self._fresh is not None:  # made by load_state_dict, its workers not started yet
-            self._fresh.base_seed = base_seed
-            self._fresh = None
-            return
-        position, source = self._position, self.source
-        if position is not None and not position.finished:  # the last loop was left unfinished
-            self._replace(base_seed, {"epoch_idx": source.next_epoch_idx, "iteration": 0})
-        else:
-            self._replace(base_seed, source.get_state())  # the next epoch, or load_state_dict's
-
-    def _replace(self, base_seed: int, state: dict) -> WorkerStart:
-        """Puts a loader of new workers at ``state`` in the place of the current one, whose
-        source closes; the current one stays if anything (an interrupt) stops this half-way."""
-        start = WorkerStart(self._args.dataset, base_seed, self._args.worker_init_fn)
-        old, new = self._loader, self._plan.torch_loader(start)
-        try:
-            new.source.set_state(state)
-            self._end_loop("a newer iter(loader)")
-            self._loader = new
-        except BaseException:
-            self._loader = old
-            new.close()
-            raise
-        self._stopped = False
-        old.source.close()  # batches of the last loop still held stay valid until dropped
-        return start
-
-    def _loop_finished(self, position: LoopPosition) -> None:
-        """The loop at ``position`` ended: the last loop's workers, not persistent, stop now."""
-        if self._renews and position is self._position and self._fresh is None:
-            self.source.close()
-            self._stopped = True
-
-    def state_dict(self) -> dict:
-        """See :meth:`TorchLoader.state_dict`; ``TypeError`` with a sampler."""
-        self._check_resumable("state_dict()")
-        return self._loader.state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """See :meth:`TorchLoader.load_state_dict`; ``TypeError`` as :meth:`state_dict`."""
-        self._check_resumable("load_state_dict()")
-        if self._stopped and self._fresh is None:
-            # the last loop's workers stopped: the next loop's are made now, started at iter()
-            self._fresh = self._replace(0, self.source.get_state())
-        self._loader.load_state_dict(state_dict)
-        self._end_loop("load_state_dict()")
-        self._position = None
-
-    def _check_resumable(self, what: str) -> None:
-        if not self._plan.resumable:
-            raise TypeError(f"{what} needs the loader's own order (no sampler, batch_sampler or "
-                            "generator=): a sampler's epoch cannot be drawn again as it was")
-
-    def close(self) -> None:
-        """Stops the workers (see :meth:`TorchLoader.close`) and frees the sampler's indices."""
-        self._closed = True
-        self._loader.close()
-        self._plan.close()
-
-    def __repr__(self) -> str:
-        return repr(self._loader)
-
-
 def in_dataloader_words(error: BaseException) -> None:
     """Puts the phrase of DataLoader's error for a dead worker or a timeout before an engine
     error's message (once), for code that matches DataLoader's; type and traceback stay."""
@@ -317,52 +183,27 @@ def in_dataloader_words(error: BaseException) -> None:
         error.args = (phrase + str(error),)
 
 
-class _Loop:
-    """A loop of a :class:`DatasetLoader` of ``count`` batches. A batch that fails raises its
-    error in its place and the loop goes on, as a DataLoader's (the engine's rule); an error
-    after which the workers are gone or the loop was ended ends it, in DataLoader's words."""
+class IterableLoader(Attributes):
+    """An ``IterableDataset`` with workers: each iterates its copy (shard it by ``get_worker_info()``)
+    and forms batches, taken from each in turn as a DataLoader's; a loop is a pass of every worker."""
 
-    def __init__(self, loader: DatasetLoader, epoch: Any, count: int):
-        self._loader = loader
-        self._epoch = epoch
-        self._count = count
-        self._done = False
-
-    def __iter__(self) -> "_Loop":
-        return self
-
-    def __len__(self) -> int:
-        return self._count
-
-    def __next__(self) -> Any:
-        if self._done:
-            raise StopIteration
-        epoch = self._epoch
-        try:
-            return epoch.__next__()
-        except StopIteration:
-            self._done = True
-            self._loader._loop_finished(epoch.position)
-            raise
-        except _ENDS_THE_LOOP as exc:
-            self._done = True
-            in_dataloader_words(exc)
-            raise
-
-
-class IterableLoader(_Attributes):
-    """An ``IterableDataset`` with workers: each worker iterates its copy of the dataset (shard
-    it by ``get_worker_info()``) and forms batches, yielded in DataLoader's order, one from each
-    worker in turn; each ``for`` loop is one pass of every worker."""
-
-    def __init__(self, pool: Any, loaders: List[TorchLoader], seeds: Any, args: Loading):
-        self._pool = pool
-        self._loaders = loaders  # one per worker, its source pinned to that worker
-        self._seeds = seeds  # a datapipe's shuffle seed of each epoch, read by the workers
+    def __init__(self, args: Loading, worker_loader: Callable[[WorkerPool, Optional[EpochTable], int], TorchLoader]):
+        self._pool: Optional[WorkerPool] = None
+        self._seeds: Optional[EpochTable] = None  # a datapipe's shuffle seed of each epoch
+        self._loaders: List[TorchLoader] = []  # one per worker, its source pinned to that worker
         self._closed = False  # close() began: iter() refuses
         self._closed_fully = False  # close() ran to its end
         self._len_asked: Optional[int] = None  # len(dataset) when len() was last asked
         self._describe(args)
+        try:
+            self._pool = WorkerPool(args.num_workers, start_method=args.start_method, pickler=args.pickler,
+                                    worker_restarts=args.worker_restarts)
+            self._seeds = EpochTable() if isinstance(args.dataset, IterDataPipe) else None
+            for worker in range(args.num_workers):
+                self._loaders.append(worker_loader(self._pool, self._seeds, worker))
+        except BaseException:
+            self.close()
+            raise
 
     def __len__(self) -> int:
         self._len_asked = len(self._args.dataset)
@@ -378,7 +219,8 @@ class IterableLoader(_Attributes):
             for epoch_idx in sorted({loader.source.next_epoch_idx for loader in self._loaders}):
                 self._seeds.write(epoch_idx, [seed])
         self._begin_loop()  # then what a DataLoader draws for new workers (these persist)
-        return _WorkerTurns(self, [loader.__iter__() for loader in self._loaders])  # ends running loops
+        epochs = [loader.__iter__() for loader in self._loaders]  # ends running loops
+        return WorkerLoop(epochs, self._args, pool=self._pool, yielded=self._warn_past_length)
 
     def close(self) -> None:
         if self._closed_fully:
@@ -386,83 +228,83 @@ class IterableLoader(_Attributes):
         self._closed = True  # as TorchLoader.close: an interrupted close() is finished by the next
         for loader in self._loaders:
             loader.close()
-        self._pool.close()
+        if self._pool is not None:
+            self._pool.close()
         if self._seeds is not None:
             self._seeds.close()
         self._closed_fully = True
 
+    def _warn_past_length(self, yielded: int) -> None:
+        if self._len_asked is not None and yielded > self._len_asked:
+            # As a DataLoader warns, and when: more batches than len(dataset) (the workers' last
+            # batches may be short), usually workers that each yield the whole dataset.
+            warnings.warn(f"Length of IterableDataset {self._args.dataset!r} was reported to be "
+                          f"{self._len_asked} (len(dataset), when len(loader) was asked), but {yielded} "
+                          "samples have been fetched. For multiprocessing data-loading, this usually means "
+                          f"that each of the {self._args.num_workers} workers iterates its own copy of the "
+                          "dataset: shard it by torch.utils.data.get_worker_info() (or in worker_init_fn). "
+                          "(Counted is what the loader yielded: batches when batch_size is set.)",
+                          UserWarning, stacklevel=3)
 
-class _WorkerTurns:
-    """One loop of an :class:`IterableLoader`: its workers' loops in turn, skipping those done,
-    or with ``in_order=False`` whichever has a batch first. Not a generator: an interrupt
-    inside ``next()`` leaves it able to go on, and loses no batch."""
 
-    def __init__(self, loader: IterableLoader, epochs: list):
-        self._loader = loader
-        self._active = list(epochs)
-        self._turn = 0  # with in_order: the index in _active of the worker whose turn it is
-        self._last: Any = None  # the worker loop that gave the last batch: the turn moves past it
+# Errors after which the workers are gone or the loop was ended: the loop ends. Any other
+# (from the dataset or collate_fn, a sample that cannot be collated) fails its batch alone.
+_ENDS_THE_LOOP = (WorkerDiedError, SourceTimeoutError, SharedMemoryError, PoolClosedError,
+                  ForkedChildError, EpochSupersededError, InternalError)
+
+
+class WorkerLoop:
+    """One loop of a from_dataset loader with workers over its sources' epochs (a map-style
+    dataset's one, an IterableDataset's one per worker), in turn (``_active[0]``'s) or, with
+    ``in_order=False``, the first with a batch. A failed batch raises in its place; an error that
+    ends the workers or the loop ends it, in DataLoader's words. Not a generator: an interrupt in
+    ``next()`` loses no batch. Calls ``ended(position)`` as an epoch ends, ``yielded(n)``."""
+
+    def __init__(self, epochs: List[Any], args: Loading, count: Optional[int] = None,
+                 pool: Optional[WorkerPool] = None, ended: Callable[[LoopPosition], None] = lambda position: None,
+                 yielded: Callable[[int], None] = lambda count: None):
+        self._active = collections.deque(epochs)
+        self._args, self._count, self._pool = args, count, pool
+        self._ended, self._on_yield = ended, yielded
+        self._last: Any = None  # the epoch that gave the last batch: the turn moves past it
         self._held: Any = None  # a batch taken and not handed on yet (an interrupt came between)
         self._yielded = 0
 
-    def __iter__(self) -> "_WorkerTurns":
+    def __iter__(self) -> "WorkerLoop":
         return self
 
+    def __len__(self) -> int:
+        if self._count is None:
+            raise TypeError("a loop over an IterableDataset has no len()")
+        return self._count
+
     def __next__(self) -> Any:
-        held = self._held
+        held, active = self._held, self._active
         if held is not None:
             self._held = None
             return held
-        if self._last is not None:
-            if self._last in self._active:  # the turn passes
-                self._turn = (self._active.index(self._last) + 1) % len(self._active)
-            self._last = None
-        while self._active:
-            epoch = self._next_turn()
+        if self._last is not None and active and active[0] is self._last:
+            active.rotate(-1)  # the turn passes
+        self._last = None
+        while active:
+            # with in_order=False the first ready; past timeout, the first, whose wait raises
+            epoch: Any = active[0]  # a TorchLoader's loop
+            if not self._args.in_order and len(active) > 1 and self._pool is not None:
+                epoch = first_ready(self._pool, list(active), self._args.timeout or None)
             try:
                 batch = epoch.__next__()
             except StopIteration:
-                self._done(epoch)
+                active.remove(epoch)
+                self._ended(epoch.position)
                 continue
-            except (WorkerDiedError, SourceTimeoutError) as exc:
+            except _ENDS_THE_LOOP as exc:
+                active.clear()
                 in_dataloader_words(exc)
                 raise
             self._held = batch  # first: an interrupt below leaves it for the next call
             self._last = epoch
             self._yielded += 1
-            self._warn_past_length()
+            self._on_yield(self._yielded)
             self._held = None
             return batch
         raise StopIteration
-
-    def _done(self, epoch: Any) -> None:
-        if epoch in self._active:
-            index = self._active.index(epoch)
-            self._active.remove(epoch)
-            if index < self._turn:
-                self._turn -= 1
-            if self._turn >= len(self._active):
-                self._turn = 0
-
-    def _next_turn(self) -> Any:
-        """The worker loop to take the next batch from (with ``in_order=False``, the first ready;
-        past ``timeout``, the first, whose own wait raises the timeout naming what is stuck)."""
-        loader = self._loader
-        if loader._args.in_order:
-            return self._active[self._turn]
-        return first_ready(loader._pool, self._active, loader._args.timeout or None)
-
-    def _warn_past_length(self) -> None:
-        loader = self._loader
-        if loader._len_asked is not None and self._yielded > loader._len_asked:
-            # As a DataLoader warns, and when: more batches than len(dataset) (the workers' last
-            # batches may be short), usually workers that each yield the whole dataset.
-            warnings.warn(
-                f"Length of IterableDataset {loader._args.dataset!r} was reported to be "
-                f"{loader._len_asked} (len(dataset), when len(loader) was asked), but "
-                f"{self._yielded} samples have been fetched. For multiprocessing data-loading, this "
-                f"usually means that each of the {loader._args.num_workers} workers iterates its own copy "
-                "of the dataset: shard it by torch.utils.data.get_worker_info() (or in "
-                "worker_init_fn) so that together they yield len(dataset) samples. (What is "
-                "counted is what the loader yielded, as DataLoader counts: batches when "
-                "batch_size is set.)", UserWarning, stacklevel=3)

@@ -1,57 +1,37 @@
-"""One plan per kind of dataset (a :class:`Plan`: what runs where, and the loader), picked by
-:func:`plan_for`: :class:`InProcess` (``num_workers=0``), :class:`SharedMemory` (the loader's
-own order, collated in shared memory), :class:`WholeBatches` (batches made by ``collate_fn``
-in the workers: a sampler's, or the own order's) and :class:`Iterable` (an IterableDataset)."""
+"""The loader for each kind of dataset, picked by :func:`loader_for`, and a map-style dataset's
+:class:`DatasetLoader`, whose workers run one of two plans: :class:`SharedMemory` (the loader's
+own order, collated in shared memory) or :class:`WholeBatches` (batches made by ``collate_fn``)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Protocol
+import functools
+from typing import Any, Callable, Optional, Union
 
 import torch
-from torch.utils.data import IterableDataset, IterDataPipe
+from torch.utils.data import IterableDataset
 
-from extsrc.engine import (AUTO_OUTPUTS, EpochTable, Hooks, Order, ParallelSource, PoolSpec, WorkerPool,
+from extsrc.engine import (AUTO_OUTPUTS, EpochTable, Hooks, LoopPosition, Order, ParallelSource, PoolSpec, WorkerPool,
                            is_async)
 from extsrc.torch.arguments import DEFAULT_PREFETCH_FACTOR, Loading
 from extsrc.torch.loader import TorchLoader
-from extsrc.torch.loaders import DatasetLoader, InProcessLoader, IterableLoader
+from extsrc.torch.loaders import Attributes, InProcessLoader, IterableLoader, WorkerLoop
 from extsrc.torch.structure import Collation, unpack_whole
 from extsrc.torch.workers import (AsyncDatasetSamples, DatasetSamples, IndexedBatches, IterableBatches,
-                                  OrderBatches, Replacement, WorkerStart, any_worker, round_robin)
+                                  OrderBatches, WorkerStart, any_worker, round_robin)
 
 
-def draw_batches(index_sampler: Any, batched: bool) -> List[Any]:
-    """One epoch of ``index_sampler``, iterated in this process when a loop begins, as
-    DataLoader's iterator does: its batches of indices (each index alone when not ``batched``),
-    published to the workers in an :class:`~extsrc.engine.EpochTable`."""
-    # a comprehension, not list(): that would ask the sampler's len(), which may raise
-    return [list(batch) for batch in index_sampler] if batched else [i for i in index_sampler]
-
-
-class Plan(Protocol):
-    """How from_dataset loads one kind of dataset."""
-
-    def loader(self) -> Any:
-        """The loader from_dataset returns (its workers start at its first loop)."""
-
-
-def plan_for(args: Loading) -> Plan:
-    """The plan for what ``args`` asks."""
+def loader_for(args: Loading) -> Union[InProcessLoader, DatasetLoader, IterableLoader]:
+    """The loader for what ``args`` asks (its workers start at its first loop)."""
     if args.num_workers == 0:
-        return InProcess(args)
+        return InProcessLoader(args)
     if isinstance(args.dataset, IterableDataset):
-        return Iterable(args)
-    return SharedMemory(args) if args.default else WholeBatches(args)
-
-
-class InProcess:
-    """``num_workers=0``: the dataset runs in the loop, in this process."""
-
-    def __init__(self, args: Loading):
-        self.args = args
-
-    def loader(self) -> InProcessLoader:
-        return InProcessLoader(self.args)
+        return IterableLoader(args, functools.partial(_worker_loader, args))
+    plan = SharedMemory(args) if args.default else WholeBatches(args)
+    try:
+        return DatasetLoader(plan, args)
+    except BaseException:
+        plan.close()
+        raise
 
 
 def _pinned(args: Loading) -> bool:
@@ -85,19 +65,10 @@ class WorkerPlan:
         return TorchLoader._owning(self.source(start), device=args.device, pin_memory=_pinned(args),
                                    rebuild=self.rebuild)
 
-    def loader(self) -> DatasetLoader:
-        try:
-            return DatasetLoader(self, self.args)
-        except BaseException:
-            self.close()
-            raise
-
     def _source(self, callback: Any, batch_size: int, start: WorkerStart, name: str = "",
                 **shape: Any) -> ParallelSource:
-        """A source of ``num_workers`` workers, as DataLoader's: ``prefetch_factor`` batches
-        ahead per worker (without one, the engine's default: as many, or more for small
-        batches), batch i made whole by worker i % num_workers (with ``in_order=False`` by one
-        with room)."""
+        """A source of ``num_workers`` workers, as DataLoader's: ``prefetch_factor`` batches ahead
+        per worker (else the engine's default), batch i made whole by worker i % num_workers."""
         args = self.args
         prefetch = None if args.engine_prefetch else (args.prefetch_factor or DEFAULT_PREFETCH_FACTOR) * args.num_workers
         return ParallelSource(
@@ -123,7 +94,7 @@ class SharedMemory(WorkerPlan):
         assert args.batch_size is not None, "the default collation needs a batch_size"
         kind = AsyncDatasetSamples if is_async(getattr(args.dataset, "getitem_async", None)) else DatasetSamples
         samples = kind(args.dataset)
-        on_error = Replacement(args.on_error, samples) if callable(args.on_error) else args.on_error
+        on_error = functools.partial(samples.replaced, args.on_error) if callable(args.on_error) else args.on_error
         return self._source(samples, args.batch_size, start, num_outputs=AUTO_OUTPUTS,
                             order=args.order, concurrency=args.concurrency,
                             on_error=on_error, max_errors=args.max_errors,
@@ -154,7 +125,10 @@ class WholeBatches(WorkerPlan):
     def begin(self, epoch_idx: int) -> Optional[int]:
         if isinstance(self.indices, OrderBatches):
             return None
-        batches = draw_batches(self.args.index_sampler, self.args.batch_sampler is not None)
+        # One epoch of the sampler, drawn as a DataLoader's iterator draws it: its batches of
+        # indices (a comprehension: list() would ask the sampler's len(), which may raise).
+        sampler = self.args.index_sampler
+        batches = [list(b) for b in sampler] if self.args.batch_sampler is not None else [i for i in sampler]
         if batches:
             self.indices.write(epoch_idx, batches)
         return len(batches)
@@ -164,38 +138,114 @@ class WholeBatches(WorkerPlan):
             self.indices.close()
 
 
-class Iterable:
-    """An ``IterableDataset``: a pool of ``num_workers``, one source pinned to each."""
+def _worker_loader(args: Loading, pool: WorkerPool, seeds: Optional[EpochTable], worker: int) -> TorchLoader:
+    """An ``IterableDataset``'s loader of ``worker``: a source of ``pool`` pinned to that worker."""
+    batches = IterableBatches(args.batch_size, args.drop_last, None if args.default else args.collate_fn, seeds)
+    source = ParallelSource(
+        batches, args.batch_size if args.default and args.batch_size else 1, batch=True,
+        num_outputs=AUTO_OUTPUTS if args.default else 2, pool=pool,
+        prefetch=args.prefetch_factor, last_batch="partial", timeout=args.timeout or None,
+        name=f"from_dataset({type(args.dataset).__name__}), worker {worker}",
+        # once per worker (it sets the worker up for every source of the pool)
+        hooks=Hooks(worker_init=WorkerStart(args.dataset, args.base_seed, args.worker_init_fn) if worker == 0
+                    else None, begin_epoch=IterableBatches.begin_epoch, dense_arrays=True))
+    return TorchLoader._owning(source, device=args.device, pin_memory=_pinned(args),
+                               rebuild=Collation() if args.default else unpack_whole)
 
-    def __init__(self, args: Loading):
-        self.args = args
 
-    def loader(self) -> IterableLoader:
-        args = self.args
-        pool = WorkerPool(args.num_workers, start_method=args.start_method, pickler=args.pickler,
-                          worker_restarts=args.worker_restarts)
-        seeds = EpochTable() if isinstance(args.dataset, IterDataPipe) else None
-        start = WorkerStart(args.dataset, args.base_seed, args.worker_init_fn)
-        loaders: List[TorchLoader] = []
+class DatasetLoader(Attributes):
+    """A map-style dataset loaded by workers: the batches of a :class:`~extsrc.torch.TorchLoader`
+    it holds (its ``source``, ``device``, ``state_dict()``), with DataLoader's attributes. Without
+    persistent workers, each loop after the first runs on new workers."""
+
+    def __init__(self, plan: WorkerPlan, args: Loading):
+        self._plan = plan
+        self._loader = plan.torch_loader(WorkerStart(args.dataset, args.base_seed, args.worker_init_fn))
+        self._renews = not args.persistent_workers and plan.renewable
+        self._position: Optional[LoopPosition] = None  # of the last loop begun
+        self._stopped = False  # the last loop's workers stopped at its end
+        self._fresh: Optional[WorkerStart] = None  # new workers load_state_dict made, not started
+        self._closed = False
+        self._describe(args)
+
+    source = property(lambda self: self._loader.source, doc="The source of this loop's workers.")
+    device = property(lambda self: self._loader.device, doc="Where the tensors are.")
+
+    def __iter__(self) -> Any:
+        """Starts the next epoch (a sampler's indices drawn now, as a DataLoader's iterator does)."""
+        if self._closed:
+            raise ValueError("this TorchLoader is closed")
+        self._renew_workers(self._begin_loop())
+        count = self._plan.begin(self.source.next_epoch_idx)
+        if count == 0:  # no batch this epoch: a DataLoader's loop ends at once
+            self._end_loop("a newer iter(loader)")
+            return iter(())
+        epoch = self._loader.__iter__()
+        self._position = epoch.position
+        return WorkerLoop([epoch], self._args, len(self.source) if count is None else count,
+                          ended=self._loop_finished)
+
+    def _end_loop(self, why: str) -> None:
+        if self._position is not None:
+            self._position.ended_by = why
+
+    def _renew_workers(self, base_seed: Optional[int]) -> None:
+        """At a loop after the first, without persistent workers: new workers load it from
+        where the old source stood."""
+        if base_seed is None or not self._renews:
+            return
+        if self._fresh is not None:  # made by load_state_dict, its workers not started yet
+            self._fresh.base_seed = base_seed
+            self._fresh = None
+            return
+        position, source = self._position, self.source
+        left = position is not None and not position.finished  # the last loop was left unfinished
+        # then the next epoch from its start, else the source's next (or load_state_dict's)
+        self._replace(base_seed, {"epoch_idx": source.next_epoch_idx, "iteration": 0} if left else source.get_state())
+
+    def _replace(self, base_seed: int, state: dict) -> WorkerStart:
+        """Puts a loader of new workers at ``state`` in the place of the current one, whose
+        source closes; the current one stays if anything (an interrupt) stops this half-way."""
+        start = WorkerStart(self._args.dataset, base_seed, self._args.worker_init_fn)
+        old, new = self._loader, self._plan.torch_loader(start)
         try:
-            for worker in range(args.num_workers):
-                batches = IterableBatches(args.batch_size, args.drop_last,
-                                          None if args.default else args.collate_fn, seeds)
-                source = ParallelSource(
-                    batches, args.batch_size if args.default and args.batch_size else 1, batch=True,
-                    num_outputs=AUTO_OUTPUTS if args.default else 2, pool=pool,
-                    prefetch=args.prefetch_factor, last_batch="partial", timeout=args.timeout or None,
-                    name=f"from_dataset({type(args.dataset).__name__}), worker {worker}",
-                    # once per worker (it sets the worker up for every source of the pool)
-                    hooks=Hooks(worker_init=start if worker == 0 else None,
-                                begin_epoch=IterableBatches.begin_epoch, dense_arrays=True))
-                loaders.append(TorchLoader._owning(source, device=args.device, pin_memory=_pinned(args),
-                                                   rebuild=Collation() if args.default else unpack_whole))
-            return IterableLoader(pool, loaders, seeds, args)
+            new.source.set_state(state)
+            self._end_loop("a newer iter(loader)")
+            self._loader = new
         except BaseException:
-            for loader in loaders:
-                loader.close()
-            pool.close()
-            if seeds is not None:
-                seeds.close()
+            self._loader = old
+            new.close()
             raise
+        self._stopped = False
+        old.source.close()  # batches of the last loop still held stay valid until dropped
+        return start
+
+    def _loop_finished(self, position: LoopPosition) -> None:
+        """The loop at ``position`` ended: the last loop's workers, not persistent, stop now."""
+        if self._renews and position is self._position and self._fresh is None:
+            self.source.close()
+            self._stopped = True
+
+    def state_dict(self) -> dict:
+        """See :meth:`TorchLoader.state_dict`; ``TypeError`` with a sampler."""
+        self._check_resumable("state_dict()", self._plan.resumable)
+        return self._loader.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """See :meth:`TorchLoader.load_state_dict`; ``TypeError`` as :meth:`state_dict`."""
+        self._check_resumable("load_state_dict()", self._plan.resumable)
+        if self._stopped and self._fresh is None:
+            # the last loop's workers stopped: the next loop's are made now, started at iter()
+            self._fresh = self._replace(0, self.source.get_state())
+        self._loader.load_state_dict(state_dict)
+        self._end_loop("load_state_dict()")
+        self._position = None
+
+    def close(self) -> None:
+        """Stops the workers (see :meth:`TorchLoader.close`) and frees the sampler's indices."""
+        self._closed = True
+        self._loader.close()
+        self._plan.close()
+
+    def __repr__(self) -> str:
+        return repr(self._loader)

@@ -1,14 +1,11 @@
 """A batch rebuilt from its samples' structures as ``default_collate`` gives it, in tensors.
 
-The workers flatten each sample with the engine's :class:`~extsrc.engine.Flattener`
-(tensors as leaves, by :data:`TENSOR_LEAVES`). The consumer reads the structure
-of the batch's first sample, checks that the batch's samples share it, and puts
-the leaves' tensors back in place, shaped as ``torch.utils.data.default_collate``
-shapes them: one tensor per leaf with the batch along dimension 0 (a list of
-tensors when the leaf's samples differ in shape), a list of strings for a string
-leaf, a dict for a mapping, a namedtuple for a namedtuple, a list for any other
-sequence. A ``collate_fn``'s whole batch (:func:`~extsrc.engine.pack_whole`) comes
-back as the function made it, its tensors views of the shared memory.
+The workers flatten each sample with the engine's :class:`~extsrc.engine.Flattener` (tensors
+as leaves, :data:`TENSOR_LEAVES`); :class:`Collation` checks that a batch's samples share one
+structure and puts the leaves' tensors back as ``default_collate`` shapes them (a list of
+tensors where samples differ in shape). A ``collate_fn``'s whole batch
+(:func:`~extsrc.engine.pack_whole`) comes back as it was made, its tensors views of the shared
+memory (:func:`unpack_whole`).
 """
 
 from __future__ import annotations
@@ -39,10 +36,8 @@ TENSOR_LEAVES = ForeignLeaves((torch.Tensor,), _tensor_array)  # tensors as a st
 
 
 class Collation:
-    """The consumer's side: a batch of flattened samples (their tensors) as default_collate
-    gives it. Raises ``TypeError`` when the batch's samples differ in structure (other than in
-    the order of a dict's keys: the batch's dicts have the first sample's order, as
-    default_collate gives them)."""
+    """A batch of flattened samples (their tensors) as default_collate gives it; ``TypeError``
+    where the samples differ in structure (a dict's keys may differ in order: the first's holds)."""
 
     def __init__(self) -> None:
         self._decoded: Dict[bytes, Structure] = {}
@@ -121,11 +116,6 @@ def unpack_whole(tensors: Tuple[Any, Any]) -> Any:
         array = np.dtype(dtype)
         nbytes = array.itemsize * int(np.prod(shape, dtype=np.int64))
         piece = buffer[offset:offset + nbytes]
-        leaves.append(piece.view(_TORCH_DTYPES[array]).reshape(shape) if nbytes else
-                      torch.from_numpy(np.empty(shape, array)))
+        empty = torch.from_numpy(np.empty(shape if not nbytes else 0, array))
+        leaves.append(piece.view(empty.dtype).reshape(shape) if nbytes else empty)
     return _rebuild_whole(layout.structure, tuple(leaves), iter(range(len(leaves))))
-
-
-_TORCH_DTYPES = {np.dtype(d): torch.from_numpy(np.empty(0, d)).dtype for d in (
-    np.bool_, np.uint8, np.int8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
-    np.float16, np.float32, np.float64, np.complex64, np.complex128)}

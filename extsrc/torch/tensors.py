@@ -13,12 +13,8 @@ Tensors = Union[torch.Tensor, List[torch.Tensor]]
 
 
 def output_tensors(samples: Union[Batch, np.ndarray], output: int = 0) -> Tensors:
-    """One output of a batch: one tensor (dense), else a list of per-sample tensors (ragged).
-
-    The tensors are views of the batch's shared memory (``torch.from_numpy``)
-    and keep it alive and unchanged for as long as they, or views of them,
-    live. Raises ``TypeError`` for a dtype PyTorch has no tensor type for.
-    """
+    """One output of a batch: one tensor (dense), else a list of per-sample tensors (ragged),
+    views of the batch's shared memory; ``TypeError`` for a dtype PyTorch has no tensor type for."""
     try:
         if isinstance(samples, np.ndarray):  # a dense output of a source with dense_arrays=True
             return torch.from_numpy(samples)
@@ -28,15 +24,12 @@ def output_tensors(samples: Union[Batch, np.ndarray], output: int = 0) -> Tensor
     except TypeError as exc:
         dtype = samples.dtype if isinstance(samples, np.ndarray) else \
             samples[0].dtype if len(samples) else None
-        raise TypeError(
-            f"output {output} of the batch has dtype {dtype}, which PyTorch cannot view as a "
-            f"tensor ({exc}); return another dtype from the callback"
-        ) from None
+        raise TypeError(f"output {output} of the batch has dtype {dtype}, which PyTorch cannot view as a "
+                        f"tensor ({exc}); return another dtype from the callback") from None
 
 
 def batch_tensors(batch: Any) -> Any:
-    """A batch of a source (a :class:`~extsrc.Batch`, or a tuple of them) as tensors: a tensor
-    or a list of tensors per output, and a tuple of those for several outputs."""
+    """A source's batch (a :class:`~extsrc.Batch`, or a tuple of them) as tensors, per output."""
     if isinstance(batch, tuple):
         return tuple(output_tensors(samples, j) for j, samples in enumerate(batch))
     return output_tensors(batch)

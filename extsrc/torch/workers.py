@@ -9,7 +9,8 @@ from typing import Any, Callable, Iterator, List, Optional, Union
 
 import numpy as np
 import torch
-from torch.utils.data import IterDataPipe
+from torch.utils.data import IterDataPipe, get_worker_info, graph_settings
+from torch.utils.data._utils import worker as torch_worker
 
 from extsrc.engine import HEAP_BUFFERS, NUMERIC_KINDS, EpochTable, Flattener, Order, RecordCache, pack_whole
 from extsrc.torch.structure import TENSOR_LEAVES
@@ -27,8 +28,6 @@ class WorkerStart:
         self.worker_init_fn = worker_init_fn
 
     def __call__(self, worker_index: int, num_workers: int) -> None:
-        from torch.utils.data._utils import worker as torch_worker
-
         torch.set_num_threads(1)
         seed = self.base_seed + worker_index  # as a DataLoader seeds its worker `worker_index`
         random.seed(seed)
@@ -37,22 +36,18 @@ class WorkerStart:
         torch_worker._worker_info = torch_worker.WorkerInfo(
             id=worker_index, num_workers=num_workers, seed=seed, dataset=self.dataset)
         if isinstance(self.dataset, IterDataPipe):
-            from torch.utils.data import graph_settings
-
             graph_settings.apply_sharding(self.dataset, num_workers, worker_index)
         if self.worker_init_fn is not None:
             self.worker_init_fn(worker_index)
 
 
 def round_robin(iteration: int, num_workers: int) -> int:
-    """DataLoader's order of workers: batch ``iteration`` of an epoch made whole by worker
-    ``iteration % num_workers`` (``Hooks.assign``)."""
+    """``Hooks.assign`` as DataLoader: batch ``iteration`` by worker ``iteration % num_workers``."""
     return iteration % num_workers
 
 
 def any_worker(iteration: int, num_workers: int) -> None:
-    """DataLoader's order with ``in_order=False``: each batch made whole by a worker with
-    room for it, so that one slow batch holds back only what its worker holds."""
+    """``Hooks.assign`` as DataLoader with ``in_order=False``: each batch by a worker with room."""
     return None
 
 
@@ -64,9 +59,7 @@ def _note(error: Exception, call: str) -> None:
 def fetch(dataset: Any, indices: Any, batched: bool) -> Any:
     """As DataLoader's map fetcher: the samples at ``indices``, or (not ``batched``) the one at
     the index ``indices``; an error gets a note naming the index."""
-    if not batched:
-        return _item(dataset, indices)
-    return [_item(dataset, index) for index in indices]
+    return [_item(dataset, index) for index in indices] if batched else _item(dataset, indices)
 
 
 def _item(dataset: Any, index: Any) -> Any:
@@ -112,6 +105,10 @@ class DatasetSamples:
             return self._single, sample  # the common case, first; the engine checks the rest
         return self.flatten(sample, where)
 
+    def replaced(self, on_error: Callable[[Any, Exception], Any], info: Any, error: Exception) -> Any:
+        """A user's ``on_error(info, error)`` sample, shaped as ``dataset[i]``'s (in the worker)."""
+        return self.shaped(on_error(info, error), f"on_error's sample for {info.record}")
+
 
 class AsyncDatasetSamples(DatasetSamples):
     """:class:`DatasetSamples` awaiting a dataset's ``async def getitem_async(index)``."""
@@ -124,18 +121,6 @@ class AsyncDatasetSamples(DatasetSamples):
             _note(exc, f"dataset.getitem_async({record})")
             raise
         return self.shaped(sample, f"dataset.getitem_async({record})")
-
-
-class Replacement:
-    """A user's ``on_error(info, error)`` whose sample, as ``dataset[i]`` gives one, is shaped
-    as the dataset's samples are (:meth:`DatasetSamples.shaped`); in the worker."""
-
-    def __init__(self, on_error: Callable[[Any, Exception], Any], samples: DatasetSamples):
-        self.on_error = on_error
-        self.samples = samples
-
-    def __call__(self, info: Any, error: Exception) -> Any:
-        return self.samples.shaped(self.on_error(info, error), f"on_error's sample for {info.record}")
 
 
 class OrderBatches:
@@ -161,9 +146,8 @@ class OrderBatches:
 
 
 class IndexedBatches:
-    """The callback (sample mode, in place) of workers making whole batches: batch ``k`` of
-    epoch ``e`` is ``indices.batch(e, k)``, fetched, collated by ``collate_fn`` and packed
-    whole into the batch's shared memory (:func:`~extsrc.engine.pack_whole`)."""
+    """Workers' callback making whole batches: batch ``k`` of epoch ``e``, ``indices.batch(e, k)``,
+    fetched, collated by ``collate_fn`` and packed whole (:func:`~extsrc.engine.pack_whole`)."""
 
     def __init__(self, dataset: Any, collate_fn: Callable[[Any], Any],
                  indices: Union[OrderBatches, EpochTable], batched: bool):
@@ -179,9 +163,8 @@ class IndexedBatches:
 
 
 class IterableBatches:
-    """One worker's source of an ``IterableDataset``: each pass iterates the worker's copy
-    (``get_worker_info().dataset``) and yields its batches as a DataLoader worker forms them,
-    flattened (default collation) or made by ``collate_fn`` and packed whole."""
+    """One worker's source of an ``IterableDataset``: each pass iterates the worker's copy and yields
+    its batches as a DataLoader worker forms them, flattened or made by ``collate_fn``, packed."""
 
     def __init__(self, batch_size: Optional[int], drop_last: bool,
                  collate_fn: Optional[Callable[[Any], Any]], seeds: Optional[EpochTable]):
@@ -198,8 +181,6 @@ class IterableBatches:
             self.epoch_seed = self.seeds.read(epoch_idx)[0]
 
     def __iter__(self) -> Any:
-        from torch.utils.data import get_worker_info, graph_settings
-
         info = get_worker_info()
         assert info is not None, "iterated in a worker of the loader"
         if isinstance(info.dataset, IterDataPipe) and self.epoch_seed is not None:

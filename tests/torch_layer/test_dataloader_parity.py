@@ -172,11 +172,14 @@ class _CrashingStream(torch.utils.data.IterableDataset):
 
 @pytest.mark.parametrize("dataset", [_Crashes, _CrashingStream])
 def test_a_worker_killed_by_a_signal_is_told_as_a_dataloader_tells_it(dataset):
-    # A RuntimeError with the phrase DataLoader's has (code matches it), then extsrc's account.
+    # A RuntimeError with the phrase DataLoader's has (code matches it), then extsrc's account;
+    # the loop ends with its worker (map-style or iterable alike): it neither hangs nor raises again.
     with from_dataset(dataset(), batch_size=2, num_workers=1) as loader:
+        loop = iter(loader)
         with pytest.raises(RuntimeError, match=r"^DataLoader worker \(pid \d+\) is killed by signal: "
                                                r"Segmentation fault\. extsrc worker 0 .*SIGSEGV") as raised:
-            next(iter(loader))
+            next(loop)
+        assert next(loop, "ended") == "ended"
     assert raised.value.signal == signal.SIGSEGV and raised.value.pid > 0
 
 

@@ -162,7 +162,7 @@ def interrupt_at_call(name, file_part):
     sys.settrace(trace)
 
 
-@pytest.mark.parametrize("where", [("next", "take.py"), ("handed", "loader.py"),
+@pytest.mark.parametrize("where", [("next", "take.py"), ("handed", "position.py"),
                                    ("_tensors", "loader.py")])
 @pytest.mark.parametrize("in_order", [True, False])
 def test_an_interrupt_while_the_loop_goes_on_after_an_error_loses_no_batch(in_order, where):
