@@ -128,10 +128,20 @@ class TorchLoader:
         if pin_memory:
             self._page_lock = _page_lock_with_torch(source, self._cuda.index)
 
-    source = property(lambda self: self._source, doc="The source whose batches this loader yields.")
-    device = property(lambda self: self._device if self._device is not None else torch.device("cpu"),
-                      doc="Where the tensors are: ``cpu`` or a CUDA device.")
-    pin_memory = property(lambda self: self._pin, doc="Whether the shared memory is page-locked for CUDA.")
+    @property
+    def source(self) -> ParallelSource:
+        """The source whose batches this loader yields."""
+        return self._source
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tensors are: ``cpu`` or a CUDA device."""
+        return self._device if self._device is not None else torch.device("cpu")
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether the source's shared memory is page-locked for CUDA."""
+        return self._pin
 
     def __len__(self) -> int:
         """Batches per epoch (the source's ``len()``; needs ``order=``)."""

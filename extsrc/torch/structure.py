@@ -116,6 +116,11 @@ def unpack_whole(tensors: Tuple[Any, Any]) -> Any:
         array = np.dtype(dtype)
         nbytes = array.itemsize * int(np.prod(shape, dtype=np.int64))
         piece = buffer[offset:offset + nbytes]
-        empty = torch.from_numpy(np.empty(shape if not nbytes else 0, array))
-        leaves.append(piece.view(empty.dtype).reshape(shape) if nbytes else empty)
+        leaves.append(piece.view(_TORCH_DTYPES[array]).reshape(shape) if nbytes else
+                      torch.from_numpy(np.empty(shape, array)))
     return _rebuild_whole(layout.structure, tuple(leaves), iter(range(len(leaves))))
+
+
+_TORCH_DTYPES = {np.dtype(d): torch.from_numpy(np.empty(0, d)).dtype for d in (
+    np.bool_, np.uint8, np.int8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
+    np.float16, np.float32, np.float64, np.complex64, np.complex128)}
