@@ -44,6 +44,7 @@ WARMUP_SHARE = 0.2
 TARGET_MIB_PER_HOUR = 1.0
 LOADERS = ("extsrc", "dali")
 CHILD_GRACE_S = 120  # beyond the run: start-up, and the last batch
+MIN_READINGS = 3  # a line through fewer has no slope: a run goes on (within the grace) to have them
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -159,7 +160,7 @@ def child(loader: str, seconds: float, every: float, path: str) -> None:
     batches = _extsrc_batches() if loader == "extsrc" else _dali_batches()
     held: collections.deque = collections.deque(maxlen=HELD)
     start = time.monotonic()
-    next_reading, count = start, 0
+    next_reading, count, readings = start, 0, 0
     with open(path, "w") as out:
         for batch in batches:
             held.append(batch)
@@ -169,8 +170,8 @@ def child(loader: str, seconds: float, every: float, path: str) -> None:
             if now >= next_reading:
                 out.write(json.dumps(_reading(start, count)) + "\n")
                 out.flush()
-                next_reading += every
-            if now - start >= seconds:
+                next_reading, readings = next_reading + every, readings + 1
+            if now - start >= seconds and readings >= MIN_READINGS - 1:  # the last comes below
                 break
         out.write(json.dumps(_reading(start, count)) + "\n")
     os._exit(0)  # the parent ends the session: DALI's workers outlive their parent

@@ -30,13 +30,12 @@ def _from_dataset(
     """A loader over ``dataset`` (map-style or an ``IterableDataset``) in place of
     ``torch.utils.data.DataLoader(dataset, ...)``, with DataLoader's attributes and ``len()``.
 
-    DataLoader's arguments keep their meaning (``multiprocessing_context`` is ``"fork"`` by
-    default); extsrc's own: ``seed`` and ``shard`` (the loader's :class:`extsrc.Order` without a
-    sampler or generator), ``device``, ``pickler``, ``concurrency``, ``worker_restarts``,
-    ``on_error`` and ``max_errors`` (see :class:`extsrc.ParallelSource`). The workers start at the
-    first loop; ``close()`` (or ``with``) stops them. Arguments that do not map raise
-    ``TypeError``; what DataLoader refuses, ``ValueError`` in DataLoader's words. See
-    ``docs/pytorch.md``.
+    DataLoader's arguments keep their meaning (``multiprocessing_context`` is ``"fork"`` by default);
+    extsrc's own: ``seed`` and ``shard`` (the loader's :class:`extsrc.Order` without a sampler or
+    generator), ``device``, ``pickler``, ``concurrency``, ``worker_restarts``, ``on_error`` and
+    ``max_errors`` (see :class:`extsrc.ParallelSource`). The workers start at the first loop; ``close()``
+    (or ``with``) stops them. Arguments that do not map raise ``TypeError``; what DataLoader refuses,
+    ``ValueError`` in DataLoader's words. See ``docs/pytorch.md``.
     """
     given = dict(locals())  # the arguments (first: before any other local name is bound)
     unknown = given.pop("dataloader_kwargs")

@@ -152,7 +152,7 @@ class TorchLoader:
         if self._closed:
             raise ValueError("this TorchLoader is closed")
         batches = iter(self._source)
-        self._end_loop("a newer iter(loader)")
+        self.end_loop("a newer iter(loader)")
         start = self._source.get_state()  # the new epoch, before its first batch
         epoch: _Epoch = (_DeviceEpoch if self._device is not None else _HostEpoch)(self, batches, start)
         self._position = epoch.position
@@ -174,11 +174,16 @@ class TorchLoader:
         """Makes the next ``iter()`` resume at ``state_dict`` (from :meth:`state_dict`);
         ``ValueError`` for another state, or one saved with another order."""
         self._source.set_state(state_dict)
-        self._end_loop("load_state_dict()")
+        self.end_loop("load_state_dict()")
         self._position = None
 
-    def _end_loop(self, why: str) -> None:
-        """Marks the running loop ended (its next ``next()`` raises, saying ``why``)."""
+    @property
+    def position(self) -> Optional[LoopPosition]:
+        """Where the running loop stands; None before the first, after ``load_state_dict()``."""
+        return self._position
+
+    def end_loop(self, why: str) -> None:
+        """Ends the running loop: its next ``next()`` raises, saying it was ended by ``why``."""
         if self._position is not None:
             self._position.ended_by = why
 
@@ -187,7 +192,7 @@ class TorchLoader:
         if self._closed_fully:
             return
         self._closed = True  # from here, an interrupted close() is finished by the next one
-        self._end_loop("close()")
+        self.end_loop("close()")
         self._position = None
         self._finalizer()
         if self._owns_source:

@@ -82,9 +82,8 @@ class InProcessLoader(Attributes):
         self._batches = None if order is None else OrderBatches(order, args.batch_size, args.batches(len(order)))
         self._collate = None if args.default else args.collate_fn  # None: as the workers collate
         self._flatten, self._rebuild = Flattener(TENSOR_LEAVES), Collation()
-        self._device = parse_device(args.device)  # refused or honoured as with workers
-        if self._device is not None:
-            self._device = cuda_device(self._device, f"device={args.device!r}")
+        device = parse_device(args.device)  # refused or honoured as with workers
+        self._device = None if device is None else cuda_device(device, f"device={args.device!r}")
         self._next_epoch = 0
         self._resume = 0  # the batch the next loop begins at (load_state_dict)
         self._loop: Optional[_InProcessLoop] = None  # the last loop begun
@@ -238,12 +237,11 @@ class IterableLoader(Attributes):
         if self._len_asked is not None and yielded > self._len_asked:
             # As a DataLoader warns, and when: more batches than len(dataset) (the workers' last
             # batches may be short), usually workers that each yield the whole dataset.
-            warnings.warn(f"Length of IterableDataset {self._args.dataset!r} was reported to be "
-                          f"{self._len_asked} (len(dataset), when len(loader) was asked), but {yielded} "
-                          "samples have been fetched. For multiprocessing data-loading, this usually means "
-                          f"that each of the {self._args.num_workers} workers iterates its own copy of the "
-                          "dataset: shard it by torch.utils.data.get_worker_info() (or in worker_init_fn). "
-                          "(Counted is what the loader yielded: batches when batch_size is set.)",
+            warnings.warn(f"Length of IterableDataset {self._args.dataset!r} was reported to be {self._len_asked} "
+                          f"(len(dataset), when len(loader) was asked), but {yielded} samples have been fetched. For "
+                          f"multiprocessing data-loading, this usually means that each of the {self._args.num_workers} "
+                          "workers iterates its own copy of the dataset: shard it by get_worker_info() (or in "
+                          "worker_init_fn). (Counted is what the loader yielded: batches when batch_size is set.)",
                           UserWarning, stacklevel=3)
 
 
@@ -254,11 +252,10 @@ _ENDS_THE_LOOP = (WorkerDiedError, SourceTimeoutError, SharedMemoryError, PoolCl
 
 
 class WorkerLoop:
-    """One loop of a from_dataset loader with workers over its sources' epochs (a map-style
-    dataset's one, an IterableDataset's one per worker), in turn (``_active[0]``'s) or, with
-    ``in_order=False``, the first with a batch. A failed batch raises in its place; an error that
-    ends the workers or the loop ends it, in DataLoader's words. Not a generator: an interrupt in
-    ``next()`` loses no batch. Calls ``ended(position)`` as an epoch ends, ``yielded(n)``."""
+    """A from_dataset loop with workers over its sources' epochs (a map-style dataset's one, an
+    IterableDataset's one per worker), in turn or, with ``in_order=False``, the first with a batch. A
+    failed batch raises in its place; an error that ends the workers or the loop ends it, in DataLoader's
+    words. Not a generator: an interrupt in ``next()`` loses no batch. Calls ``ended(position)``."""
 
     def __init__(self, epochs: List[Any], args: Loading, count: Optional[int] = None,
                  pool: Optional[WorkerPool] = None, ended: Callable[[LoopPosition], None] = lambda position: None,

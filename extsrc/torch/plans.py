@@ -154,15 +154,13 @@ def _worker_loader(args: Loading, pool: WorkerPool, seeds: Optional[EpochTable],
 
 
 class DatasetLoader(Attributes):
-    """A map-style dataset loaded by workers: the batches of a :class:`~extsrc.torch.TorchLoader`
-    it holds (its ``source``, ``device``, ``state_dict()``), with DataLoader's attributes. Without
-    persistent workers, each loop after the first runs on new workers."""
+    """A map-style dataset's workers: the batches of the ``TorchLoader`` it holds (``source``, ``device``,
+    ``state_dict()``) with DataLoader's attributes; without persistent workers, new ones each later loop."""
 
     def __init__(self, plan: WorkerPlan, args: Loading):
         self._plan = plan
         self._loader = plan.torch_loader(WorkerStart(args.dataset, args.base_seed, args.worker_init_fn))
         self._renews = not args.persistent_workers and plan.renewable
-        self._position: Optional[LoopPosition] = None  # of the last loop begun
         self._stopped = False  # the last loop's workers stopped at its end
         self._fresh: Optional[WorkerStart] = None  # new workers load_state_dict made, not started
         self._closed = False
@@ -178,16 +176,10 @@ class DatasetLoader(Attributes):
         self._renew_workers(self._begin_loop())
         count = self._plan.begin(self.source.next_epoch_idx)
         if count == 0:  # no batch this epoch: a DataLoader's loop ends at once
-            self._end_loop("a newer iter(loader)")
+            self._loader.end_loop("a newer iter(loader)")
             return iter(())
-        epoch = self._loader.__iter__()
-        self._position = epoch.position
-        return WorkerLoop([epoch], self._args, len(self.source) if count is None else count,
+        return WorkerLoop([self._loader.__iter__()], self._args, len(self.source) if count is None else count,
                           ended=self._loop_finished)
-
-    def _end_loop(self, why: str) -> None:
-        if self._position is not None:
-            self._position.ended_by = why
 
     def _renew_workers(self, base_seed: Optional[int]) -> None:
         """At a loop after the first, without persistent workers: new workers load it from
@@ -198,7 +190,7 @@ class DatasetLoader(Attributes):
             self._fresh.base_seed = base_seed
             self._fresh = None
             return
-        position, source = self._position, self.source
+        position, source = self._loader.position, self.source
         left = position is not None and not position.finished  # the last loop was left unfinished
         # then the next epoch from its start, else the source's next (or load_state_dict's)
         self._replace(base_seed, {"epoch_idx": source.next_epoch_idx, "iteration": 0} if left else source.get_state())
@@ -210,7 +202,7 @@ class DatasetLoader(Attributes):
         old, new = self._loader, self._plan.torch_loader(start)
         try:
             new.source.set_state(state)
-            self._end_loop("a newer iter(loader)")
+            old.end_loop("a newer iter(loader)")
             self._loader = new
         except BaseException:
             self._loader = old
@@ -222,7 +214,7 @@ class DatasetLoader(Attributes):
 
     def _loop_finished(self, position: LoopPosition) -> None:
         """The loop at ``position`` ended: the last loop's workers, not persistent, stop now."""
-        if self._renews and position is self._position and self._fresh is None:
+        if self._renews and position is self._loader.position and self._fresh is None:
             self.source.close()
             self._stopped = True
 
@@ -237,9 +229,7 @@ class DatasetLoader(Attributes):
         if self._stopped and self._fresh is None:
             # the last loop's workers stopped: the next loop's are made now, started at iter()
             self._fresh = self._replace(0, self.source.get_state())
-        self._loader.load_state_dict(state_dict)
-        self._end_loop("load_state_dict()")
-        self._position = None
+        self._loader.load_state_dict(state_dict)  # ends the running loop
 
     def close(self) -> None:
         """Stops the workers (see :meth:`TorchLoader.close`) and frees the sampler's indices."""

@@ -92,12 +92,7 @@ class DatasetSamples:
 
     def __call__(self, info: Any) -> Any:
         record = info.record
-        try:
-            sample = self.dataset[record]
-        except Exception as exc:
-            _note(exc, f"dataset[{record}]")
-            raise
-        return self.shaped(sample, f"dataset[{record}]")
+        return self.shaped(_item(self.dataset, record), f"dataset[{record}]")
 
     def shaped(self, sample: Any, where: str) -> Any:
         """``sample`` as the engine takes it (its structure, then its arrays)."""

@@ -170,6 +170,21 @@ def test_a_loop_ended_by_a_newer_one_raises_instead_of_stopping_early():
             next(third)
 
 
+def test_a_layer_reads_the_loops_position_and_ends_the_loop_in_its_own_words():
+    with ParallelSource(stamped, 4, num_outputs=2, order=Order(12)) as source:
+        loader = TorchLoader(source)
+        assert loader.position is None  # no loop yet
+        loop = iter(loader)
+        next(loop)
+        position = loader.position
+        assert (position.epoch_idx, position.finished, position.ended_by) == (0, False, None)
+        assert (loader.state_dict()["epoch_idx"], loader.state_dict()["iteration"]) == (0, 1)
+        loader.end_loop("a restart of the workers")
+        with pytest.raises(RuntimeError, match="ended by a restart of the workers before the end"):
+            next(loop)
+        assert [b[0][0, 1].item() for b in loader] == [1, 1, 1]  # the next loop: the next epoch, whole
+
+
 def test_a_loop_over_a_closed_loader_raises_instead_of_stopping_early():
     with ParallelSource(stamped, 4, num_outputs=2, order=Order(12)) as source:
         loader = TorchLoader(source)
