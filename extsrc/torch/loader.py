@@ -179,7 +179,7 @@ class TorchLoader:
 
     @property
     def position(self) -> Optional[LoopPosition]:
-        """Where the running loop stands; None before the first, after ``load_state_dict()``."""
+        """Where the running loop stands; None before the first, after ``load_state_dict()`` or ``close()``."""
         return self._position
 
     def end_loop(self, why: str) -> None:
