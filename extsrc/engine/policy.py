@@ -149,6 +149,20 @@ SMALL_TASK_FACTOR = 2
 STREAM_MIN_BYTES = 1 << 20
 # The first size of a worker's overflow segment in a slot: one growth covers most first batches.
 MIN_OVERFLOW = 1 << 20
+# How a worker's overflow segment in a slot grows when a sample needs more (times what it had):
+# ragged 1-4 MiB samples, batch 8, made 20% slower with 1.25 (more, longer fallocate calls).
+OVERFLOW_GROWTH = 2.0
+# What a worker keeps of its overflow segment in a slot it wrote (times what the batch used
+# there), so that the slot's next batch maps no new pages when its share grows: with 1.25 the
+# same ragged workload ran about 5% slower and held about 10% less shared memory.
+OVERFLOW_KEEP = 2.0
+# What a worker keeps of its overflow segment in a slot whose batch it did not write (tasks go
+# to whichever worker is free, so each worker writes a slot in turn). Keeping it held a batch's
+# overflow per worker in every slot: the same ragged workload (2 workers, 4 batches held) had
+# 620-650 MiB of shared memory at its peak, 395 with it given back, at a cost of about 15% of its
+# rate (from 518 to 430 samples/s; a worker writing a slot again faults its pages in again), on a
+# callback that only fills arrays; a callback that decodes or reads spends far more per byte.
+IDLE_OVERFLOW = MIN_OVERFLOW
 # A worker's allocator serves requests up to this size from its heap, not from mmap: glibc's
 # own upper bound for its dynamic threshold (HEAP_MAX_SIZE / 2 on 64-bit), reached from the
 # first sample on instead of after many samples' page faults.

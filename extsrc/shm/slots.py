@@ -311,10 +311,13 @@ class SlotPool:
         what it wrote is unknown).
 
         A worker keeps the overflow of a slot it writes to at twice what the batch uses; this
-        gives back, past twice what the recent batches use, the overflow of the slots' other
-        workers too, which may not write to that slot again for long (or the slot may wait
-        FREE): with ragged samples that shrink, memory follows the batches of now, whoever
-        wrote them. Not once the memory is watched (see :attr:`watched`)."""
+        gives back the overflow of the slot's other workers past
+        :data:`~extsrc.engine.policy.IDLE_OVERFLOW` (a slot written by each worker in turn
+        would hold a batch's overflow for each), and, past twice what the recent batches use,
+        that of the other slots' workers that did not write their batch, which may not write
+        to that slot again for long (or the slot may wait FREE): with ragged samples that
+        shrink, memory follows the batches of now, whoever wrote them. Not once the memory is
+        watched (see :attr:`watched`)."""
         writers = set()
         for worker, nbytes in use.items():
             if nbytes is None:  # its earlier samples may be the batch's (ended before the failure)
@@ -322,14 +325,16 @@ class SlotPool:
                 slot.overflow_bound[worker] = _UNKNOWN
             elif nbytes:
                 writers.add(worker)
-                slot.overflow_bound[worker] = max(2 * nbytes, policy.MIN_OVERFLOW)
+                slot.overflow_bound[worker] = max(int(policy.OVERFLOW_KEEP * nbytes), policy.MIN_OVERFLOW)
         slot.writers = frozenset(writers)
         batch_use = max((n for n in use.values() if n), default=0)
         if not batch_use and not self.overflow_high:
             return  # nothing spilled, nothing held
+        if not self.watched:  # the slot's other workers' overflow, idle until they write here
+            self._give_back_overflow(slot, policy.IDLE_OVERFLOW)
         self.recent_spills.append(batch_use)
         self.overflow_high = max(self.overflow_high, *slot.overflow_bound)
-        keep = max(2 * max(self.recent_spills), policy.MIN_OVERFLOW)
+        keep = max(int(policy.OVERFLOW_KEEP * max(self.recent_spills)), policy.MIN_OVERFLOW)
         if self.overflow_high > keep and not self.watched:
             self.overflow_high = max(self._give_back_overflow(s, keep) for s in self.slots.values())
 

@@ -88,7 +88,8 @@ class OverflowArea:
         if self.recount:
             self._recount()
         if self.mapping is None or end > self.reserved:  # mapped even for empty samples: they need a view
-            self.reserved = self.segment.reserve(max(end, 2 * self.reserved, policy.MIN_OVERFLOW))
+            self.reserved = self.segment.reserve(max(end, int(policy.OVERFLOW_GROWTH * self.reserved),
+                                                     policy.MIN_OVERFLOW))
             if self.mapping is None or self.mapping.size < self.reserved:
                 self.mapping = self.segment.map(self.reserved)
         self.cursor = end
@@ -110,7 +111,7 @@ class OverflowArea:
         """Gives the reserved memory back past twice what this batch uses so far (and past
         :data:`~extsrc.engine.policy.MIN_OVERFLOW`): nothing of the batch lies there, and the
         slot's previous batch is no longer read (a slot is reused only once it is dropped)."""
-        keep = max(2 * self.cursor, policy.MIN_OVERFLOW)
+        keep = max(int(policy.OVERFLOW_KEEP * self.cursor), policy.MIN_OVERFLOW)
         if self.reserved > keep:
             self.reserved = self.segment.give_back(keep)
 

@@ -223,6 +223,23 @@ def test_overflow_a_worker_left_in_a_slot_goes_back_once_recent_batches_are_smal
     assert a.overflow[1].allocated < big // 8  # given back (1 MiB kept)
 
 
+def test_a_slot_written_by_each_worker_in_turn_holds_the_overflow_of_its_writer_only(pool):
+    # Tasks go to whichever worker is free, so a slot's batches come from each worker in turn:
+    # the slot held a batch's overflow for each of them, twice what its batches need.
+    slots, _ = pool
+    big = 16 << 20
+    a = slots.acquire(4096, 4096, batch_seq=0)
+    slots.filled(a)
+    slots.fit_overflow(a, {0: _spill(a, 0, big), 1: 0})
+    slots.abandon(a)
+    b = slots.acquire(4096, 4096, batch_seq=1)
+    assert b is a
+    slots.filled(b)
+    slots.fit_overflow(b, {0: 0, 1: _spill(b, 1, big)})  # the same batch size, from worker 1
+    assert a.overflow[1].allocated >= big  # its batch lies there
+    assert a.overflow[0].allocated <= 1 << 20  # worker 0's given back, but for 1 MiB
+
+
 def test_overflow_a_batch_is_read_from_or_is_watched_is_never_given_back(pool):
     slots, _ = pool
     big = 16 << 20
