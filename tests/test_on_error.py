@@ -184,6 +184,17 @@ def test_a_batch_whose_every_sample_failed_is_filled_from_the_next():
         assert len(source.faults()) == 12
 
 
+def test_the_list_of_faults_keeps_the_newest_and_the_count_keeps_them_all():
+    from extsrc.engine.policy import FAULTS_LISTED
+
+    bad = range(1, 2 * FAULTS_LISTED + 400, 2)  # more bad records than are listed
+    with ParallelSource(FailsOn(2 * FAULTS_LISTED + 400, bad), 64, num_workers=2, on_error="skip",
+                        last_batch="partial") as source:
+        assert _records(source) == list(range(0, 2 * FAULTS_LISTED + 400, 2))
+        assert [f.record for f in source.faults()] == list(bad)[-FAULTS_LISTED:]
+        assert source.stats().skipped == len(bad)
+
+
 def test_a_batch_callable_may_replace_its_batch():
     def batches(info):
         if info.iteration >= 4:

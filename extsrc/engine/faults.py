@@ -29,6 +29,7 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
 
 from extsrc.checks import is_int
+from extsrc.engine import policy
 from extsrc.errors import ExtsrcError, TooManyErrorsError
 from extsrc.sample_info import BatchInfo, SampleInfo
 
@@ -36,7 +37,6 @@ from extsrc.sample_info import BatchInfo, SampleInfo
 Replace = Callable[[Any, Exception], Any]
 OnError = Union[str, Replace]
 ON_ERROR_POLICIES = ("raise", "skip")
-LISTED = 10_000  # faults a source lists at most (the newest); every one is counted
 _MESSAGE_CHARS = 300
 
 
@@ -166,16 +166,17 @@ def faults_of_task(faults: List[SampleFault], epoch_idx: int, iteration: int, st
 
 class FaultLedger:
     """The consumer's account of a source's faults: every one counted, the newest
-    :data:`LISTED` kept, the epoch's against its budget. Lock held (the pool's)."""
+    :data:`~extsrc.engine.policy.FAULTS_LISTED` kept, the epoch's against its budget. Lock
+    held (the pool's)."""
 
     def __init__(self, name: str, limit: Optional[int]):
         self.name = name
         self.limit = limit
-        self.listed: Deque[SampleFault] = deque(maxlen=LISTED)
+        self.listed: Deque[SampleFault] = deque(maxlen=policy.FAULTS_LISTED)
         self.skipped = 0
         self.replaced = 0
         self.epoch: Dict[int, List[SampleFault]] = {}  # epoch_idx -> its faults (the current one)
-        self._seen: Dict[int, int] = {}  # batch seq -> faults counted (a batch counts once)
+        self._seen: Dict[int, int] = {}  # the newest batch seqs counted -> faults (a batch counts once)
         self._per_batch: Dict[int, Dict[int, int]] = {}  # epoch_idx -> iteration -> its faults
 
     def resume(self, epoch_idx: int, count: int) -> None:
@@ -197,7 +198,7 @@ class FaultLedger:
             return None
         if seq not in self._seen:
             self._seen[seq] = len(faults)
-            if len(self._seen) > 4 * LISTED:
+            if len(self._seen) > policy.FAULTS_COUNTED_WINDOW:
                 self._seen.pop(next(iter(self._seen)))
             if epoch_idx not in self.epoch:
                 self.epoch = {epoch_idx: []}

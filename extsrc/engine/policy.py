@@ -171,3 +171,17 @@ MMAP_THRESHOLD_BYTES = 32 << 20
 # samples of 1 MiB in flight together (concurrency=64) to be freed and made again without
 # page faults.
 TRIM_THRESHOLD_BYTES = 128 << 20
+
+
+# -- how much is remembered: the account of skipped and replaced samples -----------------------
+
+# Faults a source lists (the newest; every one is counted in stats() and against max_errors).
+# A listed fault takes about 0.33 KiB of the consumer's memory (measured: 23.6, 24.6, 25.7 MiB
+# with 3,200, 6,400, 9,600 listed); 1,000 are at most 0.33 MiB, and a job that fails 1% of its
+# records at 700 samples/s lists that many within 3 minutes, after which its memory is flat
+# (with 10,000 the soak's consumer rose 2.6 MiB over 24 minutes before the list was full).
+FAULTS_LISTED = 1_000
+# Batches whose faults a source remembers having counted, the newest: a batch taken again
+# (its take interrupted and retried) counts once. Only batches in flight are taken again,
+# far fewer than this; each remembered one takes about 0.1 KiB.
+FAULTS_COUNTED_WINDOW = 1_024

@@ -579,7 +579,7 @@ class ParallelSource(ClosedWhenCollected):
 
     def faults(self) -> List[SampleFault]:
         """The samples the callback failed on that ``on_error`` skipped or replaced, oldest
-        first (the newest 10,000; ``stats()`` counts all): each names its record, batch,
+        first (the newest 1,000; ``stats()`` counts all): each names its record, batch,
         epoch and the error's type and message, to find the bad data."""
         with self._pool.lock:
             return list(self._producer.faults.listed)
