@@ -9,7 +9,17 @@ kernel's ``Rss`` less ``RssShmem``), the shared memory resident in any of them, 
 (the sum of their ``Pss_Shmem``), and the total, each page once (the sum of their ``Pss``): the
 memory the loader costs the machine. After the warm-up (the first
 ``WARMUP_SHARE`` of the run) a least-squares line through each trace gives its slope in MiB per
-hour; the table prints the slopes and peaks side by side, and ``--plot PATH`` draws the traces.
+hour, and the median of the slopes between every two readings (Theil-Sen) another; the table
+prints both and the peaks side by side, and ``--plot PATH`` draws the traces.
+
+The slopes are taken from *aligned* readings: each at the start of an epoch that follows one
+of the largest samples (the first after ``--soak-every`` seconds), where the loop holds the
+last batches of that epoch every time, so that two readings differ by what the loader kept,
+not by the sizes it happened to hold, and where it holds the most. A reading at a random
+moment moves by up to the 4 held batches of 4 MiB samples (128 MiB), which turns a 30-minute
+line's slope by several MiB/hour either way; an aligned one still moves by a sample in flight
+(4 MiB) or a batch's refill, which the median slope leaves out and the least-squares one not.
+The peaks are taken from every reading.
 
 extsrc: ``ParallelSource(on_error="skip")``, the batches held as they come (zero-copy). DALI:
 its ``fn.external_source(parallel=True)`` in a CPU pipeline with the same callback, whose bad
@@ -44,7 +54,8 @@ WARMUP_SHARE = 0.2
 TARGET_MIB_PER_HOUR = 1.0
 LOADERS = ("extsrc", "dali")
 CHILD_GRACE_S = 120  # beyond the run: start-up, and the last batch
-MIN_READINGS = 3  # a line through fewer has no slope: a run goes on (within the grace) to have them
+TREND_POINTS = 2000  # readings the median slope is taken over at most (pairs: their square / 2)
+MIN_READINGS = 3  # aligned after the warm-up; a line through fewer has no slope: a run goes on
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,8 +76,18 @@ def sample(info: Any) -> np.ndarray:
         raise StopIteration
     if info.idx_in_epoch and info.idx_in_epoch % BAD_EVERY == 0:
         raise OSError(f"record {info.idx_in_epoch} is corrupt")
-    size = SIZES[(info.epoch_idx * 7919) % len(SIZES)] - 64 * info.idx_in_batch
+    size = _size(info.epoch_idx) - 64 * info.idx_in_batch
     return np.full(max(size, 1), info.idx_in_epoch & 0xFF, np.uint8)
+
+
+def _size(epoch_idx: int) -> int:
+    return SIZES[(epoch_idx * 7919) % len(SIZES)]
+
+
+def _after_largest(epoch_idx: int) -> bool:
+    """Whether epoch ``epoch_idx`` follows one of the largest samples: where an aligned reading
+    is taken, the loop holding the batches of most memory."""
+    return epoch_idx > 0 and _size(epoch_idx - 1) == max(SIZES)
 
 
 def sample_or_empty(info: Any) -> np.ndarray:
@@ -129,9 +150,11 @@ def _extsrc_batches() -> Any:
 
     source = extsrc.ParallelSource(callback, BATCH, num_workers=WORKERS, on_error="skip",
                                    last_batch="partial", batches_held=HELD)
+    epoch = 0
     while True:
         for batch in source:
-            yield batch
+            yield epoch, batch
+        epoch += 1
 
 
 def _dali_batches() -> Any:
@@ -146,34 +169,42 @@ def _dali_batches() -> Any:
 
     dali = pipe()
     dali.build()
+    epoch = 0
     while True:
         try:
             (out,) = dali.run()
         except StopIteration:
             dali.reset()
+            epoch += 1
             continue
-        yield [np.array(out[k]) for k in range(len(out))]  # DALI reuses its buffers: copies
+        yield epoch, [np.array(out[k]) for k in range(len(out))]  # DALI reuses its buffers: copies
 
 
 def child(loader: str, seconds: float, every: float, path: str) -> None:
-    """Runs one loader for ``seconds``, writing a JSON reading to ``path`` every ``every`` s."""
+    """Runs one loader for ``seconds``, writing a JSON reading to ``path`` every ``every`` s,
+    and an aligned one at the first start of the sizes' cycle after every ``every`` s."""
     batches = _extsrc_batches() if loader == "extsrc" else _dali_batches()
     held: collections.deque = collections.deque(maxlen=HELD)
     start = time.monotonic()
-    next_reading, count, readings = start, 0, 0
+    next_reading = next_aligned = start
+    count, aligned, last_epoch = 0, 0, -1
     with open(path, "w") as out:
-        for batch in batches:
+        for epoch, batch in batches:
             held.append(batch)
             count += 1
             time.sleep(STEP_S)
             now = time.monotonic()
+            cycle_starts, last_epoch = epoch != last_epoch and _after_largest(epoch), epoch
             if now >= next_reading:
-                out.write(json.dumps(_reading(start, count)) + "\n")
-                out.flush()
-                next_reading, readings = next_reading + every, readings + 1
-            if now - start >= seconds and readings >= MIN_READINGS - 1:  # the last comes below
+                out.write(json.dumps({**_reading(start, count), "aligned": False}) + "\n")
+                next_reading += every
+            if cycle_starts and now >= next_aligned:
+                out.write(json.dumps({**_reading(start, count), "aligned": True}) + "\n")
+                next_aligned = now + every
+                aligned += now - start >= WARMUP_SHARE * seconds  # those the slopes are taken from
+            out.flush()
+            if now - start >= seconds and aligned >= MIN_READINGS:
                 break
-        out.write(json.dumps(_reading(start, count)) + "\n")
     os._exit(0)  # the parent ends the session: DALI's workers outlive their parent
 
 
@@ -184,17 +215,41 @@ def slope_mib_per_hour(times: List[float], values: List[float]) -> Optional[floa
     return float(np.polyfit(np.array(times), np.array(values, dtype=float), 1)[0]) * 3600 / (1 << 20)
 
 
+def trend_mib_per_hour(times: List[float], values: List[float]) -> Optional[float]:
+    """The Theil-Sen slope of ``values`` (bytes) over ``times`` (s), in MiB per hour: the median
+    of the slopes between every two readings (of at most ``TREND_POINTS`` evenly spread), which
+    a few readings caught with a sample in flight do not move, where they turn a least-squares
+    line by MiB/hour."""
+    if len(times) < 3 or max(times) - min(times) <= 0:
+        return None
+    pick = np.linspace(0, len(times) - 1, min(len(times), TREND_POINTS)).astype(int)
+    t, v = np.array(times, dtype=float)[pick], np.array(values, dtype=float)[pick]
+    first, second = np.triu_indices(len(t), k=1)
+    apart = t[second] - t[first]
+    slopes = (v[second] - v[first])[apart > 0] / apart[apart > 0]
+    return float(np.median(slopes)) * 3600 / (1 << 20)
+
+
 def summary(readings: List[Dict[str, Any]], minutes: float) -> Dict[str, Any]:
-    """Slopes after the warm-up and peaks of one loader's readings."""
+    """Slopes of the aligned readings after the warm-up (the median one and the least-squares
+    one), and peaks of every reading after it, of one loader."""
     after = [r for r in readings if r["t"] >= WARMUP_SHARE * minutes * 60]
-    times = [r["t"] for r in after]
-    traces = {name: [r[name] for r in after] for name in ("consumer", "shared", "total")}
-    width = max((len(r["workers"]) for r in after), default=0)
+    lined = [r for r in after if r["aligned"]]
+    traces, every = _traces(lined), _traces(after)
+    times = [r["t"] for r in lined]
+    return {"slopes": {name: trend_mib_per_hour(times, values) for name, values in traces.items()},
+            "lsq": {name: slope_mib_per_hour(times, values) for name, values in traces.items()},
+            "peaks": {name: max(values, default=0) for name, values in every.items()},
+            "batches": max((r["batches"] for r in readings), default=0)}
+
+
+def _traces(readings: List[Dict[str, Any]]) -> Dict[str, List[int]]:
+    """Each trace's values over ``readings``: consumer, shared, total and worker K."""
+    traces = {name: [r[name] for r in readings] for name in ("consumer", "shared", "total")}
+    width = max((len(r["workers"]) for r in readings), default=0)
     for k in range(width):
-        traces[f"worker {k}"] = [r["workers"][k] if k < len(r["workers"]) else 0 for r in after]
-    return {"slopes": {name: slope_mib_per_hour(times, values) for name, values in traces.items()},
-            "peaks": {name: max(values, default=0) for name, values in traces.items()},
-            "batches": readings[-1]["batches"] if readings else 0}
+        traces[f"worker {k}"] = [r["workers"][k] if k < len(r["workers"]) else 0 for r in readings]
+    return traces
 
 
 def run(args: argparse.Namespace) -> int:
@@ -242,13 +297,16 @@ def _print(results: Dict[str, Dict[str, Any]], minutes: float) -> None:
           f"sizes {[s >> 10 for s in SIZES]} KiB by epoch, every {BAD_EVERY}th record bad; "
           f"slopes after the first {WARMUP_SHARE:.0%} (target < {TARGET_MIB_PER_HOUR:g} MiB/hour)")
     names = sorted({trace for r in results.values() for trace in r["slopes"]})
-    print(f"{'trace':<12}" + "".join(f"{n + ' MiB/h':>16}{n + ' peak MiB':>18}" for n in results))
+    print(f"{'trace':<12}" + "".join(f"{n + ' MiB/h':>16}{'lsq':>8}{n + ' peak MiB':>18}" for n in results))
     for trace in names:
         row = f"{trace:<12}"
         for r in results.values():
-            slope, peak = r["slopes"].get(trace), r["peaks"].get(trace, 0)
-            row += f"{'n/a' if slope is None else f'{slope:+.2f}':>16}{peak / (1 << 20):>18.1f}"
+            slope, lsq, peak = r["slopes"].get(trace), r["lsq"].get(trace), r["peaks"].get(trace, 0)
+            row += (f"{'n/a' if slope is None else f'{slope:+.2f}':>16}"
+                    f"{'n/a' if lsq is None else f'{lsq:+.2f}':>8}{peak / (1 << 20):>18.1f}")
         print(row)
+    print("MiB/h: the median slope between two aligned readings after the warm-up; lsq: the "
+          "least-squares line's")
     print("batches: " + ", ".join(f"{n} {r['batches']}" for n, r in results.items()))
     if "extsrc" in results and "dali" in results:
         ours, theirs = results["extsrc"]["peaks"], results["dali"]["peaks"]
@@ -265,14 +323,12 @@ def _plot(path: str, results: Dict[str, Dict[str, Any]], minutes: float) -> None
 
     figure, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
     for ax, (name, r) in zip(axes[0], results.items()):
-        times = [x["t"] / 60 for x in r["readings"]]
-        ax.plot(times, [x["consumer"] / (1 << 20) for x in r["readings"]], label="consumer")
-        ax.plot(times, [x["shared"] / (1 << 20) for x in r["readings"]], label="shared")
-        ax.plot(times, [x["total"] / (1 << 20) for x in r["readings"]], label="total")
-        width = max((len(x["workers"]) for x in r["readings"]), default=0)
-        for k in range(width):
-            ax.plot(times, [x["workers"][k] / (1 << 20) if k < len(x["workers"]) else 0
-                            for x in r["readings"]], label=f"worker {k}")
+        lined = [x for x in r["readings"] if x["aligned"]]
+        every, times = _traces(r["readings"]), [x["t"] / 60 for x in r["readings"]]
+        for trace, values in _traces(lined).items():  # every reading's as dots, in the same colour
+            line, = ax.plot([x["t"] / 60 for x in lined], [v / (1 << 20) for v in values], label=trace)
+            ax.plot(times, [v / (1 << 20) for v in every.get(trace, [])], ".", markersize=1.5,
+                    color=line.get_color(), alpha=0.4)
         ax.axvline(WARMUP_SHARE * minutes, color="#aaa", linestyle=":")
         ax.set_title(name)
         ax.set_xlabel("minutes")
