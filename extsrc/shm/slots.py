@@ -328,14 +328,13 @@ class SlotPool:
                 slot.overflow_bound[worker] = max(int(policy.OVERFLOW_KEEP * nbytes), policy.MIN_OVERFLOW)
         slot.writers = frozenset(writers)
         batch_use = max((n for n in use.values() if n), default=0)
-        if not batch_use and not self.overflow_high:
-            return  # nothing spilled, nothing held
-        if not self.watched:  # the slot's other workers' overflow, idle until they write here
-            self._give_back_overflow(slot, policy.IDLE_OVERFLOW)
+        if self.watched or (not batch_use and not self.overflow_high):
+            return  # page-locked memory stays (watched for good); or nothing spilled, nothing held
+        self._give_back_overflow(slot, policy.IDLE_OVERFLOW)  # the slot's other workers'
         self.recent_spills.append(batch_use)
         self.overflow_high = max(self.overflow_high, *slot.overflow_bound)
         keep = max(int(policy.OVERFLOW_KEEP * max(self.recent_spills)), policy.MIN_OVERFLOW)
-        if self.overflow_high > keep and not self.watched:
+        if self.overflow_high > keep:
             self.overflow_high = max(self._give_back_overflow(s, keep) for s in self.slots.values())
 
     def _give_back_overflow(self, slot: Slot, keep: int) -> int:
