@@ -167,6 +167,16 @@ class SourceStats:
         return self.others_cores >= OTHERS_SHARE * self.cores
 
     @property
+    def _waits_on_io_despite_busy_machine(self) -> bool:
+        """Input-bound workers that waited on I/O, seldom for a CPU: other programs on the
+        cores do not slow a wait on storage or the network, so the advice to keep more
+        samples in flight holds on a busy machine too."""
+        cpu_wait = self.mean_worker_cpu_wait
+        if cpu_wait is None or cpu_wait >= CPU_WAIT_BUSY or not self.input_bound:
+            return False
+        return self._waiting_advice() is not None
+
+    @property
     def others_cores(self) -> Optional[float]:
         """Cores used on average by other programs, of those this process may run on."""
         if self.own_cpu_cores is None:
@@ -180,7 +190,7 @@ class SourceStats:
         ``"input-bound"``, ``"per-batch cost"``, ``"consumer-bound"`` or ``"balanced"``."""
         if self.batches == 0:
             return "none"
-        if self.machine_busy:
+        if self.machine_busy and not self._waits_on_io_despite_busy_machine:
             return "machine busy"
         if self.input_bound:
             return "input-bound"
@@ -219,6 +229,10 @@ class SourceStats:
         if kind == "input-bound":
             head = f"Input-bound: the consumer waited {wait:.0%} of the time for batches. "
             waiting = self._waiting_advice()
+            if waiting is not None and self.machine_busy:
+                return head + waiting + (
+                    f" (Other programs also used {self.others_cores:.1f} of the "
+                    f"{_cores_text(self.cores)}; the workers seldom waited for one.)")
             if waiting is not None:
                 return head + waiting
             if busy >= WORKERS_SATURATED:
