@@ -120,9 +120,9 @@ class Slot:
         self.lease_seq = 0
         self.lease_generation = 0
         self.retire_when_free = False
-        # Per worker, bytes its overflow segment may hold at most (after a task, a worker
-        # keeps twice what it wrote; UNKNOWN after a failed task); and the workers whose
-        # overflow holds samples of the batch the slot holds now.
+        # Per worker, bytes its overflow segment may hold at most (after a task, a worker keeps
+        # policy.OVERFLOW_KEEP times what it wrote; UNKNOWN after a failed task); and the
+        # workers whose overflow holds samples of the batch the slot holds now.
         self.overflow_bound: List[int] = [0] * num_workers
         self.writers: FrozenSet[int] = frozenset()
 
@@ -310,13 +310,14 @@ class SlotPool:
         worker that answered, the overflow bytes its samples take (``None``: the task failed,
         what it wrote is unknown).
 
-        A worker keeps the overflow of a slot it writes to at twice what the batch uses; this
-        gives back the overflow of the slot's other workers past
-        :data:`~extsrc.engine.policy.IDLE_OVERFLOW` (a slot written by each worker in turn
-        would hold a batch's overflow for each), and, past twice what the recent batches use,
-        that of the other slots' workers that did not write their batch, which may not write
-        to that slot again for long (or the slot may wait FREE): with ragged samples that
-        shrink, memory follows the batches of now, whoever wrote them. Not once the memory is
+        A worker keeps the overflow of a slot it writes to at
+        :data:`~extsrc.engine.policy.OVERFLOW_KEEP` times what the batch uses; this gives back
+        the overflow of the slot's other workers past :data:`~extsrc.engine.policy.IDLE_OVERFLOW`
+        (a slot written by each worker in turn would hold a batch's overflow for each), and,
+        past ``OVERFLOW_KEEP`` times what the recent batches use, that of the other slots'
+        workers that did not write their batch, which may not write to that slot again for long
+        (or the slot may wait FREE): with ragged samples that shrink, memory follows the batches
+        of now, whoever wrote them. Not once the memory is
         watched (see :attr:`watched`)."""
         writers = set()
         for worker, nbytes in use.items():

@@ -47,11 +47,12 @@ class Checker(Protocol):
 class OverflowArea:
     """This worker's own segment of one slot: the samples that missed their region.
 
-    Its reserved memory follows what the batches use: it grows (doubling) when a sample needs
-    more, and once a task is written, more than twice what the batch uses so far is given back
-    (:meth:`give_back`), so that a slot's memory is sized by its recent batches rather than by
-    the largest spill ever (ragged samples whose sizes change from epoch to epoch). A steady
-    workload settles below that line and gives nothing back."""
+    Its reserved memory follows what the batches use: it grows (by
+    :data:`~extsrc.engine.policy.OVERFLOW_GROWTH`) when a sample needs more, and once a task is
+    written, more than :data:`~extsrc.engine.policy.OVERFLOW_KEEP` times what the batch uses so
+    far is given back (:meth:`give_back`), so that a slot's memory is sized by its recent
+    batches rather than by the largest spill ever (ragged samples whose sizes change from epoch
+    to epoch). A steady workload settles below that line and gives nothing back."""
 
     def __init__(self, segment: Segment):
         self.segment = segment
@@ -108,8 +109,8 @@ class OverflowArea:
         return self.cursor
 
     def give_back(self) -> None:
-        """Gives the reserved memory back past twice what this batch uses so far (and past
-        :data:`~extsrc.engine.policy.MIN_OVERFLOW`): nothing of the batch lies there, and the
+        """Gives the reserved memory back past ``OVERFLOW_KEEP`` times what this batch uses so far
+        (and past :data:`~extsrc.engine.policy.MIN_OVERFLOW`): nothing of the batch lies there, and the
         slot's previous batch is no longer read (a slot is reused only once it is dropped)."""
         keep = max(int(policy.OVERFLOW_KEEP * self.cursor), policy.MIN_OVERFLOW)
         if self.reserved > keep:
