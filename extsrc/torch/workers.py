@@ -91,8 +91,17 @@ class DatasetSamples:
         self._single = Flattener(TENSOR_LEAVES)(np.zeros(0), "")[0]  # the structure of one array
 
     def __call__(self, info: Any) -> Any:
+        # _item() and shaped() written out: this runs once per sample, and the common case
+        # (a NumPy array) needs no description of where the sample came from.
         record = info.record
-        return self.shaped(_item(self.dataset, record), f"dataset[{record}]")
+        try:
+            sample = self.dataset[record]
+        except Exception as exc:
+            _note(exc, f"dataset[{record!r}]")
+            raise
+        if type(sample) is np.ndarray and sample.dtype.kind in NUMERIC_KINDS:
+            return self._single, sample
+        return self.flatten(sample, f"dataset[{record}]")
 
     def shaped(self, sample: Any, where: str) -> Any:
         """``sample`` as the engine takes it (its structure, then its arrays)."""
