@@ -12,13 +12,15 @@ memory the loader costs the machine. After the warm-up (the first
 hour, and the median of the slopes between every two readings (Theil-Sen) another; the table
 prints both and the peaks side by side, and ``--plot PATH`` draws the traces.
 
-The slopes are taken from *aligned* readings: each at the start of an epoch that follows one
-of the largest samples (the first after ``--soak-every`` seconds), where the loop holds the
-last batches of that epoch every time, so that two readings differ by what the loader kept,
-not by the sizes it happened to hold, and where it holds the most. A reading at a random
-moment moves by up to the 4 held batches of 4 MiB samples (128 MiB), which turns a 30-minute
-line's slope by several MiB/hour either way; an aligned one still moves by a sample in flight
-(4 MiB) or a batch's refill, which the median slope leaves out and the least-squares one not.
+The slopes are taken from *aligned* readings: each in the middle of an epoch of the smallest
+samples (the first after ``--soak-every`` seconds), when every larger size of the cycle has
+passed through the slots and the loop holds 4 batches of the smallest samples. What a loader
+failed to give back since (memory sized by an earlier epoch, a slot or batch not released)
+lifts every such reading, and nothing in flight moves one by more than a small batch. A reading
+at a random moment moves by up to the 4 held batches of 4 MiB samples (128 MiB); one at the
+start of the epoch after the 4 MiB one, by the slots still being refilled (5 minutes, 140
+readings each: standard deviation 22 MiB there, 8 in the middle of that epoch, 1.2 in the
+middle of the 4 KiB one), enough to turn a 30-minute line by 10 MiB/hour either way.
 The peaks are taken from every reading.
 
 extsrc: ``ParallelSource(on_error="skip")``, the batches held as they come (zero-copy). DALI:
@@ -48,6 +50,7 @@ import numpy as np
 BATCH, WORKERS, HELD = 8, 2, 4
 STEP_S = 0.004  # the consumer's work per batch (sleep): a training step, and a light machine load
 EPOCH_SAMPLES = 256
+EPOCH_BATCHES = EPOCH_SAMPLES // BATCH  # with on_error="skip", a skipped record's place is refilled
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)  # the epoch's sample size, drawn per epoch
 BAD_EVERY = 97  # record 97, 194, ... of each epoch fails
 WARMUP_SHARE = 0.2
@@ -84,10 +87,10 @@ def _size(epoch_idx: int) -> int:
     return SIZES[(epoch_idx * 7919) % len(SIZES)]
 
 
-def _after_largest(epoch_idx: int) -> bool:
-    """Whether epoch ``epoch_idx`` follows one of the largest samples: where an aligned reading
-    is taken, the loop holding the batches of most memory."""
-    return epoch_idx > 0 and _size(epoch_idx - 1) == max(SIZES)
+def _aligned_at(epoch_idx: int, batch: int) -> bool:
+    """Whether the loop's ``batch``-th batch of epoch ``epoch_idx`` is where an aligned reading
+    is taken: the middle of an epoch of the smallest samples, after the first cycle of sizes."""
+    return epoch_idx >= len(SIZES) and _size(epoch_idx) == min(SIZES) and batch == EPOCH_BATCHES // 2
 
 
 def sample_or_empty(info: Any) -> np.ndarray:
@@ -182,23 +185,23 @@ def _dali_batches() -> Any:
 
 def child(loader: str, seconds: float, every: float, path: str) -> None:
     """Runs one loader for ``seconds``, writing a JSON reading to ``path`` every ``every`` s,
-    and an aligned one at the first start of the sizes' cycle after every ``every`` s."""
+    and an aligned one (:func:`_aligned_at`) at the first chance after every ``every`` s."""
     batches = _extsrc_batches() if loader == "extsrc" else _dali_batches()
     held: collections.deque = collections.deque(maxlen=HELD)
     start = time.monotonic()
     next_reading = next_aligned = start
-    count, aligned, last_epoch = 0, 0, -1
+    count, aligned, last_epoch, in_epoch = 0, 0, -1, 0
     with open(path, "w") as out:
         for epoch, batch in batches:
             held.append(batch)
             count += 1
+            in_epoch, last_epoch = (in_epoch + 1 if epoch == last_epoch else 0), epoch
             time.sleep(STEP_S)
             now = time.monotonic()
-            cycle_starts, last_epoch = epoch != last_epoch and _after_largest(epoch), epoch
             if now >= next_reading:
                 out.write(json.dumps({**_reading(start, count), "aligned": False}) + "\n")
                 next_reading += every
-            if cycle_starts and now >= next_aligned:
+            if _aligned_at(epoch, in_epoch) and now >= next_aligned:
                 out.write(json.dumps({**_reading(start, count), "aligned": True}) + "\n")
                 next_aligned = now + every
                 aligned += now - start >= WARMUP_SHARE * seconds  # those the slopes are taken from
@@ -325,8 +328,9 @@ def _plot(path: str, results: Dict[str, Dict[str, Any]], minutes: float) -> None
     for ax, (name, r) in zip(axes[0], results.items()):
         lined = [x for x in r["readings"] if x["aligned"]]
         every, times = _traces(r["readings"]), [x["t"] / 60 for x in r["readings"]]
+        lined_times = [x["t"] / 60 for x in lined]
         for trace, values in _traces(lined).items():  # every reading's as dots, in the same colour
-            line, = ax.plot([x["t"] / 60 for x in lined], [v / (1 << 20) for v in values], label=trace)
+            line, = ax.plot(lined_times, [v / (1 << 20) for v in values], label=trace)
             ax.plot(times, [v / (1 << 20) for v in every.get(trace, [])], ".", markersize=1.5,
                     color=line.get_color(), alpha=0.4)
         ax.axvline(WARMUP_SHARE * minutes, color="#aaa", linestyle=":")

@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from benchmarks.soak import slope_mib_per_hour, summary, trend_mib_per_hour
+from benchmarks.soak import (BATCH, EPOCH_BATCHES, SIZES, _aligned_at, sample, slope_mib_per_hour, summary,
+                             trend_mib_per_hour)
+from extsrc import SampleInfo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,6 +43,22 @@ def test_readings_between_aligned_ones_count_in_the_peaks_only():
     figures = summary(sorted(aligned + between, key=lambda r: r["t"]), 1.0)
     assert figures["slopes"]["shared"] == pytest.approx(0.0, abs=1e-9)
     assert figures["peaks"]["shared"] == (5 << 20) + (60 << 20) and figures["batches"] == 63
+
+
+def test_aligned_readings_come_once_a_cycle_mid_epoch_of_the_smallest_samples():
+    # Where the loop's memory repeats from cycle to cycle: every larger size has passed through
+    # the slots, and the held batches are the smallest ones; not in the first cycle (warm-up).
+    cycles = 3
+    aligned = [(epoch, k) for epoch in range(cycles * len(SIZES)) for k in range(EPOCH_BATCHES)
+               if _aligned_at(epoch, k)]
+    assert len(aligned) == cycles - 1
+    for epoch, k in aligned:
+        assert 0 < k < EPOCH_BATCHES - 1
+        first = k * BATCH  # the batch's first sample: the largest of the batch (ragged)
+        size = sample(SampleInfo(first, 0, k, epoch)).nbytes
+        assert size == min(SIZES)
+        assert {sample(SampleInfo(0, 0, 0, e)).nbytes for e in range(epoch - len(SIZES) + 1, epoch)} \
+            == set(SIZES) - {min(SIZES)}  # the others came before, since the last aligned one
 
 
 @pytest.mark.slow
