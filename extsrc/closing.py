@@ -15,7 +15,10 @@ thread: once every source of a pool is collected, it stops the workers
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import signal
+import threading
+from types import FrameType
+from typing import Any, Callable, Optional, Union
 
 # A close() that interrupts keep cutting short is called again at most this many times (each call
 # resumes where the last stopped, so one more is enough unless a storm of signals goes on); the
@@ -43,6 +46,51 @@ def close_when_collected(close: Callable[[], None]) -> None:
             raise interrupt
     finally:
         interrupt = None  # no cycle through the traceback's frames
+
+
+def close_at_exit(close: Callable[[], None]) -> None:
+    """For ``atexit``: calls ``close()`` to its end, whatever Ctrl-C the user presses meanwhile.
+
+    At exit the program is over: a Ctrl-C landing in the close would stop it half-way and print a
+    traceback, leaving the workers to the kernel's parent-death signal (they die a moment after
+    the program instead of being reaped by it). So SIGINT goes to a handler that does nothing
+    until the close returns (it is bounded: the I/O thread's join and the workers' stop graces),
+    then the program's own handler is back. An interrupt already on its way when the handler
+    changed cuts one call short, and the close is called again (it resumes). Any other exception
+    ends the close silently, as in :func:`close_when_collected`.
+    """
+    previous = _hold_sigint()
+    try:
+        for _ in range(CLOSE_TRIES):
+            try:
+                close()
+                return
+            except KeyboardInterrupt:
+                continue
+            except Exception:
+                return
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+_Handler = Union[Callable[[int, Optional[FrameType]], Any], int, signal.Handlers]
+
+
+def _hold_sigint() -> Optional[_Handler]:
+    """Puts a handler that does nothing on SIGINT; returns the one to put back, or None where
+    the handler cannot change (not the main thread) or was not set from Python."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        previous = signal.signal(signal.SIGINT, _no_interrupt)
+    except (ValueError, OSError):
+        return None
+    return previous if previous is not None else signal.SIG_DFL
+
+
+def _no_interrupt(signum: int, frame: Optional[FrameType]) -> None:
+    return None
 
 
 class ClosedWhenCollected:

@@ -88,7 +88,7 @@ from extsrc.errors import ForkedChildError, InternalError, PoolClosedError
 from extsrc import forking
 from extsrc.shm.limits import DESCRIPTOR_ERRNOS, out_of_descriptors, thread_start_error
 from extsrc.engine.spec import UNSET, PoolSpec
-from extsrc.closing import ClosedWhenCollected
+from extsrc.closing import ClosedWhenCollected, close_at_exit
 
 if TYPE_CHECKING:
     from _thread import LockType as Waiter
@@ -838,11 +838,9 @@ _live_pools: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
 
 
 def _close_live_pools() -> None:
+    """At interpreter exit: the pools still open are closed, a Ctrl-C notwithstanding."""
     for pool in list(_live_pools):
-        try:
-            pool.close()
-        except Exception:
-            pass
+        close_at_exit(pool.close)
 
 
 atexit.register(_close_live_pools)
