@@ -94,3 +94,52 @@ def test_samples_in_flight_together_get_more_batches_ahead(tmp_path):
     with ParallelSource(Marks(str(tmp_path), nbytes), BATCH, num_workers=WORKERS, concurrency=4,
                         prefetch=3) as src:
         assert src.prefetch == 3
+
+
+class Logged:
+    """A sample of ``nbytes``; the first sample of each batch appends ``start <iteration>`` to a
+    log the consumer appends its takes to as well (O_APPEND: the lines interleave whole)."""
+
+    def __init__(self, log: str, nbytes: int):
+        self.log = log
+        self.nbytes = nbytes
+
+    def __call__(self, info):
+        if info.idx_in_batch == 0:
+            note(self.log, f"start {info.iteration}")
+        return np.full(self.nbytes, info.idx_in_epoch & 0xFF, np.uint8)
+
+
+def note(log: str, line: str) -> None:
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def test_a_consumer_slower_than_the_workers_gets_its_prefetch_topped_up_in_one_go(tmp_path):
+    # Once the whole prefetch is made and waiting, nothing more is made until the consumer took
+    # half of it; then the rest at once. Each take used to start the next batch at once: a
+    # wake-up of the I/O thread and of a worker per batch, in the training process too.
+    log = str(tmp_path / "log")
+    prefetch, takes, first_fill = 8, 60, 12
+    with ParallelSource(Logged(log, 64), BATCH, num_workers=WORKERS, prefetch=prefetch) as src:
+        batches = iter(src)
+        for k in range(takes):
+            next(batches)
+            note(log, f"take {k}")
+            time.sleep(0.01)  # a consumer slower than the workers (a training step)
+    with open(log) as f:
+        lines = f.read().split()[::2]  # "start" or "take"
+    gaps = []  # batches started between one take and the next, once the first fill is over
+    for word in lines[lines.index("take") + 1:]:
+        if word == "take":
+            gaps.append(0)
+        elif gaps:
+            gaps[-1] += 1
+    gaps = gaps[first_fill:-1]
+    # Work is only ever later on a busy machine, never earlier: quiet gaps only grow there.
+    quiet = sum(1 for g in gaps if g == 0)
+    assert quiet >= len(gaps) // 3, gaps
+    assert max(gaps) >= prefetch // 2, gaps  # the top-up comes whole

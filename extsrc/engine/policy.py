@@ -122,6 +122,23 @@ def small_batch_prefetch(prefetch: int, batch_bytes: int, batches_held: int, num
     return max(prefetch, widened)
 
 
+# A producer whose whole prefetch is made and waiting (the consumer is the slower side) rests
+# until the consumer took all but 1/RESUME_SHARE of it, then dispatches the rest in one go: one
+# wake-up of the I/O thread and of each worker per top-up instead of one per batch, and workers
+# that answer several tasks per wake-up. The ready batches left cover the top-up's first batch.
+# Measured with a 3 ms step per batch (1 KiB samples, 2 workers): the I/O thread's CPU per batch
+# 95-120 us instead of 235-256, 5-8% more steps/s; the DALI drop-in (consumer-bound) ~15% more
+# samples/s; 4 instead of 2 changed neither. Below REST_MIN_PREFETCH there is nothing to save.
+RESUME_SHARE = 2
+REST_MIN_PREFETCH = 4
+
+
+def resume_mark(prefetch: int) -> Optional[int]:
+    """The ready batches at or below which a resting producer tops up its ``prefetch`` (None:
+    too small a prefetch to rest)."""
+    return prefetch // RESUME_SHARE if prefetch >= REST_MIN_PREFETCH else None
+
+
 def task_ranges(batch_size: int, num_workers: int, prefetch: int) -> int:
     """How many tasks a batch of a sample-mode source is cut into: enough that every worker has
     work queued while ``prefetch`` batches are in flight, and no more (each task costs two

@@ -77,6 +77,7 @@ class Producer:
         self.prefetch = self.base_prefetch
         self.widening_decided = spec.prefetch is not None  # small_prefetch was set (once)
         self.small_prefetch = self.base_prefetch  # the prefetch while the batches are small and short
+        self.resting = False  # the prefetch was all made and waiting: topped up in one go (_rests)
         self.slots = SlotPool(self.source_id, f"source {self.name}", pool.num_workers,
                               self.base_prefetch + spec.batches_held, pool)
         self.layout = LayoutPlan(spec.outputs, spec.batch_size)
@@ -153,7 +154,9 @@ class Producer:
             # Its overflow held the samples of a layout learned since (the first batch):
             # give that memory back once the batch is dropped.
             pending.slot.retire_when_free = True
-        if len(self.pending) - self.slots.ready < self.pool.num_workers or self.pool.has_idle_worker():
+        if self.resting and self.slots.ready > (policy.resume_mark(self.prefetch) or 0):
+            pass  # production rests (_rests): the I/O thread need not look before the mark
+        elif len(self.pending) - self.slots.ready < self.pool.num_workers or self.pool.has_idle_worker():
             # One batch fewer ahead: dispatch the next now. With a task per worker or more
             # still being made, and every worker holding one, the next answer wakes the I/O
             # thread anyway (a wake-up, a system call and a thread switch fewer per batch); a
@@ -274,12 +277,15 @@ class Producer:
         self.next_dispatch = 0 if run is None else run.first_iteration
         self.end_at = None
         self.error = None
+        self.resting = False
 
     def _fill(self) -> None:
         run = self.run
         if run is None or self.error is not None:
             return
         o = self.spec
+        if self._rests():
+            return
         while self._room_ahead():
             if not self.layout.known and len(self.pending) >= self.pool.num_workers:
                 # The first results tell the layouts; until then a batch per worker at most (their
@@ -354,6 +360,19 @@ class Producer:
             raise TypeError(f"source {self.name}: hooks.assign({iteration}, {workers}) must return "
                             f"a worker index from 0 to {workers - 1}, or None, got {worker!r}")
         return worker
+
+    def _rests(self) -> bool:
+        """Whether production rests: it begins when every batch of the prefetch is finished and
+        waiting (the consumer is the slower side), and ends once the consumer took enough of
+        them to bring the ready ones down to :func:`extsrc.engine.policy.resume_mark`; the
+        prefetch is then topped up in one go (see the policy for why)."""
+        mark = policy.resume_mark(self.prefetch)
+        ready = self.slots.ready
+        if mark is None or len(self.pending) != ready:  # batches being made: production goes on
+            self.resting = False
+            return False
+        self.resting = ready > mark if self.resting else ready >= self.prefetch
+        return self.resting
 
     def _room_ahead(self) -> bool:
         """Whether another batch may be dispatched: fewer than ``prefetch`` are being made, and
