@@ -155,26 +155,37 @@ def test_interpreter_exit_with_a_live_source_is_quiet_and_leaves_no_worker():
     assert not any(alive(int(p)) for p in out.stdout.split())
 
 
-def test_interpreter_exit_with_a_live_dataset_loader_is_quiet_and_leaves_no_worker():
-    # The loader's objects go after the modules' names were cleared at exit: their __del__ must
-    # not look a module name up then ("Exception ignored in ... 'NoneType' object is not callable").
+DATASET_AT_EXIT = """
+import numpy as np, torch
+{held}
+from extsrc.torch import from_dataset
+
+class Records(torch.utils.data.Dataset):
+    def __len__(self):
+        return 100
+
+    def __getitem__(self, i):
+        return {sample}
+
+loader = from_dataset(Records(), batch_size=8, num_workers=2)
+batches = iter(loader)
+next(batches)
+print(*loader.source.worker_pids())
+{end}
+"""
+
+
+@pytest.mark.parametrize("held, sample, end", [
+    ("", '{"x": torch.zeros(3), "y": i}', ""),  # the loader live at exit
+    # closed before, the script holding an engine module (whose names are cleared later)
+    ("from extsrc.engine import pool", "np.zeros(4)", "loader.close()"),
+], ids=["live", "closed"])
+def test_interpreter_exit_with_a_dataset_loader_is_quiet_and_leaves_no_worker(held, sample, end):
+    # The loop's objects go after the modules' names were cleared at exit: their __del__ and
+    # the collected source's callback must not look a module name up then ("Exception ignored
+    # in ... 'NoneType' object is not callable", "... has no attribute 'get_ident'").
     pytest.importorskip("torch")
-    out = run_script(
-        """
-        import torch, extsrc.torch
-
-        class Records(torch.utils.data.Dataset):
-            def __len__(self):
-                return 100
-
-            def __getitem__(self, i):
-                return {"x": torch.zeros(3), "y": i}
-
-        loader = extsrc.torch.from_dataset(Records(), batch_size=8, num_workers=2)
-        next(iter(loader))
-        print(*loader.source.worker_pids())
-        """
-    )
+    out = run_script(DATASET_AT_EXIT.format(held=held, sample=sample, end=end))
     assert out.returncode == 0 and out.stderr == "", out.stderr
     time.sleep(0.2)
     assert not any(alive(int(p)) for p in out.stdout.split())

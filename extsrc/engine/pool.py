@@ -547,10 +547,12 @@ class WorkerPool(ClosedWhenCollected):
         self._backend.drop_slot(source_id, slot_id)
         self.wake()
 
-    def wake(self) -> None:
-        """*engine*, any thread, any time: makes the I/O thread run its loop once more."""
+    def wake(self, _ident: Callable[[], int] = threading.get_ident) -> None:
+        """*engine*, any thread, any time: makes the I/O thread run its loop once more. Also
+        at interpreter exit, from a source's collection after the modules' names were cleared
+        (``_ident`` is bound here for that)."""
         waker = self._waker
-        if waker is not None and threading.get_ident() != self._io_ident:
+        if waker is not None and _ident() != self._io_ident:
             waker.wake()
 
     def running_tasks(self, source_id: int) -> List[Tuple[int, str, Task, float]]:

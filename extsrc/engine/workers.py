@@ -408,14 +408,15 @@ class Waker(ClosedWhenCollected):
     def fileno(self) -> int:
         return self._read
 
-    def wake(self) -> None:
+    def wake(self, _write: Callable[[int, bytes], int] = os.write) -> None:
+        # _write bound here: a wake-up may come at interpreter exit, once module names are None.
         if self._pending:
             return  # read after the caller's work was queued: the drain's reader sees it
         with self._lock:
             if self._open and not self._pending:
                 self._pending = True
                 try:
-                    os.write(self._write, b"\0")
+                    _write(self._write, b"\0")
                 except OSError:
                     pass  # full: a wake-up is pending already
 
