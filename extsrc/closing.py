@@ -56,19 +56,14 @@ def close_at_exit(close: Callable[[], None]) -> None:
     the program instead of being reaped by it). So SIGINT goes to a handler that does nothing
     until the close returns (it is bounded: the I/O thread's join and the workers' stop graces),
     then the program's own handler is back. An interrupt already on its way when the handler
-    changed cuts one call short, and the close is called again (it resumes). Any other exception
-    ends the close silently, as in :func:`close_when_collected`.
+    changed cuts one call short, and the close is called again (it resumes), as
+    :func:`close_when_collected` does; the interrupt is then dropped, as any other exception.
     """
     previous = _hold_sigint()
     try:
-        for _ in range(CLOSE_TRIES):
-            try:
-                close()
-                return
-            except KeyboardInterrupt:
-                continue
-            except Exception:
-                return
+        close_when_collected(close)
+    except KeyboardInterrupt:
+        pass  # the program is ending anyway: no traceback for a Ctrl-C that came before the hold
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)

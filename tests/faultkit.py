@@ -80,6 +80,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def still_running(pids: List[int], wait: float = LEFTOVER_WAIT_S) -> List[int]:
+    """Those of ``pids`` still running (zombies excluded) after waiting up to ``wait`` seconds
+    for them to end."""
+    deadline = time.monotonic() + wait
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
 def run_fault(scenario: str, timeout: float = 60, env: Optional[dict] = None,
               wrap: Optional[List[str]] = None, cwd: Optional[str] = None) -> FaultResult:
     """Runs ``scenario`` (see module doc); fails the test on a hang past ``timeout``.
@@ -115,10 +124,7 @@ def run_fault(scenario: str, timeout: float = 60, env: Optional[dict] = None,
     line = next((text for text in stdout.splitlines() if text.startswith("RESULT ")), None)
     assert line is not None, f"scenario printed no result (rc {returncode}):\n{stderr}"
     data = json.loads(line[len("RESULT "):])
-    deadline = time.monotonic() + LEFTOVER_WAIT_S
-    while any(_alive(p) for p in data["pids"]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    leftover = [p for p in data["pids"] if _alive(p)]
+    leftover = still_running(data["pids"])
     if leftover:
         _kill_session(proc.pid)  # the run's own processes: they would outlive the test
     return FaultResult(

@@ -14,7 +14,7 @@ in its own interpreter with a time limit, so a hang fails.
 
 import pytest
 
-from faultkit import LEFTOVER_WAIT_S, run_isolated
+from faultkit import run_isolated, still_running
 
 STORM = '''
 import os, signal, subprocess, sys
@@ -210,29 +210,17 @@ subprocess.Popen([sys.executable, "-c", SENDER, str(os.getpid())],
 @pytest.mark.parametrize("round", range(3))
 def test_a_storm_of_interrupts_while_the_script_exits_neither_hangs_nor_leaves_workers(round):
     result = run_isolated(EXIT_STORM, timeout=120)
+    pids = _worker_pids(result)
+    # Mostly the close at exit reaps them; a Ctrl-C landing before it held SIGINT back leaves
+    # them to the parent-death signal, which a busy machine may take a moment to deliver.
+    assert not still_running(pids), pids
+
+
+def _worker_pids(result):
     pids = [int(p) for line in result.stdout.splitlines() if line.startswith("WORKERS")
             for p in line.split()[1:]]
     assert len(pids) == 2, result.stdout + result.stderr[-3000:]
-    # Mostly the close at exit reaps them; a Ctrl-C landing before it held SIGINT back leaves
-    # them to the parent-death signal, which a busy machine may take a moment to deliver.
-    assert _gone(pids), [open(f"/proc/{pid}/stat").read() for pid in pids if _running(pid)]
-
-
-def _running(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"
-    except OSError:
-        return False
-
-
-def _gone(pids, wait=LEFTOVER_WAIT_S):
-    import time
-
-    deadline = time.monotonic() + wait
-    while any(_running(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not any(_running(p) for p in pids)
+    return pids
 
 
 EXIT_INTERRUPTED = '''
@@ -261,7 +249,5 @@ ProcessBackend.stop = stop_after_a_ctrl_c
 def test_a_ctrl_c_during_the_close_at_exit_does_not_stop_it():
     result = run_isolated(EXIT_INTERRUPTED, timeout=120)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    pids = [int(p) for line in result.stdout.splitlines() if line.startswith("WORKERS")
-            for p in line.split()[1:]]
-    assert len(pids) == 2, result.stdout
-    assert _gone(pids, wait=0), "the workers outlived the script: the close at exit did not end"
+    assert not still_running(_worker_pids(result), wait=0), \
+        "the workers outlived the script: the close at exit did not end"

@@ -154,9 +154,10 @@ class Producer:
             # Its overflow held the samples of a layout learned since (the first batch):
             # give that memory back once the batch is dropped.
             pending.slot.retire_when_free = True
-        if self.resting and self.slots.ready > (policy.resume_mark(self.prefetch) or 0):
-            pass  # production rests (_rests): the I/O thread need not look before the mark
-        elif len(self.pending) - self.slots.ready < self.pool.num_workers or self.pool.has_idle_worker():
+        # While production rests (_rests), the I/O thread need not look before the mark.
+        resting = self.resting and self.slots.ready > (policy.resume_mark(self.prefetch) or 0)
+        if not resting and (len(self.pending) - self.slots.ready < self.pool.num_workers
+                            or self.pool.has_idle_worker()):
             # One batch fewer ahead: dispatch the next now. With a task per worker or more
             # still being made, and every worker holding one, the next answer wakes the I/O
             # thread anyway (a wake-up, a system call and a thread switch fewer per batch); a
