@@ -39,7 +39,8 @@ from extsrc.engine.position import LoopPosition
 from extsrc.engine.refill import Refill
 from extsrc.engine.stats import usable_cpus
 from extsrc.engine.source import ParallelSource, parse_state
-from extsrc.engine.structure import (ARRAY, BYTES, HEAP_BUFFERS, MAPPING, PICKLED, SCALAR, STRING, Flattener,
+from extsrc.engine.flattener import Flattener
+from extsrc.engine.structure import (ARRAY, BYTES, HEAP_BUFFERS, MAPPING, PICKLED, SCALAR, STRING,
                                      ForeignLeaves, NUMERIC_KINDS, PackedLayout, Structure, check_same, container,
                                      leaf_error, pack_whole)
 from extsrc.engine.take import Cursor, first_ready

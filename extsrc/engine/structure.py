@@ -12,8 +12,9 @@ A whole batch made in a worker (a ``collate_fn``'s) may hold anything, of any
 number of leaves: :func:`pack_whole` writes its leaves into one buffer and
 describes where each lies (a :class:`PackedLayout`).
 
-Who calls what: :class:`Flattener` and :func:`pack_whole` in the worker, in
-the callback; :func:`canonical`, :func:`describe`, :func:`check_same` and
+Who calls what: :class:`~extsrc.engine.flattener.Flattener` (which walks a
+sample with :func:`flatten`) and :func:`pack_whole` in the worker, in the
+callback; :func:`canonical`, :func:`describe`, :func:`check_same` and
 :func:`container` in the consumer, rebuilding a batch.
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import collections.abc
 import pickle
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Sequence, Tuple
 
 import numpy as np
 
@@ -189,42 +190,6 @@ def container(structure: Structure, children: List[Any], sequence_type: Any) -> 
     if kind == NAMEDTUPLE:
         return structure[1](*children)
     return sequence_type(children)
-
-
-class Flattener:
-    """The worker's side: a sample as ``(structure array, *leaf arrays)``; each structure is
-    pickled once per worker, and every sample must have the first one's (but for key order)."""
-
-    def __init__(self, foreign: ForeignLeaves = NO_FOREIGN_LEAVES) -> None:
-        self._foreign = foreign
-        self._encoded: Dict[Structure, np.ndarray] = {}
-        self._first: Optional[Structure] = None  # canonical structure of the first sample
-
-    def __call__(self, sample: Any, where: str) -> Tuple[np.ndarray, ...]:
-        """``sample`` flattened; ``TypeError`` naming ``where`` (e.g. ``"dataset[7]"``) and the
-        field for a value the structure cannot carry."""
-        leaves: List[np.ndarray] = []
-        structure = flatten(sample, leaves, where, foreign=self._foreign)
-        encoded = self._encoded.get(structure)
-        if encoded is None:
-            shape = canonical(structure)
-            if self._first is None:
-                self._first = shape
-            elif shape != self._first:
-                raise TypeError(
-                    f"{where} is {describe(structure)}, and the first sample this worker loaded "
-                    f"{describe(self._first)}: default collation needs the same fields, of the same "
-                    "kinds, in every sample"
-                )
-            encoded = np.frombuffer(dumps_classes_by_path(structure), np.uint8)
-            self._encoded[structure] = encoded
-        return (encoded, *leaves)
-
-    def columns(self, samples: List[Any], where: str) -> Tuple[List[np.ndarray], ...]:
-        """A batch of ``samples`` flattened: one list per output (the structures first), the
-        samples of the batch ``where`` names in order."""
-        flat = [self(sample, f"sample {k} of {where}") for k, sample in enumerate(samples)]
-        return tuple(list(column) for column in zip(*flat))
 
 
 # -- whole batches ---------------------------------------------------------------------------------

@@ -22,6 +22,12 @@ from extsrc.engine import (ARRAY, BYTES, MAPPING, PICKLED, SCALAR, STRING, Forei
 
 def _tensor_array(tensor: torch.Tensor, where: str) -> np.ndarray:
     """A CPU tensor as the NumPy array over its memory; ``TypeError`` naming ``where`` else."""
+    try:
+        # A CPU tensor of a NumPy dtype without grad, conjugate or negative bit (nearly every
+        # sample): its memory as is, in 0.8 us instead of 1.7 for the calls below.
+        return tensor.numpy()
+    except (RuntimeError, TypeError):
+        pass  # which of those it is, and what to do, below
     if tensor.device.type != "cpu":
         raise leaf_error(where, f"a tensor on {tensor.device}; samples must be CPU tensors (the "
                                 "workers are processes without CUDA)")
