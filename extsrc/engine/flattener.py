@@ -46,7 +46,8 @@ class _Leaf(_Node):
         self.kind, self.convert = kind, convert
 
     def take(self, value: Any, out: List[np.ndarray]) -> None:
-        if value.__class__ is not self.kind:
+        kind = type(value)  # not __class__, which a proxy may claim; a name of its own for mypy
+        if kind is not self.kind:
             raise _Mismatch
         array = self.convert(value)
         if array is None:
@@ -56,15 +57,24 @@ class _Leaf(_Node):
 
 class _Mapping(_Node):
     def __init__(self, kind: type, keys: Tuple[Any, ...], order: Tuple[Any, ...], children: Sequence[_Node]):
-        self.kind, self.keys, self.fields = kind, keys, tuple(zip(order, children))
+        self.kind, self.keys = kind, keys
+        self.key_types = tuple(type(key) for key in keys)  # 1 and True are equal keys, not the same
+        # The children in the walk's order of the keys, each with where its value is in the dict.
+        place = {id(key): position for position, key in enumerate(keys)}  # order holds the same keys
+        self.fields = tuple((place[id(key)], child) for key, child in zip(order, children))
 
     def take(self, value: Any, out: List[np.ndarray]) -> None:
-        # The keys in their order, as the structure has them (another order is another structure).
-        kind = value.__class__  # a name of its own: `value.__class__ is` would narrow value for mypy
-        if kind is not self.kind or tuple(value) != self.keys:
+        # The keys in their order, as the structure has them (another order is another structure),
+        # of the same types; the values taken by position, not looked up again.
+        kind = type(value)
+        if kind is not self.kind:
             raise _Mismatch
-        for key, child in self.fields:
-            child.take(value[key], out)
+        keys = tuple(value)
+        if keys != self.keys or tuple(map(type, keys)) != self.key_types:
+            raise _Mismatch
+        values = tuple(value.values())
+        for position, child in self.fields:
+            child.take(values[position], out)
 
 
 class _Sequence(_Node):
@@ -72,7 +82,7 @@ class _Sequence(_Node):
         self.kind, self.children, self.count = kind, tuple(children), len(children)
 
     def take(self, value: Any, out: List[np.ndarray]) -> None:
-        kind = value.__class__
+        kind = type(value)
         if kind is not self.kind or len(value) != self.count:
             raise _Mismatch
         for child, item in zip(self.children, value):
@@ -86,9 +96,10 @@ def _numeric(value: np.ndarray) -> Optional[np.ndarray]:
 def _foreign(to_array: Callable[[Any, str], np.ndarray]) -> Convert:
     def convert(value: Any) -> Optional[np.ndarray]:
         try:
-            return to_array(value, "")
+            array = to_array(value, "")
         except TypeError:
             return None  # flatten() says why, naming the field
+        return array if type(array) is np.ndarray and array.dtype.kind in NUMERIC_KINDS else None
     return convert
 
 

@@ -106,3 +106,33 @@ def test_learned_gives_nothing_before_a_first_sample_and_for_a_sample_of_another
     assert same(flatten.learned({"a": 5}), walked({"a": 5}))
     assert flatten.learned({"a": 1.5}) is None
     assert flatten.learned([1]) is None
+
+
+@pytest.mark.parametrize("first, later", [
+    pytest.param({1: "a", 5: 2}, {True: "a", 5: 2}, id="a-bool-key-for-an-int"),
+    pytest.param({1: "a", 5: 2}, {np.int64(1): "a", 5: 2}, id="a-numpy-int-key"),
+    pytest.param({"a": 1, "b": 2}, {np.str_("a"): 1, "b": 2}, id="a-numpy-str-key"),
+])
+def test_a_key_equal_to_the_first_samples_but_of_another_type_is_walked_and_refused(first, later):
+    # The walk orders fields by the keys' repr and keeps the keys as they are: 1 and True are
+    # equal keys, but these samples' fields come in another order, which collation refuses.
+    flatten = Flattener(TENSOR_LEAVES)
+    flatten(first, "dataset[0]")
+    assert flatten.learned(later) is None
+    with pytest.raises(TypeError, match="default collation needs the same fields"):
+        flatten(later, "dataset[1]")
+
+
+def test_a_foreign_leaf_that_gives_no_numeric_array_is_refused_with_its_field():
+    class Proxy:
+        """Claims to be a tensor; its array holds strings."""
+        __class__ = torch.Tensor
+
+        def numpy(self):
+            return np.array(["x"])
+
+    flatten = Flattener(TENSOR_LEAVES)
+    flatten({"a": torch.zeros(2)}, "dataset[0]")
+    assert flatten.learned({"a": Proxy()}) is None
+    with pytest.raises(TypeError, match=re.escape("dataset[1]['a']: a NumPy array of dtype <U1")):
+        flatten({"a": Proxy()}, "dataset[1]")
