@@ -118,7 +118,7 @@ _CONTAINERS = (dict, collections.OrderedDict, tuple, list)
 
 
 def _leaf(value: Any, foreign: ForeignLeaves) -> Optional[_Node]:
-    kind = value.__class__
+    kind = type(value)
     convert = _CONVERT.get(kind)
     if convert is None and kind in foreign.types:
         convert = _foreign(foreign.to_array)
@@ -133,13 +133,14 @@ def _node(structure: Structure, value: Any, foreign: ForeignLeaves) -> Optional[
     kind = structure[0]
     if kind in (ARRAY, STRING, BYTES):
         return _leaf(value, foreign)
-    if kind == NAMEDTUPLE or (kind == SEQUENCE and value.__class__ in _CONTAINERS):
+    container = type(value)
+    if kind == NAMEDTUPLE or (kind == SEQUENCE and container in _CONTAINERS):
         children = _nodes(structure[2], value, foreign)
-        return None if children is None else _Sequence(value.__class__, children)
-    if kind == MAPPING and value.__class__ in _CONTAINERS:
+        return None if children is None else _Sequence(container, children)
+    if kind == MAPPING and container in _CONTAINERS:
         _, keys, order = structure[1]
         children = _nodes(structure[2], [value[key] for key in order], foreign)
-        return None if children is None else _Mapping(value.__class__, keys, order, children)
+        return None if children is None else _Mapping(container, keys, order, children)
     return None
 
 
