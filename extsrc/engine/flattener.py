@@ -99,7 +99,7 @@ def _foreign(to_array: Callable[[Any, str], np.ndarray]) -> Convert:
             array = to_array(value, "")
         except TypeError:
             return None  # flatten() says why, naming the field
-        return array if type(array) is np.ndarray and array.dtype.kind in NUMERIC_KINDS else None
+        return _numeric(array) if type(array) is np.ndarray else None
     return convert
 
 
@@ -114,7 +114,8 @@ _CONVERT = {
     str: lambda value: np.frombuffer(value.encode("utf-8"), np.uint8),
     bytes: lambda value: np.frombuffer(value, np.uint8),
 }
-_CONTAINERS = (dict, collections.OrderedDict, tuple, list)
+_MAPPINGS = (dict, collections.OrderedDict)  # the classes flatten() keeps as they are
+_SEQUENCES = (tuple, list)
 
 
 def _leaf(value: Any, foreign: ForeignLeaves) -> Optional[_Node]:
@@ -134,10 +135,10 @@ def _node(structure: Structure, value: Any, foreign: ForeignLeaves) -> Optional[
     if kind in (ARRAY, STRING, BYTES):
         return _leaf(value, foreign)
     container = type(value)
-    if kind == NAMEDTUPLE or (kind == SEQUENCE and container in _CONTAINERS):
+    if kind == NAMEDTUPLE or (kind == SEQUENCE and container in _SEQUENCES):
         children = _nodes(structure[2], value, foreign)
         return None if children is None else _Sequence(container, children)
-    if kind == MAPPING and container in _CONTAINERS:
+    if kind == MAPPING and container in _MAPPINGS:
         _, keys, order = structure[1]
         children = _nodes(structure[2], [value[key] for key in order], foreign)
         return None if children is None else _Mapping(container, keys, order, children)
@@ -197,7 +198,7 @@ class Flattener:
 
     def learned(self, sample: Any) -> Optional[Tuple[np.ndarray, ...]]:
         """``sample`` flattened, if it has the structure learnt from the first sample; else
-        None (then :meth:`__call__` takes it, and says what is wrong where)."""
+        None (then :meth:`walk` takes it, and says what is wrong where)."""
         plan = self._plan
         if plan is None:
             return None
@@ -205,11 +206,13 @@ class Flattener:
         return None if leaves is None else (plan.encoded, *leaves)
 
     def __call__(self, sample: Any, where: str) -> Tuple[np.ndarray, ...]:
-        """``sample`` flattened; ``TypeError`` naming ``where`` (e.g. ``"dataset[7]"``) and the
+        """``sample`` flattened: :meth:`learned`, else :meth:`walk`."""
+        return self.learned(sample) or self.walk(sample, where)
+
+    def walk(self, sample: Any, where: str) -> Tuple[np.ndarray, ...]:
+        """``sample`` flattened by walking it (a caller that tried :meth:`learned` first builds
+        ``where`` only then); ``TypeError`` naming ``where`` (e.g. ``"dataset[7]"``) and the
         field for a value the structure cannot carry."""
-        flat = self.learned(sample)
-        if flat is not None:
-            return flat
         leaves: List[np.ndarray] = []
         structure = flatten(sample, leaves, where, foreign=self._foreign)
         encoded = self._encoded.get(structure)
@@ -232,5 +235,5 @@ class Flattener:
     def columns(self, samples: List[Any], where: str) -> Tuple[List[np.ndarray], ...]:
         """A batch of ``samples`` flattened: one list per output (the structures first), the
         samples of the batch ``where`` names in order."""
-        flat = [self.learned(sample) or self(sample, f"sample {k} of {where}") for k, sample in enumerate(samples)]
+        flat = [self.learned(sample) or self.walk(sample, f"sample {k} of {where}") for k, sample in enumerate(samples)]
         return tuple(list(column) for column in zip(*flat))

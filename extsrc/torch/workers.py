@@ -102,7 +102,7 @@ class DatasetSamples:
         if type(sample) is np.ndarray and sample.dtype.kind in NUMERIC_KINDS:
             return self._single, sample
         # A sample shaped like the first (learnt), else walked and named for its error.
-        return self.flatten.learned(sample) or self.flatten(sample, f"dataset[{record}]")
+        return self.flatten.learned(sample) or self.flatten.walk(sample, f"dataset[{record}]")
 
     def shaped(self, sample: Any, where: str) -> Any:
         """``sample`` as the engine takes it (its structure, then its arrays)."""
