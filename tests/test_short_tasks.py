@@ -175,6 +175,58 @@ def test_small_batches_go_ahead_only_as_far_as_the_address_space_allows():
     assert 2 * 2 <= prefetch < policy.small_batch_prefetch(2 * 2, 1 << 20, 2, 2, None, None)
 
 
+def made_by(info):
+    """Sample: the worker's pid and ``idx_in_epoch``."""
+    return np.array([os.getpid(), info.idx_in_epoch], np.int64)
+
+
+def slowly_made_by(info):
+    time.sleep(LONG_TASK_S)
+    return made_by(info)
+
+
+def batch_rows(batch, first: int) -> np.ndarray:
+    """The batch's samples as rows (pid, idx_in_epoch), checked to be ``first, first + 1, ...``."""
+    rows = np.stack(list(batch))
+    assert list(rows[:, 1]) == list(range(first, first + len(rows))), f"samples from {first} out of place"
+    return rows
+
+
+def test_a_given_small_prefetch_cuts_only_batches_that_take_long():
+    # prefetch=2 with two workers: a batch is cut in two, so that each worker has a task queued
+    # behind its running one, until the pool has timed the source's batches; one a worker makes
+    # in under WHOLE_BATCH_S then goes whole to one worker (an answer and a wake-up of the
+    # pool's thread fewer per batch).
+    short, long = policy.WHOLE_BATCH_S / 2, policy.WHOLE_BATCH_S * 3
+    assert policy.task_ranges(256, 2, 2, 0.0) == 2  # not timed yet
+    assert policy.task_ranges(256, 2, 2, short) == 1
+    assert policy.task_ranges(256, 2, 2, long) == 2
+    assert (policy.task_ranges(256, 8, 2, short), policy.task_ranges(256, 8, 2, long)) == (4, 8)
+    assert policy.task_ranges(256, 2, 4, long) == 1  # the default prefetch: never cut
+    assert policy.task_ranges(3, 8, 1, long) == 3  # never more tasks than samples
+
+
+def slow_then_fast(info):
+    if info.idx_in_epoch < 8 * 4:
+        time.sleep(LONG_TASK_S / 8)  # batches of 8 as long as a long task
+    return made_by(info)
+
+
+def fast_then_slow(info):
+    if info.idx_in_epoch >= 8 * 300:
+        time.sleep(LONG_TASK_S / 8)
+    return made_by(info)
+
+
+@pytest.mark.parametrize("callback", [slow_then_fast, fast_then_slow])
+def test_batches_stay_whole_and_in_order_while_their_cut_changes(callback):
+    # Each source's batches change from long to short or back: the pool cuts them anew (see
+    # above) while batches of the old cut are still being made.
+    with ParallelSource(callback, 8, num_workers=2, start_method="fork", prefetch=2) as source:
+        for k, batch in zip(range(320), source):
+            batch_rows(batch, 8 * k)
+
+
 def test_on_a_shared_pool_only_the_source_with_short_tasks_goes_further_ahead():
     # Both sources' batches are small; one's tasks take long. Were it widened too (or its
     # tasks queued 8 deep in a worker because the other's are short), the short source's next

@@ -139,11 +139,24 @@ def resume_mark(prefetch: int) -> Optional[int]:
     return prefetch // RESUME_SHARE if prefetch >= REST_MIN_PREFETCH else None
 
 
-def task_ranges(batch_size: int, num_workers: int, prefetch: int) -> int:
+# A batch of a sample-mode source is cut into enough tasks that, over the prefetch, every
+# worker has one running and one queued, so that it never waits for the pool between two. Each
+# task costs an answer, and the pool's I/O thread a wake-up that preempts a worker; for batches
+# a worker makes in under WHOLE_BATCH_S, that costs more than the wait, and a batch is cut for
+# one task per worker instead. Only a prefetch under twice the workers cuts batches at all.
+# Measured with prefetch=2, 2 workers, batch 256 of 1 KiB samples, interleaved, samples/s of
+# one task per worker against two: +12 to +17% for batches of 0.5 ms, -1 to +8% at 0.9 ms,
+# -11 to +1% at 1.7 ms, -7% at 2.9 ms.
+WHOLE_BATCH_S = 0.001
+
+
+def task_ranges(batch_size: int, num_workers: int, prefetch: int, batch_seconds: float = 0.0) -> int:
     """How many tasks a batch of a sample-mode source is cut into: enough that every worker has
-    work queued while ``prefetch`` batches are in flight, and no more (each task costs two
-    messages)."""
-    return min(batch_size, max(1, math.ceil(2 * num_workers / prefetch)))
+    a task while ``prefetch`` batches are in flight and, unless a whole batch takes under
+    :data:`WHOLE_BATCH_S` (``batch_seconds``, as timed; 0.0: not yet), one queued as well; no
+    more (each task costs two messages)."""
+    per_worker = 1 if 0.0 < batch_seconds < WHOLE_BATCH_S else 2
+    return min(batch_size, max(1, math.ceil(per_worker * num_workers / prefetch)))
 
 
 # -- which copy: how samples reach shared memory -----------------------------------------------

@@ -727,6 +727,12 @@ class WorkerPool(ClosedWhenCollected):
         will not come soon when that one's task turned out slow)."""
         return any(not load.outstanding for load in self._loads)
 
+    def task_seconds(self, source_id: int) -> float:
+        """*engine*, lock held: how long the source's tasks take a worker (a moving average;
+        0.0: none timed yet)."""
+        timed = self._task_times.get(source_id)
+        return 0.0 if timed is None else timed.seconds
+
     def tasks_short(self, source_id: int) -> bool:
         """*engine*, lock held: whether the source's tasks are short (a worker may hold more
         than ``max_outstanding`` of them), as timed so far."""

@@ -91,7 +91,10 @@ class Producer:
         self._batch_seq = itertools.count()
         self._runs = itertools.count(1)
         self._closed = False
-        self._range_cache: Optional[List[Tuple[int, int]]] = None
+        self._ranges_last: Optional[List[Tuple[int, int]]] = None  # the last batch's tasks
+        # Whether batches are cut into tasks (timing only ever cuts fewer): else each is one.
+        self._cut = kind == SAMPLE and spec.hooks.assign is None and policy.task_ranges(
+            spec.batch_size, pool.num_workers, self.base_prefetch) > 1
         local = pool.workers_backend.local_processes  # else no /proc of the workers to read
         self.notes: List[str] = []  # warnings from the workers, raised by the consumer (commit)
         self._noted: Set[str] = set()  # each once
@@ -390,17 +393,19 @@ class Producer:
         return ahead - slots.ready < self.prefetch and ahead + slots.held < slots.keep
 
     def _ranges(self) -> List[Tuple[int, int]]:
-        if self._range_cache is None:
-            self._range_cache = self._compute_ranges()
-        return self._range_cache
-
-    def _compute_ranges(self) -> List[Tuple[int, int]]:
-        batch_size = self.spec.batch_size
-        if self.kind != SAMPLE or self.spec.hooks.assign is not None:
-            return [(0, batch_size)]  # a batch callback, or a whole batch to one worker
-        parts = policy.task_ranges(batch_size, self.pool.num_workers, self.base_prefetch)
-        bounds = [round(i * batch_size / parts) for i in range(parts + 1)]
-        return list(zip(bounds[:-1], bounds[1:]))
+        """The samples of each task of the next batch: the whole batch (a batch callback,
+        ``hooks.assign``: a batch to one worker, or a prefetch of twice the workers or more), or
+        cut as :func:`extsrc.engine.policy.task_ranges` says for batches timed as the last."""
+        ranges = self._ranges_last
+        if ranges is None or self._cut:
+            batch_size = self.spec.batch_size
+            batch_seconds = self.pool.task_seconds(self.source_id) * len(ranges or ())
+            parts = (policy.task_ranges(batch_size, self.pool.num_workers, self.base_prefetch,
+                                        batch_seconds) if self._cut else 1)
+            if ranges is None or len(ranges) != parts:
+                bounds = [round(i * batch_size / parts) for i in range(parts + 1)]
+                ranges = self._ranges_last = list(zip(bounds[:-1], bounds[1:]))
+        return ranges
 
     def _total_need(self, region_bytes: int) -> int:
         return max(region_bytes, 1) * (self.slots.keep + 1)
