@@ -32,6 +32,35 @@ class StopsAt:
         return np.array(info[:4], dtype=np.int64)
 
 
+class CalledSample:
+    """A callback object, as DALI's examples write them: its ``__call__`` gives ``sample_of``
+    shifted by ``offset``."""
+
+    def __init__(self, offset: int):
+        self.offset = offset
+
+    def __call__(self, info):
+        return sample_of(info) + self.offset
+
+
+class CalledSampleSubclass(CalledSample):
+    pass
+
+
+class StaticCall:
+    @staticmethod
+    def __call__(info):
+        return sample_of(info) + 2
+
+
+class ClassCall:
+    offset = 3
+
+    @classmethod
+    def __call__(cls, info):
+        return sample_of(info) + cls.offset
+
+
 def two_outputs(info):
     """An image-like uniform output and a ragged label list."""
     image = np.full((2, 3), info.idx_in_epoch, dtype=np.uint8)

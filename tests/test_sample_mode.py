@@ -5,9 +5,9 @@ import pytest
 
 from extsrc import Batch, Hooks, ParallelSource, SampleInfo
 
-from sources import (RecordsWorkerStart, ReturnsWorkerStart, auto_outputs, outputs_by_iteration,
-                     outputs_change_at_5, sample_of,
-                     two_outputs, with_empty_samples)
+from sources import (CalledSample, CalledSampleSubclass, ClassCall, RecordsWorkerStart,
+                     ReturnsWorkerStart, StaticCall, auto_outputs, outputs_by_iteration,
+                     outputs_change_at_5, sample_of, two_outputs, with_empty_samples)
 
 
 def rows(batch):
@@ -20,6 +20,19 @@ def test_batches_carry_sample_info_in_index_order():
         first, second = next(it), next(it)
     assert rows(first) == [(k, k, 0, 0) for k in range(4)]
     assert rows(second) == [(4 + k, k, 1, 0) for k in range(4)]
+
+
+@pytest.mark.parametrize("callback, offset", [(CalledSample(1), 1), (CalledSampleSubclass(5), 5),
+                                              (StaticCall(), 2), (ClassCall(), 3)])
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_callback_object_is_called_as_its_class_defines(callback, offset, start_method):
+    # A plain __call__ (the workers call it bound, once looked up), inherited, a staticmethod or
+    # a classmethod one: each sample is what callback(info) gives.
+    with ParallelSource(callback, 4, num_workers=2, start_method=start_method) as src:
+        it = iter(src)
+        batches = [next(it) for _ in range(3)]
+    assert [rows(b) for b in batches] == [[(4 * i + k + offset, k + offset, i + offset, offset)
+                                           for k in range(4)] for i in range(3)]
 
 
 def test_each_loop_is_a_new_epoch_counted_from_zero():

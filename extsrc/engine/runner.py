@@ -17,6 +17,7 @@ import pickle
 import math
 import time
 import traceback
+import types
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Type, Union
 
 import numpy as np
@@ -52,6 +53,17 @@ def _nbytes(value: object) -> int:
     if isinstance(value, (tuple, list)):
         return sum(v.nbytes for v in value if isinstance(v, np.ndarray))
     return 0
+
+
+def _bound_call(callback: Callable[..., Any]) -> Callable[..., Any]:
+    """``callback``, or for an instance of a class whose ``__call__`` is a Python function (as
+    DALI's examples write callbacks, and ``from_dataset``'s), that function bound to it: the
+    same call, without looking up ``__call__`` again for every sample (about 0.1 us each)."""
+    for klass in type(callback).__mro__:
+        call = klass.__dict__.get("__call__")
+        if call is not None:  # a plain function binds; a staticmethod or other descriptor not
+            return types.MethodType(call, callback) if type(call) is types.FunctionType else callback
+    return callback
 
 
 def _no_clock() -> int:
@@ -398,7 +410,7 @@ class SourceRunner:
     # -- sample mode ---------------------------------------------------------------------------
 
     def _run_samples(self, task: Task) -> Result:
-        callback = self.callback
+        callback = _bound_call(self.callback)
         base = task.iteration * self.setup.batch_size
         first, last = base + task.start, base + task.stop
         records, stopped = self._records(task.epoch_idx, first, last)

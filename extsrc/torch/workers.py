@@ -89,6 +89,7 @@ class DatasetSamples:
         self.dataset = dataset
         self.flatten = Flattener(TENSOR_LEAVES)
         self._single = Flattener(TENSOR_LEAVES)(np.zeros(0), "")[0]  # the structure of one array
+        self._numeric: Optional[np.dtype] = None  # the dtype of the last sample that was one array
 
     def __call__(self, info: Any) -> Any:
         # _item() and shaped() written out: this runs once per sample, and the common case
@@ -99,8 +100,11 @@ class DatasetSamples:
         except Exception as exc:
             _note(exc, f"dataset[{record!r}]")
             raise
-        if type(sample) is np.ndarray and sample.dtype.kind in NUMERIC_KINDS:
-            return self._single, sample
+        if type(sample) is np.ndarray:
+            dtype = sample.dtype
+            if dtype is self._numeric or dtype.kind in NUMERIC_KINDS:
+                self._numeric = dtype  # the last numeric dtype: the next sample's, mostly
+                return self._single, sample
         # A sample shaped like the first (learnt), else walked and named for its error.
         return self.flatten.learned(sample) or self.flatten.walk(sample, f"dataset[{record}]")
 
