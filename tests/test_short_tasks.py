@@ -16,6 +16,7 @@ import pytest
 
 from extsrc import ParallelSource, WorkerPool
 from faultkit import run_isolated
+from sources import sample_of
 from extsrc.engine import policy
 from extsrc.shm import limits
 
@@ -175,21 +176,10 @@ def test_small_batches_go_ahead_only_as_far_as_the_address_space_allows():
     assert 2 * 2 <= prefetch < policy.small_batch_prefetch(2 * 2, 1 << 20, 2, 2, None, None)
 
 
-def made_by(info):
-    """Sample: the worker's pid and ``idx_in_epoch``."""
-    return np.array([os.getpid(), info.idx_in_epoch], np.int64)
-
-
-def slowly_made_by(info):
-    time.sleep(LONG_TASK_S)
-    return made_by(info)
-
-
-def batch_rows(batch, first: int) -> np.ndarray:
-    """The batch's samples as rows (pid, idx_in_epoch), checked to be ``first, first + 1, ...``."""
-    rows = np.stack(list(batch))
-    assert list(rows[:, 1]) == list(range(first, first + len(rows))), f"samples from {first} out of place"
-    return rows
+def check_batch(batch, first: int) -> None:
+    """The batch's samples (``sample_of``'s) are ``first, first + 1, ...``, each once."""
+    got = [int(sample[0]) for sample in batch]
+    assert got == list(range(first, first + len(got))), f"samples from {first} out of place"
 
 
 def test_a_given_small_prefetch_cuts_only_batches_that_take_long():
@@ -209,13 +199,13 @@ def test_a_given_small_prefetch_cuts_only_batches_that_take_long():
 def slow_then_fast(info):
     if info.idx_in_epoch < 8 * 4:
         time.sleep(LONG_TASK_S / 8)  # batches of 8 as long as a long task
-    return made_by(info)
+    return sample_of(info)
 
 
 def fast_then_slow(info):
     if info.idx_in_epoch >= 8 * 300:
         time.sleep(LONG_TASK_S / 8)
-    return made_by(info)
+    return sample_of(info)
 
 
 @pytest.mark.parametrize("callback", [slow_then_fast, fast_then_slow])
@@ -224,7 +214,7 @@ def test_batches_stay_whole_and_in_order_while_their_cut_changes(callback):
     # above) while batches of the old cut are still being made.
     with ParallelSource(callback, 8, num_workers=2, start_method="fork", prefetch=2) as source:
         for k, batch in zip(range(320), source):
-            batch_rows(batch, 8 * k)
+            check_batch(batch, 8 * k)
 
 
 def test_on_a_shared_pool_only_the_source_with_short_tasks_goes_further_ahead():

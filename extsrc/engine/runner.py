@@ -286,6 +286,7 @@ class SourceRunner:
         self.faults: List[SampleFault] = []  # samples skipped or replaced, until their task answers
         if hooks.on_error is not None and setup.kind == SAMPLE:
             callback = self.callback = guarded(callback, hooks.on_error, self.faults, is_async(callback))
+        self.sample_call = _bound_call(callback)  # what a task in sample mode calls per sample
         if is_async(callback):
             self.engine = AsyncEngine(callback, setup.concurrency)
             self.call_batch = self.engine.call
@@ -410,7 +411,7 @@ class SourceRunner:
     # -- sample mode ---------------------------------------------------------------------------
 
     def _run_samples(self, task: Task) -> Result:
-        callback = _bound_call(self.callback)
+        callback = self.sample_call
         base = task.iteration * self.setup.batch_size
         first, last = base + task.start, base + task.stop
         records, stopped = self._records(task.epoch_idx, first, last)

@@ -89,7 +89,7 @@ class DatasetSamples:
         self.dataset = dataset
         self.flatten = Flattener(TENSOR_LEAVES)
         self._single = Flattener(TENSOR_LEAVES)(np.zeros(0), "")[0]  # the structure of one array
-        self._numeric: Optional[np.dtype] = None  # the dtype of the last sample that was one array
+        self._numeric: Optional[np.dtype] = None  # the dtype of the last numeric array sample
 
     def __call__(self, info: Any) -> Any:
         # _item() and shaped() written out: this runs once per sample, and the common case
