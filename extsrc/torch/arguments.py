@@ -14,6 +14,7 @@ from torch.utils.data import BatchSampler, IterableDataset, IterDataPipe, Random
 from torch.utils.data import default_collate, default_convert, graph_settings
 
 from extsrc.engine import START_METHODS, EmptyEpochError, Order, usable_cpus
+from extsrc.torch.workers import fetches_batches
 
 # The DataLoader attributes of a from_dataset loader, read-only once it is made (as DataLoader's).
 DATALOADER_ATTRIBUTES = (
@@ -87,8 +88,8 @@ class Loading:
                              f"got {'an IterableDataset' if self.iterable else 'num_workers=0'}")
         if sampled or not self.default:
             raise ValueError(f"{feature} needs the loader's own order and the default collation (no "
-                             "sampler, batch_sampler, generator= or collate_fn): with them a worker "
-                             "fetches and collates a batch in one call")
+                             "sampler, batch_sampler, generator=, collate_fn or dataset.__getitems__): "
+                             "with them a worker fetches and collates a batch in one call")
 
     @property
     def iterable(self) -> bool:
@@ -174,7 +175,11 @@ class Loading:
                 raise ValueError("the dataset is empty (len(dataset) == 0)")
             self.order = Order(len(self.dataset), shuffle=bool(self.shuffle), seed=self.seed, shard=self.shard,
                                remainder="pad")
-        self.default = self.collate_fn in (None, default_collate) and self.batch_size is not None and not sampled
+        # A map-style dataset with __getitems__ is fetched a batch per call, as DataLoader fetches
+        # it: collated in the worker as a collate_fn's batch, not sample by sample.
+        batched = not self.iterable and fetches_batches(self.dataset)
+        self.default = (self.collate_fn in (None, default_collate) and self.batch_size is not None
+                        and not sampled and not batched)
         if self.collate_fn is None:
             unbatched = self.batch_size is None and self.batch_sampler is None
             self.collate_fn = default_convert if unbatched else default_collate

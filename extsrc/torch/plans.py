@@ -8,7 +8,7 @@ import functools
 from typing import Any, Callable, Optional, Union
 
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, default_collate
 
 from extsrc.engine import (AUTO_OUTPUTS, EpochTable, Hooks, LoopPosition, Order, ParallelSource, PoolSpec, WorkerPool,
                            is_async)
@@ -103,12 +103,14 @@ class SharedMemory(WorkerPlan):
 
 class WholeBatches(WorkerPlan):
     """Batches of indices fetched and collated by ``collate_fn`` in a worker, packed whole: a
-    sampler's, drawn here as each loop begins (into an :class:`EpochTable`), or the own order's."""
-
-    rebuild = staticmethod(unpack_whole)
+    sampler's, drawn here as each loop begins (into an :class:`EpochTable`), or the own order's.
+    ``default_collate``'s batches (with a sampler, or a dataset's ``__getitems__``) come as
+    columns that :class:`Collation` rebuilds, as the default collation's."""
 
     def __init__(self, args: Loading):
         super().__init__(args)
+        self.columns = args.collate_fn is default_collate and args.batch_sampler is not None
+        self.rebuild = _Columns(Collation()) if self.columns else unpack_whole
         order = args.order
         self.resumable = order is not None
         self.indices = EpochTable() if order is None else OrderBatches(order, args.batch_size,
@@ -116,7 +118,8 @@ class WholeBatches(WorkerPlan):
 
     def source(self, start: WorkerStart) -> ParallelSource:
         args, indices = self.args, self.indices
-        batches = IndexedBatches(args.dataset, args.collate_fn, indices, args.batch_sampler is not None)
+        batches = IndexedBatches(args.dataset, None if self.columns else args.collate_fn, indices,
+                                 args.batch_sampler is not None)
         if isinstance(indices, OrderBatches):
             return self._source(batches, 1, start, num_outputs=2, in_place=True, order=Order(indices.count),
                                 last_batch="drop" if args.drop_last else "partial")
@@ -136,6 +139,16 @@ class WholeBatches(WorkerPlan):
     def close(self) -> None:
         if isinstance(self.indices, EpochTable):
             self.indices.close()
+
+
+class _Columns:
+    """A batch packed as columns (:class:`IndexedBatches` without a ``collate_fn``), collated."""
+
+    def __init__(self, collation: Collation):
+        self.collation = collation
+
+    def __call__(self, tensors: Any) -> Any:
+        return self.collation(unpack_whole(tensors))
 
 
 def _worker_loader(args: Loading, pool: WorkerPool, seeds: Optional[EpochTable], worker: int) -> TorchLoader:

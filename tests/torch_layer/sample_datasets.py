@@ -204,3 +204,27 @@ class BadImages(torch.utils.data.Dataset):
         if i in self.bad:
             raise OSError(f"cannot decode image {i}")
         return self.records[i]
+
+
+class FetchedInBatches(torch.utils.data.Dataset):
+    """Records fetched only a batch at a time (``__getitem__`` refuses), as datasets that read a
+    batch in one call do: each sample says how many indices its call was given."""
+
+    def __len__(self) -> int:
+        return 11
+
+    def __getitem__(self, i: int):
+        raise NotImplementedError("fetched by __getitems__ only")
+
+    def __getitems__(self, indices):
+        if 7 in indices and getattr(self, "fails_at_7", False):
+            raise KeyError(7)
+        if getattr(self, "collated", False):  # the batch made whole, for a collate_fn that takes it
+            return {"label": torch.tensor(indices)}
+        return [{"image": torch.full((2, 2), float(i)), "label": i, "call": len(indices)} for i in indices]
+
+
+class NoBatchFetch(Records):
+    """Records whose ``__getitems__`` is None: a DataLoader fetches them one by one."""
+
+    __getitems__ = None

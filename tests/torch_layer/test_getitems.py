@@ -1,0 +1,105 @@
+"""A dataset's ``__getitems__(indices)``: from_dataset fetches a batch with it, as DataLoader does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Subset
+
+from extsrc.torch import from_dataset
+
+from sample_datasets import FetchedInBatches, NoBatchFetch, Ragged, Records
+
+
+def _flat(batch):
+    if isinstance(batch, torch.Tensor):
+        return ("tensor", batch.dtype, batch.tolist())
+    if isinstance(batch, dict):
+        return {key: _flat(value) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return (type(batch).__name__, [_flat(part) for part in batch])
+    return batch
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(batch_size=4, num_workers=0),
+    dict(batch_size=4, num_workers=2),
+    dict(batch_size=4, num_workers=2, drop_last=True, multiprocessing_context="spawn"),
+    dict(batch_size=3, num_workers=2, shuffle=True, generator=5),  # a generator seeded 5 each
+    dict(batch_size=4, num_workers=2, collate_fn=lambda samples: [s["label"] * 10 for s in samples]),
+    dict(batch_sampler=[[3, 1], [0, 2, 4, 10], [9]], num_workers=2),
+])
+def test_a_dataset_read_a_batch_at_a_time_gives_a_dataloaders_batches(kwargs):
+    def given():
+        seed = kwargs.get("generator")
+        return kwargs if seed is None else dict(kwargs, generator=torch.Generator().manual_seed(seed))
+
+    theirs = [_flat(batch) for batch in DataLoader(FetchedInBatches(), **given())]
+    with from_dataset(FetchedInBatches(), **given()) as loader:
+        ours = [_flat(batch) for batch in loader]
+    assert ours == theirs
+    assert len(ours) >= 2
+
+
+def test_batch_size_none_fetches_each_index_by_getitem_as_a_dataloader():
+    with from_dataset(Records(5), batch_size=None, num_workers=2) as loader:
+        images = [sample[0] for sample in loader]
+    assert [int(image[0, 0]) for image in images] == [0, 1, 2, 3, 4]
+    with pytest.raises(NotImplementedError):  # DataLoader too calls dataset[i] without batches
+        next(iter(from_dataset(FetchedInBatches(), batch_size=None)))
+
+
+def test_getitems_set_to_none_fetches_each_index_as_a_dataloader():
+    kwargs = dict(batch_size=3, num_workers=2)
+    theirs = [_flat(batch) for batch in DataLoader(NoBatchFetch(7), **kwargs)]
+    with from_dataset(NoBatchFetch(7), **kwargs) as loader:
+        assert [_flat(batch) for batch in loader] == theirs
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_error_in_getitems_names_the_call_and_the_loop_goes_on(num_workers):
+    dataset = FetchedInBatches()
+    dataset.fails_at_7 = True
+    with from_dataset(dataset, batch_size=4, num_workers=num_workers) as loader:
+        batches = iter(loader)
+        assert next(batches)["label"].tolist() == [0, 1, 2, 3]
+        with pytest.raises(KeyError) as raised:
+            next(batches)
+        assert next(batches)["label"].tolist() == [8, 9, 10]
+    assert "raised by dataset.__getitems__([4, 5, 6, 7])" in "\n".join(raised.value.__notes__)
+
+
+def test_a_collated_batch_from_getitems_needs_a_collate_fn_and_says_so():
+    dataset = FetchedInBatches()
+    dataset.collated = True
+    with from_dataset(dataset, batch_size=4, num_workers=2) as loader:
+        with pytest.raises(TypeError, match=r"__getitems__\(\[0, 1, 2, 3\]\) returned a dict.*give a collate_fn"):
+            next(iter(loader))
+    with from_dataset(dataset, batch_size=4, num_workers=2, collate_fn=lambda batch: batch["label"]) as loader:
+        assert [batch.tolist() for batch in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+
+
+def test_skipping_bad_samples_is_refused_for_a_dataset_read_a_batch_at_a_time():
+    with pytest.raises(ValueError, match=r"on_error='skip' needs .*dataset.__getitems__"):
+        from_dataset(FetchedInBatches(), batch_size=4, num_workers=2, on_error="skip")
+
+
+def test_a_subset_of_a_dataset_without_getitems_still_loads_sample_by_sample():
+    # Subset has a __getitems__ that calls dataset[i] for each index: the samples are the same,
+    # and per-sample features (skipping a bad sample) stay available.
+    subset = Subset(Records(12), [5, 0, 7, 3, 9, 1])
+    with from_dataset(subset, batch_size=4, num_workers=2, on_error="skip") as loader:
+        labels = [batch[1].tolist() for batch in loader]
+    assert labels == [[5, 0, 7, 3], [9, 1]]
+
+
+def test_a_sampler_s_ragged_field_is_a_list_of_tensors_as_without_a_sampler():
+    # With a sampler the workers collate each batch too; a field whose samples differ in shape
+    # comes as the default collation gives it (a list of tensors) where default_collate fails.
+    with pytest.raises(RuntimeError):
+        list(DataLoader(Ragged(), batch_size=4, sampler=[0, 1, 2, 3]))
+    with from_dataset(Ragged(), batch_size=4, sampler=[0, 1, 2, 3], num_workers=2) as loader:
+        (sequences, labels), = list(loader)
+    assert isinstance(sequences, list) and [t.tolist() for t in sequences] == [
+        [0.0], [1.0, 2.0], [2.0, 3.0, 4.0], [3.0]]
+    assert labels.tolist() == [0, 1, 2, 3]
