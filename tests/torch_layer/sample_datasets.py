@@ -33,6 +33,9 @@ class Records(torch.utils.data.Dataset):
             return Pair(image, torch.tensor(i))
         if self.kind == "single":
             return np.arange(3, dtype=np.int64) + i
+        if self.kind == "nested":
+            return {"path": f"/data/{i}.jpg", "meta": {"size": (i, 2 * i), "scale": i / 4}, "image": image,
+                    "tags": [f"t{i}", b"raw"]}
         raise ValueError(self.kind)
 
 

@@ -12,13 +12,14 @@ from sample_datasets import FetchedInBatches, NoBatchFetch, Ragged, Records
 
 
 def _flat(batch):
+    """A batch as comparable values that keep its types, dtypes and key order."""
     if isinstance(batch, torch.Tensor):
         return ("tensor", batch.dtype, batch.tolist())
     if isinstance(batch, dict):
-        return {key: _flat(value) for key, value in batch.items()}
+        return ("dict", [(key, _flat(value)) for key, value in batch.items()])
     if isinstance(batch, (list, tuple)):
         return (type(batch).__name__, [_flat(part) for part in batch])
-    return batch
+    return (type(batch).__name__, batch)
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -91,6 +92,14 @@ def test_a_subset_of_a_dataset_without_getitems_still_loads_sample_by_sample():
     with from_dataset(subset, batch_size=4, num_workers=2, on_error="skip") as loader:
         labels = [batch[1].tolist() for batch in loader]
     assert labels == [[5, 0, 7, 3], [9, 1]]
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list", "dict", "namedtuple", "single", "nested"])
+def test_a_sampler_s_batches_have_a_dataloaders_types_and_dtypes(kind):
+    kwargs = dict(batch_size=3, sampler=[4, 0, 9, 2, 7])
+    theirs = [_flat(batch) for batch in DataLoader(Records(10, kind), **kwargs)]
+    with from_dataset(Records(10, kind), num_workers=2, **kwargs) as loader:
+        assert [_flat(batch) for batch in loader] == theirs
 
 
 def test_a_sampler_s_ragged_field_is_a_list_of_tensors_as_without_a_sampler():
