@@ -17,7 +17,7 @@ from extsrc.torch.loader import TorchLoader
 from extsrc.torch.loaders import Attributes, InProcessLoader, IterableLoader, WorkerLoop
 from extsrc.torch.structure import Collation, unpack_whole
 from extsrc.torch.workers import (AsyncDatasetSamples, DatasetSamples, IndexedBatches, IterableBatches,
-                                  OrderBatches, WorkerStart, any_worker, round_robin)
+                                  OrderBatches, PackedColumns, WorkerStart, any_worker, round_robin)
 
 
 def loader_for(args: Loading) -> Union[InProcessLoader, DatasetLoader, IterableLoader]:
@@ -142,13 +142,15 @@ class WholeBatches(WorkerPlan):
 
 
 class _Columns:
-    """A batch packed as columns (:class:`IndexedBatches` without a ``collate_fn``), collated."""
+    """A batch of the default collation (:class:`IndexedBatches` without a ``collate_fn``):
+    :class:`PackedColumns` collated here, else the batch ``default_collate`` made in the worker."""
 
     def __init__(self, collation: Collation):
         self.collation = collation
 
     def __call__(self, tensors: Any) -> Any:
-        return self.collation(unpack_whole(tensors))
+        batch = unpack_whole(tensors)
+        return self.collation(batch.columns) if type(batch) is PackedColumns else batch
 
 
 def _worker_loader(args: Loading, pool: WorkerPool, seeds: Optional[EpochTable], worker: int) -> TorchLoader:

@@ -112,6 +112,11 @@ def _rebuild_whole(structure: Structure, leaves: Tuple[Any, ...], position: Any)
     return container(structure, children, structure[1])
 
 
+def holds_dtype(dtype: np.dtype) -> bool:
+    """Whether a tensor can hold NumPy's ``dtype`` (:func:`unpack_whole` can view it)."""
+    return dtype in _TORCH_DTYPES
+
+
 def unpack_whole(tensors: Tuple[Any, Any]) -> Any:
     """A batch packed by :func:`pack_whole` (the source's one-sample batch as tensors), with
     its tensors views of the shared memory."""

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import itertools
 import random
-from typing import Any, Callable, Iterator, List, Mapping, Optional, Union
+from typing import Any, Callable, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 import torch
-from torch.utils.data import IterDataPipe, Subset, get_worker_info, graph_settings
+from torch.utils.data import IterDataPipe, Subset, default_collate, get_worker_info, graph_settings
 from torch.utils.data._utils import worker as torch_worker
 
 from extsrc.engine import HEAP_BUFFERS, NUMERIC_KINDS, EpochTable, Flattener, Order, RecordCache, pack_whole
-from extsrc.torch.structure import TENSOR_LEAVES
+from extsrc.torch.structure import TENSOR_LEAVES, holds_dtype
 
 StackDataset = getattr(torch.utils.data, "StackDataset", None)  # PyTorch 2.2 and later
 
@@ -67,10 +67,11 @@ def fetches_batches(dataset: Any) -> bool:
     if not method:
         return False
     function = getattr(method, "__func__", None)
+    owner: Any = getattr(method, "__self__", None)  # the Subset or StackDataset the method is of
     if function is Subset.__getitems__:
-        return fetches_batches(dataset.dataset)
+        return fetches_batches(owner.dataset)
     if StackDataset is not None and function is StackDataset.__getitems__:
-        inner = dataset.datasets.values() if isinstance(dataset.datasets, dict) else dataset.datasets
+        inner = owner.datasets.values() if isinstance(owner.datasets, dict) else owner.datasets
         return any(fetches_batches(part) for part in inner)
     return True
 
@@ -198,11 +199,17 @@ class OrderBatches:
         return self._records.get(epoch_idx, start, min(start + self.batch_size, len(self.order)))
 
 
+class PackedColumns(NamedTuple):
+    """A batch as the columns of its samples (the structures first), packed by
+    :class:`IndexedBatches` for :class:`~extsrc.torch.structure.Collation` to rebuild."""
+
+    columns: Tuple[Any, ...]
+
+
 class IndexedBatches:
     """Workers' callback making whole batches: batch ``k`` of epoch ``e``, ``indices.batch(e, k)``,
-    fetched, collated by ``collate_fn`` (``None``: flattened into columns, which
-    :class:`~extsrc.torch.structure.Collation` rebuilds as ``default_collate`` would) and packed
-    whole (:func:`~extsrc.engine.pack_whole`)."""
+    fetched, collated by ``collate_fn`` (``None``: the default collation, as :class:`PackedColumns`
+    where :func:`packed_columns` can) and packed whole (:func:`~extsrc.engine.pack_whole`)."""
 
     def __init__(self, dataset: Any, collate_fn: Optional[Callable[[Any], Any]],
                  indices: Union[OrderBatches, EpochTable], batched: bool):
@@ -210,7 +217,6 @@ class IndexedBatches:
         self.collate_fn = collate_fn
         self.indices = indices
         self.batched = batched
-        self.flatten = Flattener(TENSOR_LEAVES)
 
     def __call__(self, info: Any, buffers: Any) -> Any:
         indices = self.indices.batch(info.epoch_idx, info.idx_in_epoch)
@@ -218,25 +224,37 @@ class IndexedBatches:
         if self.collate_fn is not None:
             return pack_whole(self.collate_fn(samples), buffers, f"collate_fn's batch {info.idx_in_epoch}",
                               TENSOR_LEAVES)
-        # Not default_collate itself: in a worker it puts each tensor in a new torch shared-memory
-        # file, which pack_whole would then copy (a batch in 1.6-2x the time).
-        where = f"batch {info.idx_in_epoch}"
         if isinstance(samples, Mapping):  # default_collate would take its key 0 as the first sample
             raise TypeError(
                 f"dataset.__getitems__({_shown(indices)}) returned a {type(samples).__name__}, and the "
                 "default collation takes a list of samples, one per index, as a DataLoader's "
                 "default_collate does: return a list, or give a collate_fn that takes what "
                 "__getitems__ returns")
-        columns = tuple(_stacked(column) for column in self.flatten.columns(samples, where))
-        return pack_whole(columns, buffers, where, TENSOR_LEAVES)
+        where = f"batch {info.idx_in_epoch}"
+        columns = packed_columns(samples, where)
+        return pack_whole(default_collate(samples) if columns is None else columns, buffers, where, TENSOR_LEAVES)
 
 
-def _stacked(column: List[np.ndarray]) -> Union[np.ndarray, List[np.ndarray]]:
-    """A column of a batch as one array, or as it is where its samples differ in shape or dtype."""
-    first = column[0]
-    if all(a.shape == first.shape and a.dtype == first.dtype for a in column):
-        return np.stack(column)
-    return column
+def packed_columns(samples: Any, where: str) -> Optional[PackedColumns]:
+    """The default collation's batch of ``samples`` as columns, or None where ``default_collate``
+    must make it (as DataLoader's would): not a list of samples of one structure, a column of
+    mixed dtypes (collated in the first sample's) or of a dtype PyTorch cannot hold (bfloat16).
+    Not default_collate itself where it can be helped: in a worker that puts each tensor in a new
+    torch shared-memory file, which pack_whole then copies (a batch in 1.15-1.6x the time)."""
+    if not isinstance(samples, (list, tuple)) or not samples:
+        return None
+    try:  # a Flattener of this batch: each batch of a sampler may have a structure of its own
+        flat = Flattener(TENSOR_LEAVES).columns(list(samples), where)
+    except (TypeError, ValueError):
+        return None
+    stacked: List[Any] = []
+    for column in flat:
+        first = column[0]
+        if not holds_dtype(first.dtype) or any(a.dtype != first.dtype for a in column):
+            return None
+        # A field whose samples differ in shape: a list of tensors, as the default collation's.
+        stacked.append(np.stack(column) if all(a.shape == first.shape for a in column) else column)
+    return PackedColumns(tuple(stacked))
 
 
 class IterableBatches:

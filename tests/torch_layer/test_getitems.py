@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, Subset
@@ -112,3 +113,41 @@ def test_a_sampler_s_ragged_field_is_a_list_of_tensors_as_without_a_sampler():
     assert isinstance(sequences, list) and [t.tolist() for t in sequences] == [
         [0.0], [1.0, 2.0], [2.0, 3.0, 4.0], [3.0]]
     assert labels.tolist() == [0, 1, 2, 3]
+
+
+class _Bucketed(torch.utils.data.Dataset):
+    """A list field as long as its bucket: batches of one structure each, not all alike."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return {"ids": list(range(i // 2 + 1)), "label": i}
+
+
+class _MixedDtypes(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        if i < 2:
+            return np.ones(2, np.float32 if i % 2 else np.float64), i if i % 2 else float(i)
+        return torch.full((2,), i, dtype=torch.bfloat16), i
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_a_batch_sampler_s_batches_may_each_have_a_structure_of_their_own(num_workers):
+    kwargs = dict(batch_sampler=[[0, 1], [2, 3], [4, 5], [6, 7]])
+    theirs = [_flat(batch) for batch in DataLoader(_Bucketed(), **kwargs)]
+    with from_dataset(_Bucketed(), num_workers=num_workers, **kwargs) as loader:
+        assert [_flat(batch) for batch in loader] == theirs
+
+
+def test_a_sampler_s_batches_of_mixed_or_bfloat16_dtypes_are_collated_as_a_dataloaders():
+    # Collated as default_collate does in a DataLoader's worker: in the first sample's dtype.
+    kwargs = dict(batch_size=2, sampler=[0, 1, 2, 3])
+    theirs = [_flat(batch) for batch in DataLoader(_MixedDtypes(), num_workers=2, **kwargs)]
+    with from_dataset(_MixedDtypes(), num_workers=2, **kwargs) as loader:
+        ours = [_flat(batch) for batch in loader]
+    assert ours == theirs
+    assert ours[1][1][0][1] == torch.bfloat16
