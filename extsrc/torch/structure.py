@@ -31,6 +31,9 @@ def _tensor_array(tensor: torch.Tensor, where: str) -> np.ndarray:
     if tensor.device.type != "cpu":
         raise leaf_error(where, f"a tensor on {tensor.device}; samples must be CPU tensors (the "
                                 "workers are processes without CUDA)")
+    if tensor.layout != torch.strided:
+        raise leaf_error(where, f"a {tensor.layout} tensor; samples must be dense tensors (return "
+                                "tensor.to_dense())")
     try:
         return tensor.detach().resolve_conj().resolve_neg().numpy()
     except TypeError as exc:

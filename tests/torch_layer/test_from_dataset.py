@@ -106,6 +106,20 @@ def test_a_sample_of_another_layout_is_an_error_naming_it():
             list(loader)
 
 
+class _SparseSamples(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return torch.eye(2).to_sparse()
+
+
+def test_a_sparse_tensor_sample_is_an_error_saying_to_make_it_dense():
+    with from_dataset(_SparseSamples(), batch_size=2, num_workers=1) as loader:
+        with pytest.raises(TypeError, match=r"dataset\[0\]: a torch.sparse_coo tensor; .*tensor.to_dense\(\)"):
+            list(loader)
+
+
 class _Stream(torch.utils.data.IterableDataset):
     def __iter__(self):
         return iter(range(3))
