@@ -240,7 +240,7 @@ def packed_columns(samples: Any, where: str) -> Optional[PackedColumns]:
     must make it (as DataLoader's would): not a list of samples of one structure, a column of
     mixed dtypes (collated in the first sample's) or of a dtype PyTorch cannot hold (bfloat16).
     Not default_collate itself where it can be helped: in a worker that puts each tensor in a new
-    torch shared-memory file, which pack_whole then copies (a batch in 1.15-1.6x the time)."""
+    torch shared-memory file, which pack_whole then copies (a batch in 1.2-1.9x the time)."""
     if not isinstance(samples, (list, tuple)) or not samples:
         return None
     try:  # a Flattener of this batch: each batch of a sampler may have a structure of its own
