@@ -40,9 +40,9 @@ from extsrc.engine.refill import Refill
 from extsrc.engine.stats import usable_cpus
 from extsrc.engine.source import ParallelSource, parse_state
 from extsrc.engine.flattener import Flattener
-from extsrc.engine.structure import (ARRAY, BYTES, HEAP_BUFFERS, MAPPING, PICKLED, SCALAR, STRING,
-                                     ForeignLeaves, NUMERIC_KINDS, PackedLayout, Structure, check_same, container,
-                                     leaf_error, pack_whole)
+from extsrc.engine.structure import (ARRAY, BYTES, HEAP_BUFFERS, MAPPING, PICKLED, SCALAR, STRING, Bits,
+                                     ForeignLeaves, NUMERIC_KINDS, PackedLayout, Structure, bits_of, check_same,
+                                     container, leaf_error, pack_whole)
 from extsrc.engine.take import Cursor, first_ready
 from extsrc.engine.threads import OwnedThread
 from extsrc.engine.spec import (AUTO_OUTPUTS, START_METHODS, UNSET, PoolSpec, SourceSpec, check_backend,
@@ -64,8 +64,8 @@ __all__ = [
     "ParallelSource", "Refill", "WorkerPool", "Batch", "BatchOutput", "SampleInfo", "BatchInfo", "Order",
     "RecordCache", "EpochTable", "SampleFault", "Cursor", "LoopPosition", "first_ready", "parse_state",
     # nested samples flattened in a worker, rebuilt by a layer
-    "Flattener", "ForeignLeaves", "Structure", "PackedLayout", "pack_whole", "HEAP_BUFFERS", "check_same",
-    "container", "leaf_error", "NUMERIC_KINDS", "ARRAY", "STRING", "BYTES", "SCALAR", "PICKLED", "MAPPING",
+    "Flattener", "ForeignLeaves", "Bits", "bits_of", "Structure", "PackedLayout", "pack_whole", "HEAP_BUFFERS",
+    "check_same", "container", "leaf_error", "NUMERIC_KINDS", "ARRAY", "STRING", "BYTES", "SCALAR", "PICKLED", "MAPPING",
     # what describes a source and a pool
     "SourceSpec", "PoolSpec", "AUTO_OUTPUTS", "START_METHODS", "UNSET",
     "SourceKind", "SAMPLE", "BATCH_CALLABLE", "BATCH_ITERABLE", "BATCH_GENERATOR",

@@ -25,7 +25,7 @@ import numpy as np
 
 from extsrc.engine.pickling import dumps_classes_by_path
 from extsrc.engine.structure import (ARRAY, BYTES, MAPPING, NAMEDTUPLE, NO_FOREIGN_LEAVES, NUMERIC_KINDS, SEQUENCE,
-                                     STRING, ForeignLeaves, Structure, canonical, describe, flatten)
+                                     STRING, Bits, ForeignLeaves, Structure, bits_of, canonical, describe, flatten)
 
 Convert = Callable[[Any], Optional[np.ndarray]]  # a leaf's value -> its array, None: not as learnt
 
@@ -103,6 +103,14 @@ def _foreign(to_array: Callable[[Any, str], np.ndarray]) -> Convert:
     return convert
 
 
+def _bits(to_bits: Callable[[Any], Optional[Bits]], name: str) -> Convert:
+    """A foreign leaf learnt as the bits of the layer's dtype ``name``: another dtype is not as learnt."""
+    def convert(value: Any) -> Optional[np.ndarray]:
+        bits = to_bits(value)
+        return bits[1] if bits is not None and bits[0] == name else None
+    return convert
+
+
 def _scalar(dtype: Any) -> Convert:
     return lambda value: np.asarray(value, dtype)
 
@@ -132,6 +140,9 @@ def _node(structure: Structure, value: Any, foreign: ForeignLeaves) -> Optional[
     """The plan of ``value``, whose structure ``flatten`` gave as ``structure``; None where a
     container or leaf is of a type only ``flatten`` handles (a Mapping that is not a dict...)."""
     kind = structure[0]
+    bits = bits_of(structure) if kind == ARRAY else None
+    if bits is not None:
+        return _Leaf(type(value), _bits(foreign.to_bits, bits)) if type(value) in foreign.types else None
     if kind in (ARRAY, STRING, BYTES):
         return _leaf(value, foreign)
     container = type(value)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections.abc
 import pickle
-from typing import Any, Callable, List, NamedTuple, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -43,13 +43,24 @@ def leaf_error(where: str, what: str) -> TypeError:
     return TypeError(f"{where}: {what}" if where else what)
 
 
+Bits = Tuple[str, np.ndarray]  # a layer's dtype NumPy has none for, by name, and its bits
+
+
+def _no_bits(value: Any) -> Optional[Bits]:
+    return None
+
+
 class ForeignLeaves(NamedTuple):
     """Array kinds a layer knows and the engine does not: values of ``types`` are leaves,
     made NumPy arrays by ``to_array(value, where)``, which raises ``TypeError`` (naming
-    ``where``) for one it cannot carry."""
+    ``where``) for one it cannot carry. ``to_bits(value)``: for a value of a dtype NumPy has
+    none for (PyTorch's bfloat16), that dtype's name and an array of its bits (an integer
+    dtype of the same size), which the leaf's structure names (``(ARRAY, name)``) for the
+    consumer's layer to view them as its dtype again; None for any other value."""
 
     types: Tuple[type, ...]
     to_array: Callable[[Any, str], np.ndarray]
+    to_bits: Callable[[Any], Optional[Bits]] = _no_bits
 
 
 def _no_array(value: Any, where: str) -> np.ndarray:
@@ -57,6 +68,11 @@ def _no_array(value: Any, where: str) -> np.ndarray:
 
 
 NO_FOREIGN_LEAVES = ForeignLeaves((), _no_array)  # the engine's own kinds only (picklable)
+
+
+def bits_of(structure: Structure) -> Optional[str]:
+    """The layer's dtype an ``ARRAY`` leaf's array holds the bits of (:class:`ForeignLeaves`), or None."""
+    return structure[1] if len(structure) > 1 else None
 
 
 def leaf_array(value: Any, where: str, foreign: ForeignLeaves = NO_FOREIGN_LEAVES) -> np.ndarray:
@@ -98,10 +114,20 @@ def _whole_leaf(value: Any, leaves: List[np.ndarray], where: str, foreign: Forei
     if isinstance(value, np.generic) and value.dtype.kind not in NUMERIC_KINDS:
         return _pickled(value, leaves)
     try:
-        leaves.append(leaf_array(value, where, foreign))
-        return (ARRAY,)
+        return _array_leaf(value, leaves, where, foreign)
     except TypeError:
         return _pickled(value, leaves)
+
+
+def _array_leaf(value: Any, leaves: List[np.ndarray], where: str, foreign: ForeignLeaves) -> Structure:
+    """An array or number: ``(ARRAY,)``, or ``(ARRAY, name)`` for a foreign value whose leaf
+    holds the bits of the layer's dtype ``name``."""
+    bits = foreign.to_bits(value) if foreign.types and isinstance(value, foreign.types) else None
+    if bits is not None:
+        leaves.append(bits[1])
+        return (ARRAY, bits[0])
+    leaves.append(leaf_array(value, where, foreign))
+    return (ARRAY,)
 
 
 def flatten(sample: Any, leaves: List[np.ndarray], where: str = "", whole: bool = False,
@@ -118,8 +144,7 @@ def flatten(sample: Any, leaves: List[np.ndarray], where: str = "", whole: bool 
             foreign.types and isinstance(sample, foreign.types)):
         if whole:
             return _whole_leaf(sample, leaves, where, foreign)
-        leaves.append(leaf_array(sample, where, foreign))
-        return (ARRAY,)
+        return _array_leaf(sample, leaves, where, foreign)
     if isinstance(sample, collections.abc.Mapping):
         # Leaves in an order of the keys that does not depend on the sample's, so that samples
         # whose keys come in another order still give each output the same field.
@@ -156,7 +181,8 @@ def describe(structure: Structure) -> str:
     """``structure`` in a line for an error: ``{'image': array, 'label': array}``."""
     kind: str = structure[0]
     if kind in LEAVES:
-        return {ARRAY: "tensor", STRING: "str", BYTES: "bytes"}.get(kind, kind)
+        bits = bits_of(structure) if kind == ARRAY else None
+        return f"{bits} tensor" if bits else {ARRAY: "tensor", STRING: "str", BYTES: "bytes"}.get(kind, kind)
     if kind == MAPPING:
         keys = structure[1][-1]  # the canonical order of the keys, that of the children
         return "{" + ", ".join(f"{k!r}: {describe(c)}" for k, c in zip(keys, structure[2])) + "}"

@@ -238,7 +238,7 @@ class IndexedBatches:
 def packed_columns(samples: Any, where: str) -> Optional[PackedColumns]:
     """The default collation's batch of ``samples`` as columns, or None where ``default_collate``
     must make it (as DataLoader's would): not a list of samples of one structure, a column of
-    mixed dtypes (collated in the first sample's) or of a dtype PyTorch cannot hold (bfloat16).
+    mixed dtypes (collated in the first sample's) or of a dtype PyTorch cannot hold (float128).
     Not default_collate itself where it can be helped: in a worker that puts each tensor in a new
     torch shared-memory file, which pack_whole then copies (a batch in 1.2-1.9x the time)."""
     if not isinstance(samples, (list, tuple)) or not samples:

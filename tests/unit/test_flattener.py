@@ -77,7 +77,7 @@ def test_a_sample_that_leaves_the_learnt_structure_is_walked_and_comes_out_as_a_
 
 
 @pytest.mark.parametrize("later, field", [
-    pytest.param({"image": torch.zeros(2, dtype=torch.bfloat16), "label": 1}, "['image']", id="bfloat16"),
+    pytest.param({"image": torch.zeros(2, device="meta"), "label": 1}, "['image']", id="a-tensor-not-on-the-cpu"),
     pytest.param({"image": np.array(["a"]), "label": 1}, "['image']", id="an-array-of-strings"),
     pytest.param({"image": torch.zeros(2), "label": None}, "['label']", id="a-None"),
 ])
