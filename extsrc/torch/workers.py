@@ -307,8 +307,26 @@ class IterableBatches:
         for count, batch in enumerate(grouped(iter(info.dataset), self.batch_size, self.drop_last)):
             where = f"batch {count} of this worker"
             if self.collate_fn is None:
-                yield self.flatten.columns(batch, where)
+                yield self._columns(batch, where)
             else:
                 description, buffer = pack_whole(self.collate_fn(batch), HEAP_BUFFERS, f"collate_fn's {where}",
                                                  TENSOR_LEAVES)
                 yield [description], [buffer]
+
+    def _columns(self, batch: List[Any], where: str) -> Any:
+        """A batch of the default collation as the engine's columns, in the structure of the
+        worker's first batch, which fixed the source's outputs; ``TypeError`` saying what to
+        do for a batch that differs from it and would be collated alone."""
+        try:
+            return self.flatten.columns(batch, where)
+        except TypeError as exc:
+            try:
+                Flattener(TENSOR_LEAVES).columns(batch, where)
+            except (TypeError, ValueError):
+                raise exc from None  # wrong in itself: the error says where
+            raise TypeError(
+                f"{where} has another structure than the worker's first batch ({exc}). The default "
+                "collation writes an IterableDataset's batches in the structure of each worker's "
+                "first; for batches whose fields change (buckets of lists, tasks of other keys), give "
+                "collate_fn=lambda samples: default_collate(samples), which collates each batch in "
+                "the worker as a DataLoader's does") from None

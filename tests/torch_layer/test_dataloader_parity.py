@@ -368,6 +368,34 @@ def test_an_iterable_dataset_gives_a_dataloaders_batches_in_its_order(kwargs):
                 _same(a, b)
 
 
+class _ChangingFields(torch.utils.data.IterableDataset):
+    """Batches of 2 whose fields change from batch to batch: a list that grows, then a task's keys."""
+
+    def __iter__(self):
+        for i in range(8):
+            yield {"ids": list(range(i // 2 + 1)), "label": i} if i < 4 else {"text": "abc", "label": i}
+
+
+def _collated_alone(samples):
+    return torch.utils.data.default_collate(samples)
+
+
+def test_an_iterable_dataset_whose_fields_change_is_refused_saying_what_to_give():
+    with from_dataset(_ChangingFields(), batch_size=2, num_workers=1) as loader:
+        batches = iter(loader)
+        next(batches)
+        with pytest.raises(TypeError, match=r"batch 1 of this worker has another structure than the "
+                                            r"worker's first batch .*collate_fn=lambda samples: default_collate"):
+            next(batches)
+    kwargs = dict(batch_size=2, num_workers=1, collate_fn=_collated_alone)
+    theirs = list(DataLoader(_ChangingFields(), **kwargs))
+    with from_dataset(_ChangingFields(), **kwargs) as loader:
+        ours = list(loader)
+    assert len(ours) == len(theirs) == 4
+    for a, b in zip(ours, theirs):
+        _same(a, b)
+
+
 def test_an_iterable_dataset_sharded_by_worker_init_fn_in_spawned_workers():
     with from_dataset(ShardedStream(10), batch_size=2, num_workers=2, multiprocessing_context="spawn",
                       worker_init_fn=shard_by_worker_init) as loader:
