@@ -167,13 +167,22 @@ def _bench_iterable(workload: str):
     return BenchStream(workload)
 
 
+def collate_by_default(samples):
+    """A user's collate_fn over tensors: ``default_collate``'s batch, which such a function
+    usually goes on to change (a mask, a renamed key); here it changes nothing."""
+    from torch.utils.data import default_collate
+
+    return default_collate(samples)
+
+
 def _loader_arguments(loader: str, workload: str) -> Tuple[Any, dict]:
     """The dataset and the DataLoader arguments of a DataLoader-style cell, beyond the common."""
+    collates = loader in (TORCH_COLLATE, EXTSRC_FROM_DATASET_COLLATE)
     if workload in TORCH_SHAPED:
-        return torch_shaped_dataset(workload), {}
+        return torch_shaped_dataset(workload), {"collate_fn": collate_by_default} if collates else {}
     if loader in (TORCH_ITERABLE, EXTSRC_FROM_DATASET_ITERABLE):
         return _bench_iterable(workload), {}
-    if loader in (TORCH_COLLATE, EXTSRC_FROM_DATASET_COLLATE):
+    if collates:
         return bench_dataset(workload), {"collate_fn": stack_collate}
     return bench_dataset(workload), {}
 

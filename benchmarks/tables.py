@@ -116,6 +116,8 @@ def from_dataset_table() -> Table:
     # What PyTorch datasets return, with and without workers.
     table.rows += [Row(f"{_SHAPED[w]}, batch 128, epochs of 32 batches", w, EXTSRC_FROM_DATASET, TORCH,
                        Target("samples_per_s", 1.5)) for w in ("tensor", "dict")]
+    table.rows.append(Row(f"{_SHAPED['dict']}, batch 128, a collate_fn calling default_collate", "dict",
+                          EXTSRC_FROM_DATASET_COLLATE, TORCH_COLLATE, Target("samples_per_s", 1.5)))
     table.rows += [Row(f"{_SHAPED[w]}, batch 128, num_workers=0", w, EXTSRC_FROM_DATASET_INLINE,
                        TORCH_INLINE, Target("samples_per_s", 1.0)) for w in ("tensor", "dict")]
     return table
