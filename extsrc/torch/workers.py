@@ -58,12 +58,15 @@ def stack_in_worker_memory() -> None:
 
 
 def _stacked(batch: List[torch.Tensor], *, collate_fn_map: Optional[dict] = None) -> torch.Tensor:
-    """``collate_tensor_fn`` without its shared-memory file: ``torch.stack``, or PyTorch's own
-    for the tensors it refuses (nested, sparse), which raises its error."""
+    """``collate_tensor_fn`` without its shared-memory file: stacked into a tensor of the worker's
+    memory shaped as PyTorch's (so in the first sample's dtype, and failing where it fails: other
+    dtypes it cannot cast to, samples that need grad), or by PyTorch's own for the tensors it
+    refuses (nested, sparse), which raises its error."""
     first = batch[0]
     if first.is_nested or first.layout != torch.strided:
         return collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
-    return torch.stack(batch, 0)
+    numel = sum(sample.numel() for sample in batch)
+    return torch.stack(batch, 0, out=first.new_empty(numel).resize_(len(batch), *first.shape))
 
 
 def round_robin(iteration: int, num_workers: int) -> int:

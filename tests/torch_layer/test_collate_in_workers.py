@@ -91,3 +91,37 @@ def test_a_tensor_collation_a_user_registered_stays_in_the_workers():
     finally:
         collate.default_collate_fn_map[torch.Tensor] = saved
     assert first["x"][1, 0, 0].item() == 1001.0
+
+
+class TwoDtypes(Dataset):
+    """Samples whose tensors differ in dtype: the batch is stacked in the first one's, or fails."""
+
+    def __init__(self, first, second, requires_grad=False):
+        self.dtypes, self.requires_grad = (first, second), requires_grad
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return torch.tensor([257, i], dtype=self.dtypes[i]).requires_grad_(self.requires_grad)
+
+
+def _outcome(loader):
+    try:
+        return [(batch.dtype, batch.tolist()) for batch in loader]
+    except Exception as exc:  # noqa: BLE001 - the error itself is compared
+        name, last = type(exc).__name__, str(exc).splitlines()[-1]
+        return name, last.removeprefix(f"{name}: ")  # a DataLoader repeats the type in the worker's line
+
+
+@pytest.mark.parametrize("dataset", [
+    pytest.param(TwoDtypes(torch.int16, torch.int64), id="int16-then-int64"),
+    pytest.param(TwoDtypes(torch.float32, torch.float64), id="float32-then-float64"),
+    pytest.param(TwoDtypes(torch.int16, torch.bfloat16), id="int16-then-bfloat16"),
+    pytest.param(TwoDtypes(torch.float32, torch.float32, requires_grad=True), id="requiring-grad"),
+])
+def test_a_batch_of_mixed_dtypes_is_stacked_or_refused_as_in_a_dataloaders_worker(dataset):
+    kwargs = dict(batch_size=2, num_workers=1, collate_fn=_wrapped)
+    theirs = _outcome(DataLoader(dataset, **kwargs))
+    with from_dataset(dataset, **kwargs) as loader:
+        assert _outcome(loader) == theirs
