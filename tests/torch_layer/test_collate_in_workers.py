@@ -4,6 +4,8 @@ otherwise collates and fails as in a DataLoader's worker."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
@@ -56,8 +58,8 @@ def _wrapped(samples):
 
 
 def test_tensors_of_different_sizes_fail_as_in_a_dataloader():
-    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
-        list(DataLoader(Uneven(), batch_size=2, num_workers=1, collate_fn=_wrapped))
+    kwargs = dict(batch_size=2, num_workers=1, collate_fn=_wrapped)
+    assert _outcome(DataLoader(Uneven(), **kwargs))[0] == "RuntimeError"
     with from_dataset(Uneven(), batch_size=2, num_workers=1, collate_fn=_wrapped) as loader:
         with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
             list(loader)
@@ -107,11 +109,17 @@ class TwoDtypes(Dataset):
 
 
 def _outcome(loader):
+    """The batches of a loop over ``loader``, or its error (type and last line); a DataLoader's
+    workers stopped before this returns (an iterator its error's traceback holds would keep them)."""
+    batches = iter(loader)
     try:
-        return [(batch.dtype, batch.tolist()) for batch in loader]
+        return [(batch.dtype, batch.tolist()) for batch in batches]
     except Exception as exc:  # noqa: BLE001 - the error itself is compared
         name, last = type(exc).__name__, str(exc).splitlines()[-1]
         return name, last.removeprefix(f"{name}: ")  # a DataLoader repeats the type in the worker's line
+    finally:
+        del batches
+        gc.collect()
 
 
 @pytest.mark.parametrize("dataset", [
