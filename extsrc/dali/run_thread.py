@@ -127,8 +127,11 @@ class RunThread:
         """Waits for the pending call and hands its outcome over: returns its value or raises its
         exception (steps 2 and 3). Exactly once per call, whatever interrupts the caller; only
         to the thread that started it (``RuntimeError`` in any other)."""
+        seen = self.pending
         self.wait()
         call = self.pending
+        if call is None and seen is not None and seen.caller != threading.get_ident():
+            call = seen  # another thread's call, handed to it while this one waited: refused below
         assert call is not None, "collect() without a call"
         if call.caller != threading.get_ident():
             # Another thread's call (two threads in run() at once): it stays pending for the
