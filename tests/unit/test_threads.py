@@ -75,6 +75,53 @@ def test_join_from_the_thread_itself_returns_at_once():
     assert seen == [False]  # not ended while its target runs
 
 
+class _SecondWaitsLonger(RunThread):
+    """A RunThread whose ``wait()`` in the thread ``late`` returns only once ``go`` is set:
+    the order in which two threads in ``run()`` at once see a call finish, made certain."""
+
+    late = None
+
+    def __init__(self, name):
+        super().__init__(name)
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def wait(self):
+        if threading.current_thread() is not self.late:
+            return super().wait()
+        self.entered.set()
+        super().wait()
+        assert self.go.wait(10)
+
+
+def test_a_second_thread_that_waited_on_another_threads_call_is_refused_after_it_was_handed_over():
+    # Two threads in run() at once: B waits on A's call, A collects it first. B must hear that
+    # two threads called, and A must get its call's outcome exactly once.
+    runner = _SecondWaitsLonger("extsrc-test-run")
+    gate, second = threading.Event(), []
+
+    def thread_b():
+        try:
+            second.append(runner.collect())
+        except BaseException as exc:  # what B is told, asserted below
+            second.append(exc)
+
+    runner.late = threading.Thread(target=thread_b)
+    try:
+        runner.start("run", lambda: gate.wait() and "A's batch")
+        runner.late.start()
+        assert runner.entered.wait(10)  # B has seen A's call and waits for it
+        gate.set()
+        assert runner.collect() == "A's batch"
+        runner.go.set()
+        runner.late.join(10)
+        assert len(second) == 1 and isinstance(second[0], RuntimeError), second
+        assert "called too" in str(second[0]) and "one thread at a time" in str(second[0])
+        assert runner.pending is None  # nothing left over for a later call
+    finally:
+        runner.go.set()
+        runner.stop()
+
+
 
 # Threads that die before their first line (no memory for their first frame under ulimit -v),
 # stood for by a `_thread` whose start_new_thread makes no thread, or whose get_ident() raises
