@@ -115,11 +115,10 @@ def test_a_sampler_s_ragged_field_is_a_list_of_tensors_as_without_a_sampler():
     assert labels.tolist() == [0, 1, 2, 3]
 
 
-
 @pytest.mark.parametrize("num_workers", [1, 2])
 def test_batches_alike_in_shape_after_a_ragged_one_come_as_dataloader_s(num_workers):
-    # Lengths 1 and 1, then 1 and 2, then 3 and 3: the first and last stack as DataLoader's do,
-    # whichever batch of its worker came ragged before them.
+    # Lengths 1 and 1, then 1 and 2, then 3 and 3: those alike stack as DataLoader's do,
+    # whichever batch of their worker came ragged before them.
     batch_sampler = [[0, 3], [3, 4], [2, 5], [0, 3], [5, 8]]
     alike = [0, 2, 3, 4]
     theirs = list(DataLoader(Ragged(), batch_sampler=[batch_sampler[k] for k in alike]))
