@@ -4,7 +4,7 @@ import collections
 import gc
 import resource
 import time
-from typing import Set
+from typing import List, Set
 
 import numpy as np
 import pytest
@@ -119,9 +119,32 @@ def _extsrc_mapping_names() -> Set[str]:
         return {line.split(None, 5)[-1] for line in maps if "extsrc:" in line}
 
 
+def _epochs_hold_their_memory(src: ParallelSource, expected: List[int], epochs: int = 12) -> None:
+    """Runs ``epochs`` epochs of ``src`` as a training loop that holds ``batches_held`` batches
+    while it works (as the option counts them: the one it took and those before), and checks
+    that each epoch gives ``expected`` and that no shared memory was mapped past the first."""
+    held: collections.deque = collections.deque(maxlen=src.batches_held - 1)
+    for _ in range(3):
+        held.extend(src)
+    seen = _extsrc_mapping_names()
+    before = len(seen)
+    for _ in range(epochs):
+        records = []
+        for batch in src:
+            time.sleep(0.002)  # a training step, the batches before still held: workers run ahead
+            held.append(batch)  # and the oldest is let go
+            seen |= _extsrc_mapping_names()
+            assert all(int(s.min()) == int(s.max()) for s in batch)
+            records += [int(s[0]) for s in batch]
+        assert records == expected
+    assert len(seen) - before <= 2, \
+        f"{len(seen) - before} new shared memory mappings in {epochs} epochs"
+
+
 def test_skipped_samples_make_no_new_memory_per_batch():
     # on_error="skip" refills each batch from the next workers' batch, which the source
-    # holds meanwhile: one slot more, not a new one per batch.
+    # holds meanwhile: one slot more, not a new one per batch (DALI's prefetch depth of 2:
+    # batches are dispatched as soon as one is taken).
     def sample(info):
         if info.idx_in_epoch >= 256:
             raise StopIteration
@@ -130,23 +153,21 @@ def test_skipped_samples_make_no_new_memory_per_batch():
         return np.full((16 << 10,), info.idx_in_epoch, np.int32)
 
     with ParallelSource(sample, 8, num_workers=2, on_error="skip", last_batch="partial",
-                        batches_held=4) as src:
-        held: collections.deque = collections.deque(maxlen=src.batches_held)
-        for _ in range(3):
-            held.extend(src)
-        seen = _extsrc_mapping_names()
-        before = len(seen)
-        for _ in range(12):
-            records = []
-            for batch in src:
-                held.append(batch)
-                time.sleep(0.002)  # a training step: the workers run ahead
-                seen |= _extsrc_mapping_names()
-                assert all(int(s.min()) == int(s.max()) for s in batch)
-                records += [int(s[0]) for s in batch]
-            assert records == [r for r in range(256) if r % 97 != 96]
-    # 12 epochs of 32 batches: the same slots all along, not new memory per batch
-    assert len(seen) - before <= 4, f"{len(seen) - before} new shared memory mappings in 384 batches"
+                        batches_held=4, prefetch=2) as src:
+        _epochs_hold_their_memory(src, [r for r in range(256) if r % 97 != 96])
+
+
+def test_an_epoch_end_found_late_makes_no_new_memory_at_the_turnover():
+    # The batches made past the end drain while the next epoch's are made: they must not
+    # take the place of the batches the loop holds (new memory at every epoch's turnover).
+    def sample(info):
+        if info.idx_in_epoch >= 256:
+            time.sleep(0.02)  # storage that takes a while to say the data ended
+            raise StopIteration
+        return np.full((16 << 10,), info.idx_in_epoch, np.int32)
+
+    with ParallelSource(sample, 8, num_workers=2, last_batch="partial", batches_held=4) as src:
+        _epochs_hold_their_memory(src, list(range(256)))
 
 
 def test_holding_batches_costs_their_memory_and_dropping_them_gives_it_back():

@@ -387,9 +387,14 @@ class Producer:
         taken yet thus takes no worker's place while the consumer holds fewer than
         ``batches_held``: the workers keep a task queued instead of waiting for the take."""
         ahead = len(self.pending)
+        slots = self.slots
+        if ahead and slots.waits_for_drain:
+            # At an epoch's turnover, the last one's abandoned batches drain while the new one's
+            # are dispatched: a batch made now would retire a held slot for new memory, each
+            # epoch. It waits for a drained slot instead (one batch ahead at least: no hang).
+            return False
         if ahead < self.prefetch:
             return True
-        slots = self.slots
         return ahead - slots.ready < self.prefetch and ahead + slots.held < slots.keep
 
     def _ranges(self) -> List[Tuple[int, int]]:

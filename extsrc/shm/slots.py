@@ -203,6 +203,7 @@ class SlotPool:
         self.link = link
         self.slots: Dict[int, Slot] = {}
         self.ready = 0  # slots READY now (batches finished and not taken), kept by _move
+        self.draining = 0  # slots DRAINING now (batches abandoned while workers write), kept by _move
         # id(weak reference of a live lease) -> (slot id, lease seq, the reference); a dead
         # lease's reference lands in `returns` (see Lease). Keyed by id: a dead reference
         # whose hash was never taken cannot be hashed.
@@ -224,8 +225,12 @@ class SlotPool:
             )
         if slot.state is SlotState.READY:
             self.ready -= 1
+        elif slot.state is SlotState.DRAINING:
+            self.draining -= 1
         if to is SlotState.READY:
             self.ready += 1
+        elif to is SlotState.DRAINING:
+            self.draining += 1
         slot.state = to
 
     def acquire(self, region_bytes: int, total_needed: int, batch_seq: int) -> Slot:
@@ -456,6 +461,14 @@ class SlotPool:
             self.link.drop_slot(self.source_id, slot.slot_id)
 
     # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def waits_for_drain(self) -> bool:
+        """Whether a new batch would take the place of a slot the consumer holds (no slot FREE,
+        ``keep`` of them allocated) while an abandoned batch's slot drains, which gives a free
+        one back soon: the batch is better dispatched then than made in new memory."""
+        return bool(self.draining) and len(self.slots) >= self.keep and not any(
+            s.state is SlotState.FREE for s in self.slots.values())
 
     @property
     def held(self) -> int:
