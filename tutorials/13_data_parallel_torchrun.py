@@ -171,6 +171,7 @@ def main(argv=None):
         if rank == 0:
             tutorial_io.save(args.out, __file__, first_images, first_labels, records=epoch0_records)
     if distributed:
+        dist.barrier()  # no rank tears its connections down while another still talks to it
         dist.destroy_process_group()
 
 
