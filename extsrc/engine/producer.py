@@ -272,6 +272,10 @@ class Producer:
             pending = self.in_flight.pop(task.ticket, None)
             if pending is not None:
                 pending.cancel(task.ticket)  # never sent: nothing will come for it
+                if pending.complete and pending.slot.state is SlotState.DRAINING:
+                    # A batch left at an earlier switch whose task was queued again (its
+                    # worker lost): nothing else gives its slot back.
+                    self.slots.filled(pending.slot)
         for pending in self.pending.values():
             self.slots.abandon(pending.slot)
             if pending.complete and pending.slot.state is SlotState.DRAINING:
