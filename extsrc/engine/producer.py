@@ -268,18 +268,16 @@ class Producer:
 
     def _switch(self, run: Optional[Run]) -> None:
         """Abandons the current run's batches and starts ``run``."""
-        for task in self.pool.discard_queued(self.source_id):
-            pending = self.in_flight.pop(task.ticket, None)
-            if pending is not None:
-                pending.cancel(task.ticket)  # never sent: nothing will come for it
-                if pending.complete and pending.slot.state is SlotState.DRAINING:
-                    # A batch left at an earlier switch whose task was queued again (its
-                    # worker lost): nothing else gives its slot back.
-                    self.slots.filled(pending.slot)
         for pending in self.pending.values():
-            self.slots.abandon(pending.slot)
-            if pending.complete and pending.slot.state is SlotState.DRAINING:
-                self.slots.filled(pending.slot)
+            self.slots.abandon(pending.slot)  # READY -> FREE, FILLING -> DRAINING
+        for task in self.pool.discard_queued(self.source_id):
+            batch = self.in_flight.pop(task.ticket, None)
+            if batch is not None:
+                batch.cancel(task.ticket)  # never sent: nothing will come for it
+                if batch.complete and batch.slot.state is SlotState.DRAINING:
+                    # Nothing else gives its slot back: a batch of this run, or one left at an
+                    # earlier switch whose task was queued again (its worker lost).
+                    self.slots.filled(batch.slot)
         self.pending.clear()
         self.run = run
         self.next_dispatch = 0 if run is None else run.first_iteration
