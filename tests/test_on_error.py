@@ -326,6 +326,7 @@ def test_a_state_after_the_epochs_end_points_at_the_next_epoch():
     assert (state["epoch_idx"], state["iteration"]) == (1, 0) and "refill" not in state
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # a Ctrl-C lost
 def test_an_interrupt_at_any_place_of_a_refill_loses_and_repeats_nothing():
     # Epoch k is cut once, at the k-th place a Ctrl-C can land in the refill (counted from the
     # epoch's start), and the loop goes on after it; k = 1, 2, ... until an epoch has no k-th.

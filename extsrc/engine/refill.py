@@ -316,7 +316,9 @@ def _joined(parts: List[BatchOutput]) -> BatchOutput:
     columns = list(zip(*(_outputs(p) for p in parts)))
     joined: List[Output] = []
     for column in columns:
-        if all(isinstance(o, np.ndarray) for o in column) and len(
+        # A list, not a generator: all() stopping early would leave a generator whose close,
+        # later, a Ctrl-C could land in and be lost ("Exception ignored in").
+        if all([isinstance(o, np.ndarray) for o in column]) and len(
                 {(o.shape[1:], o.dtype) for o in column}) == 1:
             joined.append(np.concatenate(column))
             continue
