@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 import weakref
-from typing import Protocol
+from typing import Any, Callable, List, Optional, Protocol
 
 # Held across every fork, and while a descriptor is created and registered, so that no child
 # is forked between the two (it would inherit a descriptor it does not know to close).
@@ -104,6 +105,55 @@ def drop_inherited_memory() -> None:
     """
     for mapping in list(_droppable):
         mapping.drop_in_worker()
+
+
+def start_forking(start: Callable[[], object]) -> Optional[KeyboardInterrupt]:
+    """Runs ``start()``, which forks (a fork worker's ``Process.start()``), so that an interrupt
+    landing in another library's fork hook is neither lost nor leaves that library stuck.
+    Returns such an interrupt, for the caller to raise once it recorded the new process.
+
+    Python runs every library's fork hooks (``os.register_at_fork``) and prints and drops
+    what one raises ("Exception ignored in"). A Ctrl-C that landed in one was lost, and one
+    that landed in :mod:`logging`'s, which gives back logging's module lock after the fork,
+    left that lock held by this thread for good: the next fork from any other thread (the
+    pool's I/O thread replacing a lost worker) waited for it forever, and the pool with it.
+    Here an interrupt a hook of this thread drops is kept and returned, and logging's lock,
+    if the fork left it held, is given back. Only the main thread needs this: signal
+    handlers run there alone.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        start()
+        return None
+    dropped: List[KeyboardInterrupt] = []
+    ident, previous = threading.get_ident(), sys.unraisablehook
+
+    def keep(unraisable: Any) -> None:  # sys.UnraisableHookArgs
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and threading.get_ident() == ident:
+            dropped.append(unraisable.exc_value)
+        else:
+            previous(unraisable)
+
+    lock = _logging_lock()
+    held_before = lock is None or lock._is_owned()
+    sys.unraisablehook = keep
+    try:
+        start()
+    finally:
+        sys.unraisablehook = previous
+        if not held_before:
+            try:
+                lock._release_save()  # one C call: gives it back if the fork left it held
+            except RuntimeError:
+                pass  # not held: logging's hook ran
+    return dropped[0] if dropped else None
+
+
+def _logging_lock() -> Any:
+    """:mod:`logging`'s module lock (its private ``_lock``, an ``RLock``), if logging is
+    imported and the lock is one; else None."""
+    module = sys.modules.get("logging")
+    lock = getattr(module, "_lock", None)
+    return lock if hasattr(lock, "_is_owned") and hasattr(lock, "_release_save") else None
 
 
 def _advise_memory_before_fork() -> None:

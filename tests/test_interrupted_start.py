@@ -128,3 +128,58 @@ def test_an_interrupt_anywhere_in_a_forkserver_start_leaves_nothing_after_close(
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     words = result.stdout.split()
     assert int(words[words.index("interrupted") + 1]) >= 25, result.stdout
+
+
+HOOK_WALK = '''
+import os, signal, sys, threading
+# Before logging's fork hooks: a forked worker must not inherit the profile function.
+os.register_at_fork(after_in_child=lambda: sys.setprofile(None))
+import logging
+import extsrc
+from interrupting import interrupt_at_landing
+from script_helpers import eight, epoch
+
+
+def logging_usable():
+    """Whether another thread can take logging's lock (getLogger takes it)."""
+    probe = threading.Thread(target=logging.getLogger, args=("probe",), daemon=True)
+    probe.start()
+    probe.join(10)
+    return not probe.is_alive()
+
+
+if __name__ == "__main__":
+    k, raised = 0, 0
+    while True:
+        k += 1
+        landings = [0]
+        src = extsrc.ParallelSource(eight, 2, pool=extsrc.PoolSpec(
+            num_workers=2, start_method="fork", worker_restarts=1))
+        sys.setprofile(interrupt_at_landing(k, landings, logging.__file__))
+        try:
+            src.start()
+        except KeyboardInterrupt:
+            raised += 1
+        finally:
+            sys.setprofile(None)
+        over = landings[0] < k
+        assert over or raised == k, f"the interrupt at landing {k} in logging was lost"
+        assert logging_usable(), f"logging's lock was left held after landing {k}"
+        os.kill(src.worker_pids()[0], signal.SIGKILL)  # replaced from the pool's I/O thread
+        assert epoch(src) == list(range(8)), k
+        src.close()
+        if over:
+            break
+    print("raised", raised, "of", k - 1, "landings")
+'''
+
+
+def test_an_interrupt_in_loggings_fork_hooks_is_raised_and_leaves_logging_usable():
+    # logging takes its lock before a fork and gives it back after it in Python hooks, whose
+    # exceptions Python prints and drops: a Ctrl-C landing there during a fork start was lost,
+    # and logging's lock stayed held, so that the replacement of the next lost worker, forked
+    # from the pool's I/O thread, waited for it forever (and close() with it).
+    result = run_isolated(HOOK_WALK, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    words = result.stdout.split()
+    assert int(words[words.index("raised") + 1]) >= 4, result.stdout

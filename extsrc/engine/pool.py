@@ -308,7 +308,8 @@ class WorkerPool(ClosedWhenCollected):
         With ``fork``, call it before CUDA is initialised. Pickling errors of a
         source (spawn, forkserver, ray) are raised here, with the pool still NEW.
         A ``KeyboardInterrupt`` raised here leaves the pool NEW, or RUNNING when
-        it landed while ``forkserver`` workers started (held until they all had).
+        it landed while ``forkserver`` workers started, or in another library's fork
+        hook while ``fork`` workers did (held until they all had).
         """
         with self.lock:
             self.check_owner()

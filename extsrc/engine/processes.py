@@ -118,7 +118,9 @@ class ProcessBackend:
                 held = worker_processes.launch_on_a_thread(context, setups, run_main, self._workers)
             else:
                 for setup in setups:
-                    self._workers.append(worker_processes.launch(context, setup, run_main))
+                    worker, interrupt = worker_processes.launch(context, setup, run_main)
+                    self._workers.append(worker)
+                    held = held or interrupt  # raised once the pool runs, as forkserver's
         except BaseException as exc:
             starting = len(self._workers)
             self.stop(ask=False)
@@ -154,7 +156,7 @@ class ProcessBackend:
         # Started from the I/O thread, which may end before the process: a watchdog then.
         setup = dataclasses.replace(self._setups[worker], die_with_parent=self.start_method == "forkserver")
         context = worker_processes.context_for(self.start_method)
-        new = worker_processes.launch(context, setup, self._run_main)
+        new, _ = worker_processes.launch(context, setup, self._run_main)  # I/O thread: none held
         self._workers[worker] = new
         self._watch(new)
         from extsrc.shm.segment import backend

@@ -127,13 +127,17 @@ class WorkerHandle:
                 fds.close()
 
 
-def launch(context: MakesProcesses, setup: WorkerSetup, run_main: bool) -> WorkerHandle:
+def launch(context: MakesProcesses, setup: WorkerSetup, run_main: bool
+           ) -> Tuple[WorkerHandle, Optional[KeyboardInterrupt]]:
     """Starts one worker process with ``setup``, in the calling thread (a forkserver worker in
-    the thread of :func:`launch_on_a_thread`).
+    the thread of :func:`launch_on_a_thread`). Returns it, and an interrupt that landed in a
+    fork hook of another library, for the caller to raise once the worker is recorded (see
+    :func:`extsrc.forking.start_forking`).
 
     ``run_main=False`` (spawn/forkserver): the worker does not import the
     main script again, as ``multiprocessing`` would (see :func:`_main_hidden`).
     """
+    held: Optional[KeyboardInterrupt] = None
     pool_end, worker_end = Channel.pair()
     lifeline = Lifeline()
     try:
@@ -145,7 +149,10 @@ def launch(context: MakesProcesses, setup: WorkerSetup, run_main: bool) -> Worke
         )
         try:
             with _main_hidden(not run_main):
-                process.start()
+                if setup.forked:
+                    held = forking.start_forking(process.start)
+                else:
+                    process.start()
         finally:  # the worker has its copies of its ends, or never will
             worker_end.close()
             lifeline.close_read_end()
@@ -155,7 +162,7 @@ def launch(context: MakesProcesses, setup: WorkerSetup, run_main: bool) -> Worke
         raise
     # The pool reaps its workers itself (see the module docstring).
     multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]  # private: not in the stubs
-    return WorkerHandle(setup.index, process, pool_end, lifeline)
+    return WorkerHandle(setup.index, process, pool_end, lifeline), held
 
 
 def launch_on_a_thread(context: MakesProcesses, setups: Sequence[WorkerSetup], run_main: bool,
@@ -187,7 +194,7 @@ def launch_on_a_thread(context: MakesProcesses, setups: Sequence[WorkerSetup], r
     def run() -> None:
         try:
             for setup in setups:
-                made.append(launch(context, setup, run_main))
+                made.append(launch(context, setup, run_main)[0])  # forkserver: no fork here
         except BaseException as exc:  # raised in the caller's thread
             failure.append(exc)
         if not claim.acquire(False):
