@@ -156,7 +156,9 @@ class ParallelSource(ClosedWhenCollected):
     ``in_order=False``). Each batch still holds the samples of its iteration
     (``SampleInfo`` and ``Order`` as in order), each comes once, and the
     epoch has the same batches; only the order they arrive in depends on
-    timing. Only whole batches come early: a short last batch, the end of
+    timing (with ``on_error="skip"``, a batch that lost samples is filled
+    from the batch that comes next, so which records share a batch depends
+    on timing too). Only whole batches come early: a short last batch, the end of
     the epoch and a batch's error come in their place. Without an order,
     the callback must end the epoch at every sample past its end (as one
     over a sequence does); a batch handed out early that the epoch's end
