@@ -39,6 +39,24 @@ def test_state_after_an_epoch_ends_points_at_the_next_epoch():
         assert position(src.get_state()) == (1, 0)
 
 
+@pytest.mark.parametrize("records", [40, 41])  # a full last batch, a short one
+def test_state_after_an_orders_last_batch_points_at_the_next_epoch_before_the_loop_ends(records):
+    # A checkpoint taken right after the epoch's last batch, before the loop saw the end: with
+    # a full last batch it used to say (0, 5), and a loop resumed from it gave no batch.
+    def record_and_epoch(info):
+        return np.array([info.record, info.epoch_idx], np.int64)
+
+    with ParallelSource(record_and_epoch, 8, num_workers=2, order=Order(records),
+                        last_batch="partial") as src:
+        it = iter(src)
+        take(it, len(src))
+        state = src.get_state()
+        assert position(state) == (1, 0)
+        src.set_state(state)
+        epochs = {int(e) for batch in src for e in batch.as_array()[:, 1]}
+    assert epochs == {1}
+
+
 def test_iterables_cannot_resume_mid_epoch():
     with ParallelSource([[np.zeros(1)]] * 3, 1, batch=True) as src:
         with pytest.raises(ValueError, match="callable source"):

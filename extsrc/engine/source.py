@@ -423,8 +423,12 @@ class ParallelSource(ClosedWhenCollected):
                 return self.refill_state(refill)
             if epoch is not None and epoch.state is EpochState.RUNNING:
                 iteration, handed_out = epoch.position()
-                return self._state_of(epoch.epoch_idx, iteration, handed_out,
-                                      self._producer.faults.count(epoch.epoch_idx))
+                batches = self.spec.batches_per_epoch
+                if batches is None or iteration < batches:
+                    return self._state_of(epoch.epoch_idx, iteration, handed_out,
+                                          self._producer.faults.count(epoch.epoch_idx))
+                # An order's last batch was handed out: the next batch is the next epoch's, as
+                # once the loop saw the end (a short last batch says so at once).
             state = self._state_of(self._next_epoch, self._resume_iteration,
                                    sorted(self._resume_skip), self._resume_faults)
             if self._resume_given or self._resume_carry:
