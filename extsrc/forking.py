@@ -36,6 +36,7 @@ close-on-exec).
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import sys
 import threading
@@ -119,16 +120,32 @@ def start_forking(start: Callable[[], object]) -> Optional[KeyboardInterrupt]:
     pool's I/O thread replacing a lost worker) waited for it forever, and the pool with it.
     Here an interrupt a hook of this thread drops is kept and returned, and logging's lock,
     if the fork left it held, is given back. Only the main thread needs this: signal
-    handlers run there alone.
+    handlers run there alone. Any thread: the garbage collector is off across the fork.
     """
-    if threading.current_thread() is not threading.main_thread():
-        start()
-        return None
-    dropped: List[KeyboardInterrupt] = []
-    ident, previous = threading.get_ident(), sys.unraisablehook
+    collecting = gc.isenabled()
+    try:
+        # Off across the fork: the worker begins with the collector off and freezes what it
+        # inherited (worker_main) before one collection could finalize an object of this
+        # process there (a DALI pipeline's finalizer waits for threads a child does not have).
+        gc.disable()
+        if threading.current_thread() is not threading.main_thread():
+            start()
+            return None
+        return _keeping_hook_interrupts(start)
+    finally:
+        if collecting:
+            gc.enable()
 
-    def keep(unraisable: Any) -> None:  # sys.UnraisableHookArgs
-        if isinstance(unraisable.exc_value, KeyboardInterrupt) and threading.get_ident() == ident:
+
+def _keeping_hook_interrupts(start: Callable[[], object]) -> Optional[KeyboardInterrupt]:
+    """:func:`start_forking` in the main thread: the interrupts the fork hooks drop are kept,
+    and logging's lock is given back if the fork left it held."""
+    dropped: List[KeyboardInterrupt] = []
+    pid, ident, previous = os.getpid(), threading.get_ident(), sys.unraisablehook
+
+    def keep(unraisable: Any) -> None:  # sys.UnraisableHookArgs; the child inherits it too
+        if (isinstance(unraisable.exc_value, KeyboardInterrupt) and os.getpid() == pid
+                and threading.get_ident() == ident):
             dropped.append(unraisable.exc_value)
         else:
             previous(unraisable)

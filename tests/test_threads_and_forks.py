@@ -577,3 +577,41 @@ def test_the_dali_run_thread_ends_with_its_owner_even_when_an_interrupt_skipped_
         print("interrupted", k - 1, "events")
     ''', timeout=120))
     assert int(out.split()[out.split().index("interrupted") + 1]) >= 4, out
+
+
+def test_a_fork_worker_never_runs_the_finalizer_of_the_parents_garbage():
+    # A cycle the parent had not collected yet was collected in a fork worker too, running its
+    # finalizer there: a DALI pipeline's waits for threads the worker does not have, and the
+    # worker hung for good (seen with DALI's dynamic mode in the suite beside busy processes).
+    out = check(run_isolated('''
+        import gc, os
+        import numpy as np
+        import extsrc
+
+        read_end, write_end = os.pipe()
+
+        class Finalized:
+            def __del__(self):
+                os.write(write_end, f"{os.getpid()} ".encode())
+
+        def collects(info):
+            if info.idx_in_epoch >= 8:
+                raise StopIteration
+            gc.collect()
+            return np.zeros(4)
+
+        gc.disable()
+        cycle = Finalized()
+        cycle.me = cycle
+        del cycle  # garbage, left for the collector
+        with extsrc.ParallelSource(collects, 4, num_workers=2, start_method="fork") as src:
+            assert len(list(src)) == 2
+            workers = set(src.worker_pids())
+        gc.enable()
+        gc.collect()
+        os.close(write_end)
+        finalized_in = [int(p) for p in os.read(read_end, 4096).split()]
+        assert finalized_in == [os.getpid()], (finalized_in, workers)
+        print("ok")
+    ''', timeout=120))
+    assert "ok" in out

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import fcntl
+import gc
 import os
 import resource
 import select
@@ -95,6 +96,12 @@ def _raise_descriptor_limit() -> None:
 
 def worker_main(setup: WorkerSetup, channel: Channel, lifeline: LifelineEnd) -> None:
     """Entry point of a worker process (the ``target`` of its ``Process``)."""
+    if setup.forked:
+        # Forked with the collector off (extsrc.forking.start_forking): what the worker
+        # inherited is never collected here, so no finalizer of the parent's objects runs in
+        # it (a DALI pipeline's waits for threads the worker does not have, for good).
+        gc.freeze()
+        gc.enable()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _die_with_parent(setup.parent_pid, setup.die_with_parent, lifeline)
     _raise_descriptor_limit()
