@@ -112,17 +112,23 @@ def _ragged_by_epoch(info):
 
 
 def _epoch_checked(source):
+    """Takes an epoch, checking each batch; returns the most shared memory held meanwhile."""
+    peak = 0
     for k, batch in enumerate(source):
         assert [int(sample[0]) for sample in batch] == [(4 * k + j) & 0xFF for j in range(4)]
         assert all(int(sample[-1]) == int(sample[0]) for sample in batch)
+        peak = max(peak, source.shared_memory_bytes())
+    return peak
 
 
 def _memory_after_large_then_small_epochs(watched):
+    """The most shared memory held during an epoch of large samples, and what is held after
+    two epochs of small ones. The peak, not the figure at the large epoch's end: how much of
+    it is already given back by then depends on which worker wrote which slot."""
     with extsrc.ParallelSource(_ragged_by_epoch, 4, num_workers=2) as source:
         if watched:
             source.watch_memory(lambda address, size: None, lambda address, size: None)
-        _epoch_checked(source)
-        large = source.shared_memory_bytes()
+        large = _epoch_checked(source)
         _epoch_checked(source)
         _epoch_checked(source)  # each slot written again since
         return large, source.shared_memory_bytes()
