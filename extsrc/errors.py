@@ -96,6 +96,15 @@ class ForkedChildError(ExtsrcError, RuntimeError):
     """
 
 
+class ForkAfterCudaError(ExtsrcError, RuntimeError):
+    """Workers were to be started with ``fork`` after CUDA was initialised in this process.
+
+    A forked worker would inherit a CUDA context it cannot use. Nothing was
+    started; the message says how to start the workers first, or to use
+    ``spawn``.
+    """
+
+
 class EmptyEpochError(ExtsrcError, ValueError):
     """An epoch produced samples but no batch: all of them were dropped.
 

@@ -163,7 +163,7 @@ def run(report):
         src.close()
 '''
     result = run_fault(scenario)
-    assert result.type == "RuntimeError"
+    assert result.type == "ForkAfterCudaError"  # a RuntimeError (tests/dali/test_dali_lifecycle.py)
     assert "CUDA is already initialised" in result.message
     assert "start_py_workers()" in result.message and "spawn" in result.message
     assert_clean(result)

@@ -11,9 +11,13 @@ from nvidia.dali import pipeline as _dali_pipeline
 from extsrc.dali.pickling import DaliDefaultPickler
 from extsrc.dali.reader_meta import source_reader_meta
 from extsrc.dali.run_thread import RESET, RUN, RunThread
-from extsrc.engine import (UNSET, PoolClosedError, WorkerPool, check_backend, close_when_collected,
-                           gpu_visible, no_gpu_message, non_negative_int)
+from extsrc.engine import (UNSET, ForkAfterCudaError, PoolClosedError, WorkerPool, check_backend,
+                           close_when_collected, gpu_visible, no_gpu_message, non_negative_int)
 
+
+# DALI's words for a fork after CUDA, first in extsrc's message, so that a search for DALI's
+# message (DALI's own tests match it) finds extsrc's.
+DALI_FORK_AFTER_CUDA = "Cannot fork a process when the CUDA has been initialized in the process."
 
 # Arguments of extsrc's Pipeline that DALI's does not have.
 EXTSRC_PIPELINE_ARGS = ("py_backend", "py_ray_options")
@@ -252,8 +256,9 @@ class Pipeline(_dali_pipeline.Pipeline):
 
         With ``py_start_method="fork"`` call it before anything in this
         process initialises CUDA (building a GPU pipeline, CuPy, PyTorch);
-        ``build()`` calls it first. Raises ``RuntimeError`` if ``fork`` is
-        asked for after CUDA was initialised.
+        ``build()`` calls it first. Raises
+        :class:`~extsrc.errors.ForkAfterCudaError` (a ``RuntimeError``, DALI's
+        sentence first) if ``fork`` is asked for after CUDA was initialised.
         """
         self._extsrc_check_open()
         if not self._py_graph_built:
@@ -266,7 +271,10 @@ class Pipeline(_dali_pipeline.Pipeline):
             )
         super().start_py_workers()
         if self._extsrc_pool is not None:
-            self._extsrc_pool.start()
+            try:
+                self._extsrc_pool.start()
+            except ForkAfterCudaError as exc:
+                raise ForkAfterCudaError(f"{DALI_FORK_AFTER_CUDA} extsrc {exc}") from None
             for feeder in self._extsrc_feeders:  # their first batches are made from now on
                 feeder.source.start()
 

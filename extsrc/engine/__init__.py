@@ -49,7 +49,8 @@ from extsrc.engine.spec import (AUTO_OUTPUTS, START_METHODS, UNSET, PoolSpec, So
                                 non_negative_int, non_negative_number, positive_int)
 from extsrc.engine.worker import serve
 from extsrc.errors import (CallbackError, EmptyEpochError, EpochLengthError, EpochSupersededError,
-                           ExhaustedIteratorError, ExtsrcError, ForkedChildError, InternalError,
+                           ExhaustedIteratorError, ExtsrcError, ForkAfterCudaError, ForkedChildError,
+                           InternalError,
                            OrderWarning, PoolClosedError, SampleError, SharedMemoryError,
                            SourcePicklingError, SourceTimeoutError, StateMismatchError,
                            TooManyErrorsError, WorkerDiedError)
@@ -85,7 +86,7 @@ __all__ = [
     "Segment", "shm_backend",
     # errors
     "CallbackError", "EmptyEpochError", "EpochLengthError", "EpochSupersededError",
-    "ExhaustedIteratorError", "ExtsrcError", "ForkedChildError", "InternalError", "OrderWarning",
-    "PoolClosedError", "SampleError", "SharedMemoryError", "SourcePicklingError",
-    "SourceTimeoutError", "StateMismatchError", "TooManyErrorsError", "WorkerDiedError",
+    "ExhaustedIteratorError", "ExtsrcError", "ForkAfterCudaError", "ForkedChildError",
+    "InternalError", "OrderWarning", "PoolClosedError", "SampleError", "SharedMemoryError",
+    "SourcePicklingError", "SourceTimeoutError", "StateMismatchError", "TooManyErrorsError", "WorkerDiedError",
 ]

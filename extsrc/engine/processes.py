@@ -26,7 +26,7 @@ from extsrc.engine.protocol import (
     AddSlot, DropSlot, SetupFailed, SourceSetup, Task, TaskDone, TaskFailed, ToWorker, WorkerSetup,
 )
 from extsrc.engine.workers import WorkerHandle
-from extsrc.errors import WorkerDiedError
+from extsrc.errors import ForkAfterCudaError, WorkerDiedError
 from extsrc.engine.spec import START_METHODS
 from extsrc.shm.limits import DESCRIPTOR_ERRNOS, check_descriptors, out_of_descriptors
 
@@ -86,7 +86,7 @@ class ProcessBackend:
             self.stop(ask=False)
         method = self.start_method
         if method == "fork" and cuda_initialized():
-            raise RuntimeError(FORK_AFTER_CUDA)
+            raise ForkAfterCudaError(FORK_AFTER_CUDA)
         # PR_SET_PDEATHSIG follows the thread that forks; the main thread lives as long
         # as the process, any other may end sooner (then workers use a watchdog).
         main = threading.current_thread() is threading.main_thread()
@@ -146,7 +146,7 @@ class ProcessBackend:
         if self._poller is None or not 0 <= worker < len(self._workers):
             return False
         if self.start_method == "fork" and cuda_initialized():
-            raise RuntimeError(FORK_AFTER_CUDA)
+            raise ForkAfterCudaError(FORK_AFTER_CUDA)
         lost = self._workers[worker]
         for fd in (lost.channel.fileno(), lost.sentinel):
             self._poller.unregister(fd)

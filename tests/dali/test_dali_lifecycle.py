@@ -92,12 +92,16 @@ def test_dalis_own_parallel_external_source_is_refused():
             p.build()
 
 
-def test_fork_after_cuda_is_refused_with_advice(monkeypatch):
+def test_fork_after_cuda_is_refused_with_advice_and_dalis_sentence(monkeypatch):
     monkeypatch.setattr("extsrc.engine.processes.cuda_initialized", lambda: True)
     with counting() as p:
-        with pytest.raises(RuntimeError, match=r"start_py_workers\(\).*spawn"):
+        with pytest.raises(RuntimeError, match=r"start_py_workers\(\).*spawn") as refused:
             p.build()
     assert extsrc_workers() == []
+    assert isinstance(refused.value, extsrc.ForkAfterCudaError)
+    # A search for DALI's message (and DALI's own test of it) finds extsrc's.
+    assert str(refused.value).startswith(
+        "Cannot fork a process when the CUDA has been initialized in the process. extsrc ")
 
 
 def test_start_py_workers_before_cuda_then_build(monkeypatch):
