@@ -251,6 +251,12 @@ _ENDS_THE_LOOP = (WorkerDiedError, SourceTimeoutError, SharedMemoryError, PoolCl
                   ForkedChildError, EpochSupersededError, InternalError)
 
 
+def _handed(epoch: Any) -> Any:
+    """What a TorchLoader's loop has handed on (batches, or errors in their place)."""
+    position = epoch.position
+    return None if position is None else (position.cursor.next, tuple(position.cursor.handed_out()))
+
+
 class WorkerLoop:
     """A from_dataset loop with workers over its sources' epochs (a map-style dataset's one, an
     IterableDataset's one per worker), in turn or, with ``in_order=False``, the first with a batch. A
@@ -288,6 +294,7 @@ class WorkerLoop:
             epoch: Any = active[0]  # a TorchLoader's loop
             if not self._args.in_order and len(active) > 1 and self._pool is not None:
                 epoch = first_ready(self._pool, list(active), self._args.timeout or None)
+            handed = _handed(epoch)
             try:
                 batch = epoch.__next__()
             except StopIteration:
@@ -297,6 +304,10 @@ class WorkerLoop:
             except _ENDS_THE_LOOP as exc:
                 active.clear()
                 in_dataloader_words(exc)
+                raise
+            except BaseException:
+                if _handed(epoch) != handed:  # the batch's error, in its place: the turn passes
+                    self._last = epoch
                 raise
             self._held = batch  # first: an interrupt below leaves it for the next call
             self._last = epoch

@@ -317,20 +317,21 @@ class IterableBatches:
         if self.seeds is not None:
             self.epoch_seed = self.seeds.read(epoch_idx)[0]
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> "WorkerPass":
         info = get_worker_info()
         assert info is not None, "iterated in a worker of the loader"
         if isinstance(info.dataset, IterDataPipe) and self.epoch_seed is not None:
             # the same seed in every worker, as DataLoader's: shuffled alike, then sharded
             graph_settings.apply_random_seed(info.dataset, torch.Generator().manual_seed(self.epoch_seed))
-        for count, batch in enumerate(grouped(iter(info.dataset), self.batch_size, self.drop_last)):
-            where = f"batch {count} of this worker"
-            if self.collate_fn is None:
-                yield self._columns(batch, where)
-            else:
-                description, buffer = pack_whole(self.collate_fn(batch), HEAP_BUFFERS, f"collate_fn's {where}",
-                                                 TENSOR_LEAVES)
-                yield [description], [buffer]
+        return WorkerPass(self, grouped(iter(info.dataset), self.batch_size, self.drop_last))
+
+    def packed(self, batch: List[Any], where: str) -> Any:
+        """A batch of samples as the engine writes it: columns, or ``collate_fn``'s batch packed."""
+        if self.collate_fn is None:
+            return self._columns(batch, where)
+        description, buffer = pack_whole(self.collate_fn(batch), HEAP_BUFFERS, f"collate_fn's {where}",
+                                         TENSOR_LEAVES)
+        return [description], [buffer]
 
     def _columns(self, batch: List[Any], where: str) -> Any:
         """A batch of the default collation as the engine's columns, in the structure of the
@@ -349,3 +350,22 @@ class IterableBatches:
                 "first; for batches whose fields change (buckets of lists, tasks of other keys), give "
                 "collate_fn=lambda samples: default_collate(samples), which collates each batch in "
                 "the worker as a DataLoader's does") from None
+
+
+class WorkerPass:
+    """A pass of a worker over its copy of an ``IterableDataset``: its batches, each packed by
+    :meth:`IterableBatches.packed`. A batch that cannot be packed (``collate_fn`` raised, its
+    fields changed) raises in its place, and the next ``next()`` goes on with the next batch,
+    as a DataLoader worker does; a generator would end at the first error, and lose the
+    worker's later batches. An error of the dataset's own iterator ends the pass."""
+
+    def __init__(self, source: IterableBatches, batches: Iterator[Any]):
+        self._source = source
+        self._batches = enumerate(batches)
+
+    def __iter__(self) -> "WorkerPass":
+        return self
+
+    def __next__(self) -> Any:
+        count, batch = next(self._batches)
+        return self._source.packed(batch, f"batch {count} of this worker")

@@ -396,6 +396,52 @@ def test_an_iterable_dataset_whose_fields_change_is_refused_saying_what_to_give(
         _same(a, b)
 
 
+class _OneOddBatchPerWorker(torch.utils.data.IterableDataset):
+    """Each of 2 workers yields 8 records (every other one), in batches of 2; each worker's
+    batch 1 has a field more, or fails in collate_fn (``failing``)."""
+
+    def __init__(self, failing=False):
+        self.failing = failing
+
+    def __iter__(self):
+        worker = get_worker_info().id
+        for k, i in enumerate(range(worker, 16, 2)):
+            odd = k // 2 == 1
+            yield {"id": i, "fail": odd} if self.failing or not odd else {"id": i, "extra": 0}
+
+
+def _collate_unless_told(samples):
+    if any(sample["fail"] for sample in samples):
+        raise ValueError(f"cannot collate {[sample['id'] for sample in samples]}")
+    return torch.utils.data.default_collate(samples)
+
+
+def _loop_through_errors(loader):
+    """Each batch's ids, or the type of the error raised in its place, until the loop ends."""
+    got, batches = [], iter(loader)
+    while True:
+        try:
+            got.append(next(batches)["id"].tolist())
+        except StopIteration:
+            return got
+        except (TypeError, ValueError) as error:
+            got.append(type(error).__name__)
+
+
+@pytest.mark.parametrize("failing", [False, True], ids=["fields-change", "collate-fn-raises"])
+def test_an_iterable_datasets_batch_that_fails_loses_none_of_the_workers_later_batches(failing):
+    # Each worker's batch 1 fails in its place; batches 2 and 3 of both still come, in the
+    # DataLoader's turn (worker 0, worker 1, worker 0, ...), as they do from a DataLoader.
+    error = "ValueError" if failing else "TypeError"
+    expected = [[0, 2], [1, 3], error, error, [8, 10], [9, 11], [12, 14], [13, 15]]
+    kwargs = dict(batch_size=2, num_workers=2, **({"collate_fn": _collate_unless_told} if failing else {}))
+    if failing:  # the DataLoader refuses nothing for a field more: it keeps the first sample's
+        assert _loop_through_errors(DataLoader(_OneOddBatchPerWorker(failing), **kwargs)) == expected
+    with from_dataset(_OneOddBatchPerWorker(failing), **kwargs) as loader:
+        for _ in range(2):
+            assert _loop_through_errors(loader) == expected
+
+
 def test_an_iterable_dataset_sharded_by_worker_init_fn_in_spawned_workers():
     with from_dataset(ShardedStream(10), batch_size=2, num_workers=2, multiprocessing_context="spawn",
                       worker_init_fn=shard_by_worker_init) as loader:
