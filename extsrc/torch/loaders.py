@@ -51,6 +51,23 @@ class Attributes:
             return len(args.index_sampler)
         return args.batches(len(order) if order is not None and order.shard[1] > 1 else len(self.dataset))
 
+    def _check_length(self) -> None:
+        """A loop in the loader's own order, made for ``len(dataset)`` then, is refused once the
+        dataset's length changed: it would load the records of the old length, not the new."""
+        order = self._args.order
+        if order is None:
+            return
+        now, then = len(self.dataset), order.num_records
+        if now != then:
+            loss = (f"leave out the {now - then} records added since" if now > then else
+                    f"ask for {then - now} records the dataset no longer has")
+            raise ValueError(
+                f"len(dataset) is {now}, and was {then} when the loader was made: its own order "
+                f"covers those {then} records, so a loop now would {loss}. Make a new "
+                "loader for the new length, or give sampler=SequentialSampler(dataset) "
+                "(RandomSampler(dataset) to shuffle), which is drawn again at each loop, as a "
+                "DataLoader's")
+
     def _begin_loop(self) -> Optional[int]:
         """The new workers' base seed a DataLoader draws from ``generator`` as a loop begins (so that
         a sampler sharing it gives DataLoader's indices), or None where the last loop's go on."""
@@ -93,6 +110,7 @@ class InProcessLoader(Attributes):
     def __iter__(self) -> Any:
         if self._closed:
             raise ValueError("this loader is closed")
+        self._check_length()
         epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
         first, self._resume = self._resume, 0
         batches, args = self._batches, self._args

@@ -188,6 +188,7 @@ class DatasetLoader(Attributes):
         """Starts the next epoch (a sampler's indices drawn now, as a DataLoader's iterator does)."""
         if self._closed:
             raise ValueError("this TorchLoader is closed")
+        self._check_length()
         self._renew_workers(self._begin_loop())
         count = self._plan.begin(self.source.next_epoch_idx)
         if count == 0:  # no batch this epoch: a DataLoader's loop ends at once

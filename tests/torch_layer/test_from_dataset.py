@@ -229,6 +229,29 @@ def test_a_dataset_smaller_than_a_batch_with_drop_last_is_refused_in_from_datase
         assert [labels.tolist() for _image, labels, _half in loader] == [[0, 1, 2]]
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_dataset_whose_length_changed_is_refused_not_loaded_in_part(num_workers):
+    dataset = Records(10)
+    with from_dataset(dataset, batch_size=4, num_workers=num_workers) as loader:
+        assert [labels.tolist() for _image, labels, _half in loader][-1] == [8, 9]
+        dataset.n = 14  # records added: the loader's order covers the first 10
+        with pytest.raises(ValueError, match=r"len\(dataset\) is 14, and was 10 .* leave out the 4 "
+                                             r"records added since.*sampler=SequentialSampler"):
+            iter(loader)
+        dataset.n = 6
+        with pytest.raises(ValueError, match=r"ask for 4 records the dataset no longer has"):
+            iter(loader)
+        dataset.n = 10  # the length the order was made for: loops go on
+        assert [labels.tolist() for _image, labels, _half in loader][-1] == [8, 9]
+    # The way out the error names: a sampler, drawn again at each loop (new workers each loop).
+    dataset = Records(10)
+    sampler = torch.utils.data.SequentialSampler(dataset)
+    with from_dataset(dataset, batch_size=4, num_workers=num_workers, sampler=sampler) as loader:
+        assert [labels.tolist() for _image, labels, _half in loader][-1] == [8, 9]
+        dataset.n = 14
+        assert [labels.tolist() for _image, labels, _half in loader][-1] == [12, 13]
+
+
 class _Counting(torch.utils.data.Dataset):
     """Counts the calls of __getitem__ made in this process (a worker's are its own)."""
 
