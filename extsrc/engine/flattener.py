@@ -25,7 +25,8 @@ import numpy as np
 
 from extsrc.engine.pickling import dumps_classes_by_path
 from extsrc.engine.structure import (ARRAY, BYTES, MAPPING, NAMEDTUPLE, NO_FOREIGN_LEAVES, NUMERIC_KINDS, SEQUENCE,
-                                     STRING, Bits, ForeignLeaves, Structure, bits_of, canonical, describe, flatten)
+                                     STRING, Bits, ForeignLeaves, Structure, bits_of, canonical, describe, flatten,
+                                     str_bytes)
 
 Convert = Callable[[Any], Optional[np.ndarray]]  # a leaf's value -> its array, None: not as learnt
 
@@ -119,7 +120,7 @@ _CONVERT = {
     np.ndarray: _numeric,
     bool: _scalar(np.bool_), np.bool_: _scalar(np.bool_),
     int: _scalar(np.int64), float: _scalar(np.float64),
-    str: lambda value: np.frombuffer(value.encode("utf-8"), np.uint8),
+    str: lambda value: np.frombuffer(str_bytes(value), np.uint8),
     bytes: lambda value: np.frombuffer(value, np.uint8),
 }
 _MAPPINGS = (dict, collections.OrderedDict)  # the classes flatten() keeps as they are

@@ -130,12 +130,23 @@ def _array_leaf(value: Any, leaves: List[np.ndarray], where: str, foreign: Forei
     return (ARRAY,)
 
 
+def str_bytes(value: str) -> bytes:
+    """A str as its leaf's bytes: UTF-8, lone surrogates kept (a file name that is not UTF-8,
+    as ``os.listdir()`` gives it), so that every str comes back as it was (:func:`bytes_str`)."""
+    return value.encode("utf-8", "surrogatepass")
+
+
+def bytes_str(data: bytes) -> str:
+    """The str whose leaf's bytes are ``data`` (:func:`str_bytes`)."""
+    return data.decode("utf-8", "surrogatepass")
+
+
 def flatten(sample: Any, leaves: List[np.ndarray], where: str = "", whole: bool = False,
             foreign: ForeignLeaves = NO_FOREIGN_LEAVES) -> Structure:
     """Appends the leaves of ``sample`` to ``leaves`` and returns its structure. ``whole``: a
     batch made in a worker, whose numbers and other objects come back as they are."""
     if isinstance(sample, str):
-        leaves.append(np.frombuffer(sample.encode("utf-8"), np.uint8))
+        leaves.append(np.frombuffer(str_bytes(sample), np.uint8))
         return (STRING,)
     if isinstance(sample, bytes):
         leaves.append(np.frombuffer(sample, np.uint8))

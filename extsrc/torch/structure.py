@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from extsrc.engine import (ARRAY, BYTES, MAPPING, PICKLED, SCALAR, STRING, Bits, ForeignLeaves, PackedLayout,
-                           Structure, bits_of, check_same, container, leaf_error)
+                           Structure, bits_of, bytes_str, check_same, container, leaf_error)
 
 
 def _tensor_array(tensor: torch.Tensor, where: str) -> np.ndarray:
@@ -143,7 +143,7 @@ def _rebuild(structure: Structure, tensors: Tuple[Any, ...], position: Any,
     if kind in (STRING, BYTES):
         values = tensors[next(position)]
         rows = [bytes(row.numpy()) for row in values]
-        strings = [row.decode("utf-8") for row in rows] if kind == STRING else rows
+        strings = [bytes_str(row) for row in rows] if kind == STRING else rows
         # default_collate passes strings on as it got them: a tuple from transposing a
         # sequence's fields, a list for a dict's field or the batch itself.
         return tuple(strings) if transposed else strings
@@ -160,7 +160,7 @@ def _rebuild_whole(structure: Structure, leaves: Tuple[Any, ...], position: Any)
         return _as_dtype(leaves[next(position)], bits_of(structure))
     if kind in (STRING, BYTES, PICKLED):
         data = bytes(leaves[next(position)].numpy())
-        return data.decode("utf-8") if kind == STRING else pickle.loads(data) if kind == PICKLED else data
+        return bytes_str(data) if kind == STRING else pickle.loads(data) if kind == PICKLED else data
     if kind == SCALAR:
         return leaves[next(position)].item()
     children = [_rebuild_whole(child, leaves, position) for child in structure[2]]

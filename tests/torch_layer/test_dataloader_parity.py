@@ -368,6 +368,32 @@ def test_an_iterable_dataset_gives_a_dataloaders_batches_in_its_order(kwargs):
                 _same(a, b)
 
 
+class _FileNames(torch.utils.data.Dataset):
+    """A path and a label: the path not UTF-8 (os.listdir() gives such names lone surrogates)."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return {"path": os.fsdecode(b"img-\xff-%d.jpg" % i), "label": i}
+
+
+def _paths(samples):
+    return [sample["path"] for sample in samples]
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_workers=2), dict(num_workers=2, collate_fn=_paths),
+                                    dict(num_workers=0)], ids=["default", "collate_fn", "no-workers"])
+def test_file_names_that_are_not_utf8_come_back_as_the_dataset_gave_them(kwargs):
+    theirs = list(DataLoader(_FileNames(), batch_size=4, **kwargs))
+    with from_dataset(_FileNames(), batch_size=4, **kwargs) as loader:
+        ours = list(loader)
+    assert len(ours) == len(theirs) == 3
+    for a, b in zip(ours, theirs):
+        _same(a, b)
+    assert os.fsencode((ours[0]["path"] if "collate_fn" not in kwargs else ours[0])[0]) == b"img-\xff-0.jpg"
+
+
 class _ChangingFields(torch.utils.data.IterableDataset):
     """Batches of 2 whose fields change from batch to batch: a list that grows, then a task's keys."""
 
