@@ -75,7 +75,8 @@ def test_a_whole_batch_packs_into_one_buffer_and_describes_each_leaf():
     x = buffer[offset:offset + 20].view(dtype).reshape(shape)
     np.testing.assert_array_equal(x, batch["x"])
     kinds = dict(zip(layout.structure[1][2], (child[0] for child in layout.structure[2])))
-    assert kinds == {"extra": "pickled", "n": "scalar", "names": "sequence", "x": "array"}
+    # a NumPy array is given back as NumPy's (a layer's arrays, e.g. tensors, are "array")
+    assert kinds == {"extra": "pickled", "n": "scalar", "names": "sequence", "x": "ndarray"}
     assert container(layout.structure, [1, 2, 3, 4], list) == {"x": 4, "names": 3, "n": 2, "extra": 1}
 
 

@@ -40,7 +40,7 @@ from extsrc.engine.refill import Refill
 from extsrc.engine.stats import usable_cpus
 from extsrc.engine.source import ParallelSource, parse_state
 from extsrc.engine.flattener import Flattener
-from extsrc.engine.structure import (ARRAY, BYTES, HEAP_BUFFERS, MAPPING, PICKLED, SCALAR, STRING, Bits,
+from extsrc.engine.structure import (ARRAY, BYTES, HEAP_BUFFERS, MAPPING, NDARRAY, PICKLED, SCALAR, STRING, Bits,
                                      ForeignLeaves, NUMERIC_KINDS, PackedLayout, Structure, bits_of, check_same,
                                      bytes_str, container, leaf_error, pack_whole, str_bytes)
 from extsrc.engine.take import Cursor, first_ready
@@ -66,7 +66,8 @@ __all__ = [
     "RecordCache", "EpochTable", "SampleFault", "Cursor", "LoopPosition", "first_ready", "parse_state",
     # nested samples flattened in a worker, rebuilt by a layer
     "Flattener", "ForeignLeaves", "Bits", "bits_of", "Structure", "PackedLayout", "pack_whole", "HEAP_BUFFERS",
-    "check_same", "container", "leaf_error", "str_bytes", "bytes_str", "NUMERIC_KINDS", "ARRAY", "STRING", "BYTES", "SCALAR", "PICKLED", "MAPPING",
+    "check_same", "container", "leaf_error", "str_bytes", "bytes_str", "NUMERIC_KINDS",
+    "ARRAY", "STRING", "BYTES", "SCALAR", "NDARRAY", "PICKLED", "MAPPING",
     # what describes a source and a pool
     "SourceSpec", "PoolSpec", "AUTO_OUTPUTS", "START_METHODS", "UNSET",
     "SourceKind", "SAMPLE", "BATCH_CALLABLE", "BATCH_ITERABLE", "BATCH_GENERATOR",

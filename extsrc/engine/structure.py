@@ -28,10 +28,12 @@ import numpy as np
 
 from extsrc.engine.pickling import dumps_classes_by_path
 
-# Leaf kinds, and container kinds, in a structure tree. SCALAR and PICKLED only in a whole
-# batch: a Python number, and any other object, given back as they are.
+# Leaf kinds, and container kinds, in a structure tree. SCALAR, NDARRAY and PICKLED only in a
+# whole batch: a Python number, a NumPy array or scalar, and any other object, given back as
+# they are (an ARRAY there is a layer's array, e.g. a tensor).
 ARRAY, STRING, BYTES, SCALAR, PICKLED = "array", "str", "bytes", "scalar", "pickled"
-LEAVES = frozenset((ARRAY, STRING, BYTES, SCALAR, PICKLED))
+NDARRAY = "ndarray"
+LEAVES = frozenset((ARRAY, STRING, BYTES, SCALAR, NDARRAY, PICKLED))
 MAPPING, NAMEDTUPLE, SEQUENCE = "mapping", "namedtuple", "sequence"
 NUMERIC_KINDS = frozenset("biufc")  # NumPy dtype kinds a leaf may have: bool and numbers
 
@@ -105,7 +107,8 @@ def _pickled(value: Any, leaves: List[np.ndarray]) -> Structure:
 
 def _whole_leaf(value: Any, leaves: List[np.ndarray], where: str, foreign: ForeignLeaves) -> Structure:
     """A leaf of a whole batch: a numeric array, else pickled (a dtype NumPy cannot hold, a
-    tensor on a device); a Python number comes back as a number."""
+    tensor on a device); a Python number comes back as a number, a NumPy array or scalar as
+    NumPy's (``(NDARRAY, is_scalar)``), a layer's array as the layer's."""
     if isinstance(value, np.ndarray) and value.dtype.kind not in NUMERIC_KINDS:
         return _pickled(value, leaves)
     if isinstance(value, (bool, int, float)) and not isinstance(value, np.generic):
@@ -113,6 +116,9 @@ def _whole_leaf(value: Any, leaves: List[np.ndarray], where: str, foreign: Forei
         return (SCALAR,)
     if isinstance(value, np.generic) and value.dtype.kind not in NUMERIC_KINDS:
         return _pickled(value, leaves)
+    if isinstance(value, (np.ndarray, np.generic)):
+        leaves.append(np.asarray(value))
+        return (NDARRAY, isinstance(value, np.generic))
     try:
         return _array_leaf(value, leaves, where, foreign)
     except TypeError:

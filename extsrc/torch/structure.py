@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from extsrc.engine import (ARRAY, BYTES, MAPPING, PICKLED, SCALAR, STRING, Bits, ForeignLeaves, PackedLayout,
+from extsrc.engine import (ARRAY, BYTES, MAPPING, NDARRAY, PICKLED, SCALAR, STRING, Bits, ForeignLeaves, PackedLayout,
                            Structure, bits_of, bytes_str, check_same, container, leaf_error)
 
 
@@ -152,19 +152,49 @@ def _rebuild(structure: Structure, tensors: Tuple[Any, ...], position: Any,
     return container(structure, children, list)
 
 
-def _rebuild_whole(structure: Structure, leaves: Tuple[Any, ...], position: Any) -> Any:
-    """A batch a collate_fn made, as it made it: tensors (views of the shared memory), strings,
-    numbers and other objects in the same containers."""
+def _rebuild_whole(structure: Structure, leaves: "_Leaves", position: Any) -> Any:
+    """A batch a collate_fn made, as it made it: tensors and NumPy arrays (views of the shared
+    memory), strings, numbers and other objects in the same containers."""
     kind = structure[0]
     if kind == ARRAY:
-        return _as_dtype(leaves[next(position)], bits_of(structure))
+        return _as_dtype(leaves.tensor(next(position)), bits_of(structure))
+    if kind == NDARRAY:
+        array = leaves.array(next(position))
+        return array[()] if structure[1] else array  # a NumPy scalar, or the array
     if kind in (STRING, BYTES, PICKLED):
-        data = bytes(leaves[next(position)].numpy())
+        data = leaves.array(next(position)).tobytes()
         return bytes_str(data) if kind == STRING else pickle.loads(data) if kind == PICKLED else data
     if kind == SCALAR:
-        return leaves[next(position)].item()
+        return leaves.array(next(position)).item()
     children = [_rebuild_whole(child, leaves, position) for child in structure[2]]
     return container(structure, children, structure[1])
+
+
+class _Leaves:
+    """The leaves of a packed batch in its buffer (a uint8 tensor of shared memory), each
+    viewed as a tensor or as a NumPy array, as its kind wants."""
+
+    def __init__(self, buffer: torch.Tensor, placed: Tuple[Tuple[str, Tuple[int, ...], int], ...]):
+        self._buffer = buffer
+        self._placed = placed
+
+    def _nbytes(self, k: int) -> Tuple[np.dtype, Tuple[int, ...], int, int]:
+        dtype, shape, offset = self._placed[k]
+        array = np.dtype(dtype)
+        return array, shape, offset, array.itemsize * int(np.prod(shape, dtype=np.int64))
+
+    def tensor(self, k: int) -> torch.Tensor:
+        dtype, shape, offset, nbytes = self._nbytes(k)
+        if not nbytes:
+            return torch.from_numpy(np.empty(shape, dtype))
+        return self._buffer[offset:offset + nbytes].view(_TORCH_DTYPES[dtype]).reshape(shape)
+
+    def array(self, k: int) -> np.ndarray:
+        dtype, shape, offset, nbytes = self._nbytes(k)
+        if not nbytes:
+            return np.empty(shape, dtype)
+        # a view whose base holds the buffer tensor, and with it the shared memory
+        return self._buffer[offset:offset + nbytes].numpy().view(dtype).reshape(shape)
 
 
 def holds_dtype(dtype: np.dtype) -> bool:
@@ -177,11 +207,4 @@ def unpack_whole(tensors: Tuple[Any, Any]) -> Any:
     its tensors views of the shared memory."""
     description, buffer = (t[0] for t in tensors)
     layout: PackedLayout = pickle.loads(description.numpy().tobytes())
-    leaves = []
-    for dtype, shape, offset in layout.leaves:
-        array = np.dtype(dtype)
-        nbytes = array.itemsize * int(np.prod(shape, dtype=np.int64))
-        piece = buffer[offset:offset + nbytes]
-        leaves.append(piece.view(_TORCH_DTYPES[array]).reshape(shape) if nbytes else
-                      torch.from_numpy(np.empty(shape, array)))
-    return _rebuild_whole(layout.structure, tuple(leaves), iter(range(len(leaves))))
+    return _rebuild_whole(layout.structure, _Leaves(buffer, layout.leaves), iter(range(len(layout.leaves))))

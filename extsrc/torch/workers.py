@@ -295,7 +295,9 @@ def packed_columns(samples: Any, where: str) -> Optional[PackedColumns]:
         if not holds_dtype(first.dtype) or any(a.dtype != first.dtype for a in column):
             return None
         # A field whose samples differ in shape: a list of tensors, as the default collation's.
-        stacked.append(np.stack(column) if all(a.shape == first.shape for a in column) else column)
+        # Tensors, not NumPy arrays: a whole batch gives NumPy's back as NumPy's.
+        stacked.append(torch.from_numpy(np.stack(column)) if all(a.shape == first.shape for a in column)
+                       else [torch.from_numpy(np.require(a, requirements="W")) for a in column])
     return PackedColumns(tuple(stacked))
 
 

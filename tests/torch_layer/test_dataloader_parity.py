@@ -394,6 +394,27 @@ def test_file_names_that_are_not_utf8_come_back_as_the_dataset_gave_them(kwargs)
     assert os.fsencode((ours[0]["path"] if "collate_fn" not in kwargs else ours[0])[0]) == b"img-\xff-0.jpg"
 
 
+def _numpy_and_tensors(samples):
+    """A batch of NumPy arrays and a scalar beside a tensor and a number (e.g. for a JAX step)."""
+    return {"paths": _paths(samples), "labels": np.array([s["label"] for s in samples], np.int32),
+            "scale": np.float32(0.5), "ids": torch.tensor([s["label"] for s in samples]), "count": len(samples)}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_collate_fns_numpy_arrays_come_back_as_numpy_arrays(num_workers):
+    kwargs = dict(batch_size=4, num_workers=num_workers, collate_fn=_numpy_and_tensors)
+    theirs = list(DataLoader(_FileNames(), **kwargs))
+    with from_dataset(_FileNames(), **kwargs) as loader:
+        for _ in range(2):
+            ours = list(loader)
+            assert len(ours) == len(theirs) == 3
+            for a, b in zip(ours, theirs):
+                assert {k: type(v) for k, v in a.items()} == {k: type(v) for k, v in b.items()}
+                assert a["labels"].dtype == np.int32 and a["labels"].tolist() == b["labels"].tolist()
+                assert a["scale"] == b["scale"] and torch.equal(a["ids"], b["ids"])
+                assert a["paths"] == b["paths"] and a["count"] == b["count"]
+
+
 class _ChangingFields(torch.utils.data.IterableDataset):
     """Batches of 2 whose fields change from batch to batch: a list that grows, then a task's keys."""
 
