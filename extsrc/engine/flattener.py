@@ -197,10 +197,12 @@ def learn(structure: Structure, encoded: np.ndarray, sample: Any, foreign: Forei
 
 class Flattener:
     """The worker's side: a sample as ``(structure array, *leaf arrays)``; each structure is
-    pickled once per worker, and every sample must have the first one's (but for key order)."""
+    pickled once per worker, and every sample must have the first one's (but for key order).
+    ``advice``: the layer's way out for samples whose structure changes, ending that error."""
 
-    def __init__(self, foreign: ForeignLeaves = NO_FOREIGN_LEAVES) -> None:
+    def __init__(self, foreign: ForeignLeaves = NO_FOREIGN_LEAVES, advice: str = "") -> None:
         self._foreign = foreign
+        self._advice = advice
         self._encoded: Dict[Structure, np.ndarray] = {}
         self._first: Optional[Structure] = None  # canonical structure of the first sample
         # The first sample's structure, learnt (the Plan above): the samples shaped like it
@@ -236,7 +238,7 @@ class Flattener:
                 raise TypeError(
                     f"{where} is {describe(structure)}, and the first sample this worker loaded "
                     f"{describe(self._first)}: default collation needs the same fields, of the same "
-                    "kinds, in every sample"
+                    f"kinds, in every sample{self._advice}"
                 )
             encoded = np.frombuffer(dumps_classes_by_path(structure), np.uint8)
             self._encoded[structure] = encoded

@@ -158,7 +158,10 @@ class DatasetSamples:
 
     def __init__(self, dataset: Any):
         self.dataset = dataset
-        self.flatten = Flattener(TENSOR_LEAVES)
+        self.flatten = Flattener(TENSOR_LEAVES, advice=(
+            ". For samples whose fields change from batch to batch (datasets of other keys joined, "
+            "fields only some records have), give collate_fn=lambda samples: default_collate(samples), "
+            "which collates each batch alone in the worker, as a DataLoader does"))
         self._single = Flattener(TENSOR_LEAVES)(np.zeros(0), "")[0]  # the structure of one array
         self._numeric: Optional[np.dtype] = None  # the dtype of the last numeric array sample
 

@@ -216,8 +216,32 @@ def test_a_dict_sample_with_other_keys_is_an_error_naming_them():
     with from_dataset(_OtherKeys(), batch_size=2, num_workers=1) as loader:
         with pytest.raises(TypeError, match=r"dataset\[3\] is \{'image': tensor, 'target': tensor\}, "
                                             r"and the first sample this worker loaded "
-                                            r"\{'image': tensor, 'label': tensor\}"):
+                                            r"\{'image': tensor, 'label': tensor\}.*give "
+                                            r"collate_fn=lambda samples: default_collate\(samples\)"):
             list(loader)
+
+
+class _JoinedKeys(torch.utils.data.Dataset):
+    """Two datasets of other keys joined, each batch of one of them."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return {"image": np.zeros(2), "label": i} if i < 4 else {"image": np.zeros(2), "target": i}
+
+
+def _collated_alone(samples):
+    return torch.utils.data.default_collate(samples)
+
+
+def test_the_collate_fn_the_error_names_loads_batches_whose_keys_change():
+    kwargs = dict(batch_size=4, num_workers=2, collate_fn=_collated_alone)
+    with from_dataset(_JoinedKeys(), **kwargs) as loader:
+        ours = [(sorted(batch), batch.get("label", batch.get("target")).tolist()) for batch in loader]
+    theirs = [(sorted(batch), batch.get("label", batch.get("target")).tolist())
+              for batch in DataLoader(_JoinedKeys(), **kwargs)]
+    assert ours == theirs == [(["image", "label"], [0, 1, 2, 3]), (["image", "target"], [4, 5, 6, 7])]
 
 
 def test_a_dataset_smaller_than_a_batch_with_drop_last_is_refused_in_from_datasets_terms():
