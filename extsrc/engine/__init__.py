@@ -50,8 +50,7 @@ from extsrc.engine.spec import (AUTO_OUTPUTS, START_METHODS, UNSET, PoolSpec, So
 from extsrc.engine.worker import serve
 from extsrc.errors import (CallbackError, EmptyEpochError, EpochLengthError, EpochSupersededError,
                            ExhaustedIteratorError, ExtsrcError, ForkAfterCudaError, ForkedChildError,
-                           InternalError,
-                           OrderWarning, PoolClosedError, SampleError, SharedMemoryError,
+                           InternalError, OrderWarning, PoolClosedError, SampleError, SharedMemoryError,
                            SourcePicklingError, SourceTimeoutError, StateMismatchError,
                            TooManyErrorsError, WorkerDiedError)
 from extsrc.order import Order, RecordCache
