@@ -105,6 +105,9 @@ def _pickled(value: Any, leaves: List[np.ndarray]) -> Structure:
     return (PICKLED,)
 
 
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
 def _whole_leaf(value: Any, leaves: List[np.ndarray], where: str, foreign: ForeignLeaves) -> Structure:
     """A leaf of a whole batch: a numeric array, else pickled (a dtype NumPy cannot hold, a
     tensor on a device); a Python number comes back as a number, a NumPy array or scalar as
@@ -112,6 +115,8 @@ def _whole_leaf(value: Any, leaves: List[np.ndarray], where: str, foreign: Forei
     if isinstance(value, np.ndarray) and value.dtype.kind not in NUMERIC_KINDS:
         return _pickled(value, leaves)
     if isinstance(value, (bool, int, float)) and not isinstance(value, np.generic):
+        if isinstance(value, int) and not _INT64_MIN <= value <= _INT64_MAX:
+            return _pickled(value, leaves)  # a Python int past int64 (a seed, a hash)
         leaves.append(leaf_array(value, where))
         return (SCALAR,)
     if isinstance(value, np.generic) and value.dtype.kind not in NUMERIC_KINDS:

@@ -397,11 +397,12 @@ def test_file_names_that_are_not_utf8_come_back_as_the_dataset_gave_them(kwargs)
 def _numpy_and_tensors(samples):
     """A batch of NumPy arrays and a scalar beside a tensor and a number (e.g. for a JAX step)."""
     return {"paths": _paths(samples), "labels": np.array([s["label"] for s in samples], np.int32),
-            "scale": np.float32(0.5), "ids": torch.tensor([s["label"] for s in samples]), "count": len(samples)}
+            "scale": np.float32(0.5), "ids": torch.tensor([s["label"] for s in samples]), "count": len(samples),
+            "seed": 2**64 - 1 - samples[0]["label"]}  # a Python int past int64
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_a_collate_fns_numpy_arrays_come_back_as_numpy_arrays(num_workers):
+def test_a_collate_fns_numpy_arrays_and_python_ints_come_back_as_it_made_them(num_workers):
     kwargs = dict(batch_size=4, num_workers=num_workers, collate_fn=_numpy_and_tensors)
     theirs = list(DataLoader(_FileNames(), **kwargs))
     with from_dataset(_FileNames(), **kwargs) as loader:
@@ -412,7 +413,7 @@ def test_a_collate_fns_numpy_arrays_come_back_as_numpy_arrays(num_workers):
                 assert {k: type(v) for k, v in a.items()} == {k: type(v) for k, v in b.items()}
                 assert a["labels"].dtype == np.int32 and a["labels"].tolist() == b["labels"].tolist()
                 assert a["scale"] == b["scale"] and torch.equal(a["ids"], b["ids"])
-                assert a["paths"] == b["paths"] and a["count"] == b["count"]
+                assert a["paths"] == b["paths"] and a["count"] == b["count"] and a["seed"] == b["seed"]
 
 
 class _ChangingFields(torch.utils.data.IterableDataset):
