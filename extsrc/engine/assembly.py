@@ -14,7 +14,7 @@ from typing import Dict, List, NamedTuple, Optional, Set, Tuple, Union
 
 import numpy as np
 
-from extsrc.arrays import Array
+from extsrc.arrays import Array, DType
 from extsrc.batch import Batch
 from extsrc.errors import CallbackError, ExtsrcError, SampleError, WorkerTraceback
 from extsrc.engine.faults import SampleFault
@@ -168,8 +168,10 @@ class PendingBatch:
                 outputs.append(dense if dense_arrays else Batch(dense=dense))
                 continue
             samples: List[Array] = []
+            dtypes: Dict[str, DType] = {}  # a ragged output's dtype, made once per batch
             for start, msg in done:
                 spilled = {s.position: s for s in msg.spilled[j]} if msg.spilled else {}
+                overflow = base_of(lease.overflow[msg.worker]) if spilled else None
                 for position in range(start, min(start + msg.samples, size)):
                     if position in skipped:
                         continue
@@ -179,9 +181,11 @@ class PendingBatch:
                         samples.append(view(base_of(region_map), region.offset + position * region.stride,
                                             np.dtype(region.dtype), region.shape))
                     else:
-                        mapping = lease.overflow[msg.worker]
-                        samples.append(view(base_of(mapping), placed.offset, np.dtype(placed.dtype),
-                                            placed.shape))
+                        dtype = dtypes.get(placed.dtype)
+                        if dtype is None:
+                            dtype = dtypes[placed.dtype] = np.dtype(placed.dtype)
+                        assert overflow is not None
+                        samples.append(view(overflow, placed.offset, dtype, placed.shape))
             _check_uniform(samples, j, self)
             outputs.append(Batch(samples))
         return outputs[0] if num_outputs is None else tuple(outputs)

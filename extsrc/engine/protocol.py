@@ -14,6 +14,7 @@ after every task for it has reported back.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Tuple, Union
 
@@ -145,7 +146,10 @@ Message = Union[ToWorker, FromWorker]
 
 # The two messages of every batch travel as plain tuples led by a tag, their regions as plain
 # tuples too: pickle then writes no class references (a Task pickles and unpickles in ~1.7 us
-# instead of ~4.1, a TaskDone in ~0.8 instead of ~2.6). Any other message pickles as itself.
+# instead of ~4.1, a TaskDone in ~0.8 instead of ~2.6). A TaskDone's spilled samples (one per
+# ragged sample) go as plain tuples as well: 128 of them pickled and unpickled in ~86 us
+# instead of ~237 (ragged 64-320 int32 samples: about 1.2 us of a worker's CPU per sample).
+# Any other message pickles as itself.
 _TASK_TAG = 1
 _TASK_DONE_TAG = 2
 
@@ -156,6 +160,9 @@ def to_wire(message: Message) -> Tuple[object, ...]:
         regions = tuple(None if r is None else tuple(r) for r in message.regions)
         return (_TASK_TAG,) + message[:-1] + (regions,)
     if message.__class__ is TaskDone:
+        if any(message.spilled):
+            plain = tuple(tuple(map(tuple, out)) for out in message.spilled)
+            return (_TASK_DONE_TAG,) + message[:_SPILLED] + (plain,) + message[_SPILLED + 1:]
         return (_TASK_DONE_TAG,) + message
     return message
 
@@ -169,11 +176,16 @@ def from_wire(value: Any) -> Message:
         regions = tuple(None if r is None else _new(Region, r) for r in value[-1])
         return _new(Task, value[1:-1] + (regions,))
     if value[0] == _TASK_DONE_TAG:
-        return _new(TaskDone, value[1:])
+        done: TaskDone = _new(TaskDone, value[1:])
+        if any(done.spilled):
+            done = done._replace(spilled=tuple(tuple(map(_spilled, out)) for out in done.spilled))
+        return done
     raise ValueError(f"a message of unknown kind came over a channel: tag {value[0]!r}")
 
 
 _new = tuple.__new__  # a NamedTuple from its fields, without the checks of its __new__
+_spilled = functools.partial(_new, Spilled)
+_SPILLED = TaskDone._fields.index("spilled")
 
 
 # -- what a worker is given at start ----------------------------------------------------------

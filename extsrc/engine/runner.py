@@ -687,7 +687,8 @@ class SourceRunner:
         spilled, overflow = write.finish(task.give_back)
         cpu = self.cpu.task_ran(busy_ns) if self.cpu is not None else (-1, -1)
         end = task.start + count  # samples written past a StopIteration are not the batch's
-        spilled = tuple(tuple(s for s in out if s.position < end) for out in spilled)
+        if end < task.stop:  # else every sample written is the batch's: none to look at
+            spilled = tuple(tuple(s for s in out if s.position < end) for out in spilled)
         done = TaskDone(task.source_id, task.ticket, self.worker, count, stopped, spilled, overflow,
                         busy_ns, timed, busy_ns if waited_ns is None else waited_ns,
                         *cpu, notes=self._notes(),

@@ -8,7 +8,7 @@ output, what was expected and what came.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -46,6 +46,11 @@ def at(position: int, error: SampleError) -> SampleError:
     return error
 
 
+class _Unfit(Exception):
+    """What is wrong with a sample, without the sample's name: the name is made only for an
+    error (describing a sample costs microseconds, and ragged samples are each checked)."""
+
+
 def to_sample_array(
     value: object,
     output: int,
@@ -61,47 +66,46 @@ def to_sample_array(
     (scalars, nested lists of numbers, objects with ``__array__``). Rejects
     ``None``, strings, bytes and object arrays.
     """
+    try:
+        return _sample_array(value, output, dtype, ndim, num_outputs)
+    except _Unfit as exc:
+        raise SampleError(f"{where}, {exc}") from None
+
+
+def _sample_array(value: object, output: int, dtype: Optional[DType], ndim: Optional[int],
+                  num_outputs: Union[None, int, str]) -> Array:
+    """:func:`to_sample_array` raising :class:`_Unfit` (``"output N: ..."``)."""
     if isinstance(value, np.ndarray):
         array = value
     elif value is None or isinstance(value, (str, bytes, bytearray)):
         hint = " (wrap bytes with np.frombuffer(data, np.uint8))" if isinstance(
             value, (bytes, bytearray)) else ""
-        raise SampleError(
-            f"{where}, output {output}: expected a NumPy array of numbers, got "
-            f"{describe_value(value)}{hint}"
-        )
+        raise _Unfit(f"output {output}: expected a NumPy array of numbers, got "
+                     f"{describe_value(value)}{hint}")
     else:
         if (
             num_outputs is None
             and isinstance(value, (tuple, list))
             and any(isinstance(item, np.ndarray) for item in value)
         ):
-            raise SampleError(
-                f"{where}, output {output}: expected one array, got {describe_value(value)}; "
+            raise _Unfit(
+                f"output {output}: expected one array, got {describe_value(value)}; "
                 f"to return {len(value)} outputs per sample, pass num_outputs={len(value)}"
             )
         try:
             array = np.asarray(value)
         except Exception as exc:
-            raise SampleError(
-                f"{where}, output {output}: expected a NumPy array of numbers, got "
-                f"{describe_value(value)} ({type(exc).__name__}: {exc})"
-            ) from None
+            raise _Unfit(f"output {output}: expected a NumPy array of numbers, got "
+                         f"{describe_value(value)} ({type(exc).__name__}: {exc})") from None
     if array.dtype.kind not in VALID_KINDS:
-        raise SampleError(
-            f"{where}, output {output}: expected a NumPy array of numbers or bools, got "
-            f"{describe_value(value)} (dtype {array.dtype})"
-        )
+        raise _Unfit(f"output {output}: expected a NumPy array of numbers or bools, got "
+                     f"{describe_value(value)} (dtype {array.dtype})")
     if dtype is not None and array.dtype != dtype:
-        raise SampleError(
-            f"{where}, output {output}: expected dtype {describe_dtype(dtype, array.dtype)} "
-            f"(as declared), got {describe_dtype(array.dtype, dtype)}"
-        )
+        raise _Unfit(f"output {output}: expected dtype {describe_dtype(dtype, array.dtype)} "
+                     f"(as declared), got {describe_dtype(array.dtype, dtype)}")
     if ndim is not None and array.ndim != ndim:
-        raise SampleError(
-            f"{where}, output {output}: expected {ndim} dimensions (as declared), got "
-            f"{array.ndim} (shape {array.shape})"
-        )
+        raise _Unfit(f"output {output}: expected {ndim} dimensions (as declared), got "
+                     f"{array.ndim} (shape {array.shape})")
     return array
 
 
@@ -114,21 +118,23 @@ class SampleChecker:
         self.dtypes = tuple(None if d is None else np.dtype(d) for d in dtypes)
         self.ndims = tuple(ndims)
 
-    def check(self, value: object, output: int, position: int, where: str,
-              first: Optional[Array], first_where: str) -> Array:
+    def check(self, value: object, output: int, position: int, describe: Callable[[int], str],
+              first: Optional[Array], first_at: int) -> Array:
         """Sample ``position`` of ``output`` as an array; ``first`` is the first sample of
-        the same output in the task (all must share dtype and ndim)."""
+        the same output in the task, at ``first_at`` (all must share dtype and ndim).
+        ``describe`` names a sample by its position, for an error only."""
         try:
             declared = output < len(self.dtypes)  # not with num_outputs="auto"
-            array = to_sample_array(value, output, where, self.dtypes[output] if declared else None,
-                                    self.ndims[output] if declared else None, self.num_outputs)
-        except SampleError as exc:
-            raise at(position, exc) from None  # the same exception, marked
+            array = _sample_array(value, output, self.dtypes[output] if declared else None,
+                                  self.ndims[output] if declared else None, self.num_outputs)
+        except _Unfit as exc:
+            raise at(position, SampleError(f"{describe(position)}, {exc}")) from None
         if first is not None and (array.dtype != first.dtype or array.ndim != first.ndim):
             raise at(position, SampleError(
-                f"{where}, output {output}: expected dtype {describe_dtype(first.dtype, array.dtype)} "
-                f"and {first.ndim} dimensions like {first_where}, got dtype "
-                f"{describe_dtype(array.dtype, first.dtype)} with shape {array.shape}; all samples "
-                "of an output in a batch must share dtype and number of dimensions"
+                f"{describe(position)}, output {output}: expected dtype "
+                f"{describe_dtype(first.dtype, array.dtype)} and {first.ndim} dimensions like "
+                f"{describe(first_at)}, got dtype {describe_dtype(array.dtype, first.dtype)} with "
+                f"shape {array.shape}; all samples of an output in a batch must share dtype and "
+                "number of dimensions"
             ))
         return array

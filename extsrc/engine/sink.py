@@ -31,8 +31,8 @@ Describe = Callable[[int], str]  # a sample's position in its batch -> "sample S
 class Checker(Protocol):
     """Checks a sample of an output (:class:`~extsrc.engine.samples.SampleChecker`)."""
 
-    def check(self, value: object, output: int, position: int, where: str,
-              first: Optional[Array], first_where: str) -> Array: ...
+    def check(self, value: object, output: int, position: int, describe: Describe,
+              first: Optional[Array], first_at: int) -> Array: ...
 
 
 class TaskSink(Protocol):

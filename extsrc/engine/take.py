@@ -525,6 +525,19 @@ class Taker:
         if all(isinstance(samples, np.ndarray) or samples.is_dense or not samples
                for samples in outputs):
             return outcome
+        stacked = {j for j, samples in enumerate(outputs) if not isinstance(samples, np.ndarray)
+                   and not samples.is_dense and len(samples) > 1 and _uniform(samples)}
+        if stacked:
+            # The limits are read once for all the copies: a sample of thousands of leaves
+            # read the cgroup files thousands of times per first batch (about 1 ms each).
+            nbytes = sum(s.nbytes for j in stacked for s in outputs[j])
+            named = f"output {min(stacked)}" if len(stacked) == 1 else f"{len(stacked)} outputs"
+            what = (f"a dense copy of {named} of a batch of source {self.name} (its samples "
+                    "were written apart, as in a source's first batch, before the output's "
+                    "layout is known)")
+            error = limits.copy_error(nbytes, what)
+            if error is not None:
+                raise error
         finished: List[Output] = []
         for j, samples in enumerate(outputs):
             if isinstance(samples, np.ndarray):
@@ -532,18 +545,11 @@ class Taker:
                 continue
             if not samples.is_dense and len(samples) == 1:
                 samples = Batch(dense=samples[0][np.newaxis])  # one sample: a view, no copy
-            elif not samples.is_dense and samples and _uniform(samples):
-                nbytes = sum(s.nbytes for s in samples)
-                what = (f"a dense copy of output {j} of a batch of source {self.name} (its "
-                        "samples were written apart, as in a source's first batch, before the "
-                        "output's layout is known)")
-                error = limits.copy_error(nbytes, what)
-                if error is not None:
-                    raise error
+            elif j in stacked:
                 try:
                     samples = Batch(dense=np.stack(samples))
                 except MemoryError as exc:
-                    raise limits.copy_error(nbytes, what, exc) from None
+                    raise limits.copy_error(sum(s.nbytes for s in samples), what, exc) from None
             finished.append(samples.as_array() if samples.is_dense and self.spec.hooks.dense_arrays
                             else samples)
         return finished[0] if single else tuple(finished)

@@ -67,8 +67,8 @@ class PackedWrite:
         self.nbytes = 0  # what the pieces weigh in transit (see extsrc.ray.parts.columns_bytes)
 
     def alloc(self, output: int, position: int, shape: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        self.checker.check(np.empty((0,) * len(shape), dtype), output, position, self.describe(position),
-                           None, "")
+        self.checker.check(np.empty((0,) * len(shape), dtype), output, position, self.describe,
+                           None, 0)
         return np.empty(shape, dtype)
 
     def direct_rows(self, sample: object, position: int) -> None:
@@ -171,8 +171,7 @@ def pack(checker: Any, output: int, column: Sequence[Any], start: int, count: in
     """
     if count == 0:
         return []
-    first_where = describe(start)
-    first = checker.check(column[0], output, start, first_where, None, "")
+    first = checker.check(column[0], output, start, describe, None, 0)
     if isinstance(column, np.ndarray) and column.ndim == first.ndim + 1:
         return np.ascontiguousarray(column[:count])  # batch mode: every row is like the first
     shape, dtype = first.shape, first.dtype
@@ -182,8 +181,7 @@ def pack(checker: Any, output: int, column: Sequence[Any], start: int, count: in
                for s in samples[1:])
     if not same:
         for k in range(1, count):
-            samples[k] = checker.check(samples[k], output, start + k, describe(start + k), first,
-                                       first_where)
+            samples[k] = checker.check(samples[k], output, start + k, describe, first, start)
         same = all(s.shape == shape and s.dtype == dtype for s in samples)
     if same and first.nbytes <= STACK_MAX_SAMPLE_BYTES:
         return np.stack(samples)

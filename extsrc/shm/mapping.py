@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import math
 import os
 from typing import Callable, List, Optional, Tuple, TypedDict
 
@@ -169,8 +170,9 @@ def array_base(mapping: Mapping, owner: object) -> Array:
 
 def view(base: Array, offset: int, dtype: DType, shape: Tuple[int, ...]) -> Array:
     """An array of ``dtype`` and ``shape`` at byte ``offset`` of ``base`` (no copy)."""
-    array: Array = np.ndarray(shape, dtype, buffer=base, offset=offset)  # (NumPy's stub: untyped)
-    return array
+    # frombuffer, not np.ndarray(buffer=...): 0.36 us instead of 0.81 (a view per ragged sample).
+    flat: Array = np.frombuffer(base, dtype, math.prod(shape), offset)
+    return flat if len(shape) == 1 else flat.reshape(shape)
 
 
 def owner_of(array: object) -> Optional[object]:

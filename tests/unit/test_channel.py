@@ -197,6 +197,8 @@ def test_tasks_and_their_answers_cross_whole_with_their_types():
     assert (first, second, got) == (task, AddSlot(3, 5, "memfd"), [done])
     assert type(first) is Task and type(first.regions[0]) is Region and type(got[0]) is TaskDone
     assert type(got[0].spilled[0][0]) is Spilled
+    # A spilled sample (one per ragged sample) goes as a plain tuple, not as a record to rebuild.
+    assert b"Spilled" not in pickle.dumps(to_wire(done), protocol=pickle.HIGHEST_PROTOCOL)
     assert len(pickle.dumps(task, protocol=pickle.HIGHEST_PROTOCOL)) > len(
         pickle.dumps(to_wire(task), protocol=pickle.HIGHEST_PROTOCOL))
 

@@ -73,7 +73,7 @@ def test_an_invalid_sample_names_its_position_and_output(slot):
 def test_a_byte_order_mismatch_is_named_as_such():
     checker = SampleChecker(None, ("<i4",), (None,))
     with pytest.raises(SampleError) as caught:
-        checker.check(np.zeros(2, ">i4"), 0, 0, "sample 0", None, "")
+        checker.check(np.zeros(2, ">i4"), 0, 0, "sample {}".format, None, 0)
     message = str(caught.value)
     assert "expected dtype int32 (little-endian, '<i4')" in message
     assert "got int32 (big-endian, '>i4')" in message
@@ -81,9 +81,9 @@ def test_a_byte_order_mismatch_is_named_as_such():
 
 def test_samples_of_one_output_must_share_dtype_and_ndim():
     checker = SampleChecker(None, (None,), (None,))
-    first = checker.check(np.zeros((2, 2)), 0, 0, "sample 0", None, "")
+    first = checker.check(np.zeros((2, 2)), 0, 0, "sample {}".format, None, 0)
     with pytest.raises(SampleError, match="2 dimensions like sample 0, got dtype float64 with shape \\(2,\\)"):
-        checker.check(np.zeros(2), 0, 1, "sample 1", first, "sample 0")
+        checker.check(np.zeros(2), 0, 1, "sample {}".format, first, 0)
 
 
 @pytest.mark.parametrize("count", [1, 3])
