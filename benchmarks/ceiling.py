@@ -1,6 +1,6 @@
 """The engine against the callback's own limit, interleaved: ``python benchmarks/ceiling.py``.
 
-Two rows, each a ratio measured many times, alternating the reference and the engine
+Its rows, each a ratio measured many times, alternating the reference and the engine
 (and, with several ``--tree``, the trees) so that a machine shared with other work slows
 them alike:
 
@@ -12,6 +12,9 @@ them alike:
   the engine's default.
 * ``small-arrays``: the same with ``Hooks(dense_arrays=True)`` (each batch one array, as the
   reference's, rather than a ``Batch`` list of per-sample views).
+* ``ragged``: a fresh uint8 array of 256 B to 1.75 KiB per sample (1 KiB on average, its size
+  changing from sample to sample), batch 256, through ``ParallelSource`` (each batch a list of
+  arrays). Reference: the callback, and each sample copied after the last into a batch buffer.
 * ``large``: a fresh 4 MiB uint8 array per sample, batch 16, 2 workers, fork, through the
   DALI drop-in (``extsrc.fn.external_source``), output sliced to 8 bytes (an operator
   consumes it). Reference: the callback plus one copy of its sample into a reused batch
@@ -45,7 +48,8 @@ import numpy as np
 
 KIB, MIB = 1 << 10, 1 << 20
 WORKERS = 2
-ROWS = {"small": (KIB, 256), "small-p2": (KIB, 256), "small-arrays": (KIB, 256), "large": (4 * MIB, 16)}
+ROWS = {"small": (KIB, 256), "small-p2": (KIB, 256), "small-arrays": (KIB, 256), "ragged": (KIB, 256),
+        "large": (4 * MIB, 16)}
 WARMUP_S = 1.0  # workers started, memory faulted in, caches warm before the clock starts
 
 
@@ -61,11 +65,16 @@ def small(sample_info) -> np.ndarray:
     return make(sample_info, KIB)
 
 
+def ragged(sample_info) -> np.ndarray:
+    """256 B to 1.75 KiB, as the bench's ``ragged`` workload (benchmarks/workloads.py)."""
+    return make(sample_info, KIB // 4 + (sample_info.idx_in_epoch * 2654435761) % (3 * KIB // 2))
+
+
 def large(sample_info) -> np.ndarray:
     return make(sample_info, 4 * MIB)
 
 
-CALLBACKS = {"small": small, "small-p2": small, "small-arrays": small, "large": large}
+CALLBACKS = {"small": small, "small-p2": small, "small-arrays": small, "ragged": ragged, "large": large}
 
 
 def _cpu_s() -> float:
@@ -110,12 +119,19 @@ def reference(row: str, seconds: float) -> Tuple[float, float]:
     nbytes, batch_size = ROWS[row]
     callback = CALLBACKS[row]
     batch = np.empty((batch_size, nbytes), np.uint8)
+    flat = np.empty(2 * batch_size * nbytes, np.uint8)  # the ragged row's: samples one after another
     state = {"iteration": 0}
 
     def step() -> int:
         iteration = state["iteration"]
+        offset = 0
         for k in range(batch_size):
-            batch[k] = callback(SampleInfo(iteration * batch_size + k, k, iteration, 0))
+            sample = callback(SampleInfo(iteration * batch_size + k, k, iteration, 0))
+            if row == "ragged":
+                flat[offset:offset + sample.nbytes] = sample
+                offset += sample.nbytes
+            else:
+                batch[k] = sample
         state["iteration"] = iteration + 1
         return batch_size
 
@@ -144,8 +160,8 @@ def reference_pair(row: str, seconds: float) -> Tuple[float, float]:
     return sum(r for r, _ in results), statistics.mean(c for _, c in results)
 
 
-def engine_small(seconds: float, dense_arrays: bool = False, prefetch: Optional[int] = None
-                 ) -> Tuple[float, float]:
+def engine_small(seconds: float, dense_arrays: bool = False, prefetch: Optional[int] = None,
+                 callback=small) -> Tuple[float, float]:
     import extsrc
 
     nbytes, batch_size = ROWS["small"]
@@ -153,8 +169,8 @@ def engine_small(seconds: float, dense_arrays: bool = False, prefetch: Optional[
     dense = ({"hooks": extsrc.Hooks(dense_arrays=True)} if hasattr(extsrc, "Hooks")
              else {"dense_arrays": True}) if dense_arrays else {}
     given = {} if prefetch is None else {"prefetch": prefetch}
-    source = extsrc.ParallelSource(small, batch_size, num_workers=WORKERS, start_method="fork", **dense,
-                                   **given)
+    source = extsrc.ParallelSource(callback, batch_size, num_workers=WORKERS, start_method="fork",
+                                   **dense, **given)
     try:
         batches = iter(source)
 
@@ -198,7 +214,8 @@ def child(kind: str, row: str, seconds: float) -> None:
     else:
         rate, cpu_us = (engine_large(seconds) if row == "large"
                         else engine_small(seconds, dense_arrays=row == "small-arrays",
-                                          prefetch=2 if row == "small-p2" else None))
+                                          prefetch=2 if row == "small-p2" else None,
+                                          callback=CALLBACKS[row]))
     print(json.dumps({"rate": rate, "cpu_us": cpu_us}))
 
 
@@ -218,8 +235,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tree", action="append", help="a source tree to measure (repeatable; "
                         "default: the one this script is in)")
-    parser.add_argument("--rows", default="small,small-p2,small-arrays,large",
-                        help="comma-separated: small, small-p2, small-arrays, large (default: all)")
+    parser.add_argument("--rows", default="small,small-p2,small-arrays,ragged,large",
+                        help="comma-separated: small, small-p2, small-arrays, ragged, large (default: all)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--seconds", type=float, default=3.0, help="measured time per run")
     parser.add_argument("--pair", action="store_true", help="also run the reference loop in "

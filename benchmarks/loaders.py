@@ -117,6 +117,8 @@ def _torch_indices(batch) -> List[int]:
 
     if isinstance(batch, dict):
         return [int(v) for v in batch["label"]]
+    if isinstance(batch, list):  # keep_samples's
+        return [sample_index(sample) for sample in batch]
     if batch.dtype.is_floating_point:
         return [int(v) for v in batch[:, 0, 0, 0]]
     return [sample_index(sample) for sample in batch.numpy()]
@@ -124,6 +126,9 @@ def _torch_indices(batch) -> List[int]:
 
 def _touched(batch) -> None:
     """The consumer touches one value."""
+    if isinstance(batch, list):
+        batch[0][0]
+        return
     (batch["image"] if isinstance(batch, dict) else batch)[0, 0]
 
 
@@ -134,6 +139,11 @@ def _next_of(loader: Any, state: dict) -> Any:
     except StopIteration:
         state["batches"] = iter(loader)
         return next(state["batches"])
+
+
+def keep_samples(samples):
+    """A user's collate_fn for samples of changing sizes: the batch is the list of samples."""
+    return samples
 
 
 def stack_collate(samples):
@@ -182,6 +192,8 @@ def _loader_arguments(loader: str, workload: str) -> Tuple[Any, dict]:
         return torch_shaped_dataset(workload), {"collate_fn": collate_by_default} if collates else {}
     if loader in (TORCH_ITERABLE, EXTSRC_FROM_DATASET_ITERABLE):
         return _bench_iterable(workload), {}
+    if ALL_WORKLOADS[workload].ragged:  # default_collate cannot stack them
+        return bench_dataset(workload), {"collate_fn": keep_samples}
     if collates:
         return bench_dataset(workload), {"collate_fn": stack_collate}
     return bench_dataset(workload), {}

@@ -32,7 +32,8 @@ class Workload:
     """
 
     def __init__(self, name: str, sample_bytes: int, batch_size: int, spin_s: float = 0.0,
-                 fresh: bool = False, family: Optional[str] = None, epoch_batches: Optional[int] = None):
+                 fresh: bool = False, family: Optional[str] = None, epoch_batches: Optional[int] = None,
+                 ragged: bool = False):
         if sample_bytes < 8:
             raise ValueError("a sample holds its 8-byte index, so it needs at least 8 bytes")
         self.name = name
@@ -42,6 +43,9 @@ class Workload:
         self.fresh = fresh  # each sample is a new array, filled, as real callbacks make them
         self.family = family or name.split("-")[0]  # the --workloads name that selects it
         self.epoch_batches = epoch_batches  # batches per epoch (None: never ends within a cell)
+        # Fresh samples of sizes that change from sample to sample, sample_bytes on average
+        # (a quarter to 1.75 times it), as token sequences or encoded images come.
+        self.ragged = ragged
         self._ring: Optional[Tuple[int, np.ndarray, np.ndarray]] = None  # (pid, bytes, int64 view)
 
     def __getstate__(self) -> Dict[str, object]:
@@ -69,11 +73,17 @@ class Workload:
             while time.perf_counter() < end:
                 pass
         if self.fresh:
-            return self.fill(np.empty(self.sample_bytes, np.uint8), idx)
+            return self.fill(np.empty(self.size_of(idx), np.uint8), idx)
         data, index = self._buffers()
         k = idx % self.batch_size if slot is None else slot
         index[k, 0] = idx
         return data[k]
+
+    def size_of(self, idx: int) -> int:
+        """The bytes of sample ``idx``."""
+        if not self.ragged:
+            return self.sample_bytes
+        return self.sample_bytes // 4 + (idx * 2654435761) % (3 * self.sample_bytes // 2)
 
     def fill(self, out: np.ndarray, idx: int) -> np.ndarray:
         """Writes sample ``idx`` into ``out`` (all its bytes, then the index) and returns it."""
@@ -97,6 +107,8 @@ LARGE_FRESH = Workload("large-fresh", 4 * MIB, 16, fresh=True)
 LARGE_FILL = Workload("large-fill", 4 * MIB, 16, fresh=True)
 # Small samples as real callbacks make them: a new 1 KiB array per sample ("small-fresh").
 SMALL_FRESH = Workload("small-fresh", 1 * KIB, 256, fresh=True)
+# The same of changing sizes, 256 B to 1.75 KiB (1 KiB on average): each batch a list of arrays.
+RAGGED = Workload("ragged", 1 * KIB, 256, fresh=True, family="small", ragged=True)
 
 # What PyTorch datasets return (benchmarks.loaders.torch_shaped_dataset): a new 3x32x32 float32
 # tensor per sample, alone ("tensor") or in a dict with an int label ("dict"); short epochs of
@@ -106,7 +118,8 @@ DICT = Workload("dict", 3 * 32 * 32 * 4 + 8, 128, family="small", epoch_batches=
 TORCH_SHAPED = ("tensor", "dict")
 
 WORKLOADS: Dict[str, Workload] = {w.name: w for w in (SMALL, LARGE, CPU)}
-EXTRA_WORKLOADS: Dict[str, Workload] = {w.name: w for w in (LARGE_FRESH, LARGE_FILL, SMALL_FRESH, TENSOR, DICT)}
+EXTRA_WORKLOADS: Dict[str, Workload] = {w.name: w for w in (LARGE_FRESH, LARGE_FILL, SMALL_FRESH, RAGGED, TENSOR,
+                                                             DICT)}
 ALL_WORKLOADS: Dict[str, Workload] = {**WORKLOADS, **EXTRA_WORKLOADS}
 
 
@@ -140,12 +153,17 @@ def small_fresh(sample_info) -> np.ndarray:
     return SMALL_FRESH.make(sample_info.idx_in_epoch)
 
 
+def ragged(sample_info) -> np.ndarray:
+    """A new uint8 sample of 256 B to 1.75 KiB, every byte written."""
+    return RAGGED.make(sample_info.idx_in_epoch)
+
+
 def small_record(sample_info) -> np.ndarray:
     """1 KiB uint8 sample of ``sample_info.record`` (for sources with an order)."""
     return SMALL.make(sample_info.record, sample_info.idx_in_batch)
 
 
 CALLBACKS = {"small": small, "large": large, "cpu": cpu, "large-fresh": large_fresh,
-             "large-fill": large_fresh, "small-fresh": small_fresh}
+             "large-fill": large_fresh, "small-fresh": small_fresh, "ragged": ragged}
 IN_PLACE_CALLBACKS = {"large-fill": large_fill}  # for loaders that let the callback write in place
 RECORD_CALLBACKS = {"small": small_record}

@@ -22,6 +22,8 @@ STARTUP_ROW = "build() to first batch, spawn, 4 workers"
 CONSUMED_ROW = "large: 4 MiB uint8, batch 16, output sliced to 8 bytes (no output copy)"
 FILL_ROW = "large-fill: 4 MiB written by the callback (in place: extsrc's in_place=True), batch 16"
 FRESH_ROW = "large-fresh: a new 4 MiB array per sample, batch 16"
+RAGGED_ROW = "ragged: a new array of 256 B to 1.75 KiB per sample, batch 256"
+TORCH_RAGGED_ROW = f"{RAGGED_ROW} (DataLoader: a collate_fn keeping the list)"
 FAULTS = re.compile(r"[\d,]+ faults/sample")
 
 
@@ -141,10 +143,10 @@ def test_quick_bench_against_dataloader_prints_every_workload_with_ratios(tmp_pa
     rows = table_rows(out.stdout, title)
     if not installed("torch"):
         assert "PyTorch is not installed" in out.stdout
-        assert [row[0] for row in rows] == list(WORKLOAD_ROWS) + [FILL_ROW]
+        assert [row[0] for row in rows] == list(WORKLOAD_ROWS) + [FILL_ROW, TORCH_RAGGED_ROW]
         return
-    assert_full_table(rows, WORKLOAD_ROWS + (FILL_ROW,))
-    assert FAULTS.search(rows[-1][1]) and FAULTS.search(rows[-1][2])  # faults beside each loader
+    assert_full_table(rows, WORKLOAD_ROWS + (FILL_ROW, TORCH_RAGGED_ROW))
+    assert FAULTS.search(rows[-2][1]) and FAULTS.search(rows[-2][2])  # faults beside each loader
     figures = json.loads(report.read_text())
     (table,) = figures["tables"]
     for row in table["rows"]:
@@ -160,7 +162,7 @@ def test_quick_bench_against_dali_prints_every_workload_and_startup_with_ratios(
     assert out.returncode == 0, out.stdout + out.stderr
     rows = table_rows(out.stdout, "extsrc drop-in vs DALI parallel external source")
     assert_full_table(rows, WORKLOAD_ROWS + (CONSUMED_ROW, f"{FRESH_ROW}, output sliced",
-                                            f"{FILL_ROW}, output sliced", STARTUP_ROW))
+                                            f"{FILL_ROW}, output sliced", RAGGED_ROW, STARTUP_ROW))
     fresh = rows[4]
     assert FAULTS.search(fresh[1]) and FAULTS.search(fresh[2]) and fresh[4].endswith("faults <= peer's")
 
