@@ -312,7 +312,9 @@ class WorkerLoop:
             epoch: Any = active[0]  # a TorchLoader's loop
             if not self._args.in_order and len(active) > 1 and self._pool is not None:
                 epoch = first_ready(self._pool, list(active), self._args.timeout or None)
-            handed = _handed(epoch)
+            # Only among several epochs taking turns does it matter whether an error took a
+            # batch's place (the turn passes): one alone keeps the turn either way.
+            handed = _handed(epoch) if len(active) > 1 else None
             try:
                 batch = epoch.__next__()
             except StopIteration:
@@ -324,7 +326,7 @@ class WorkerLoop:
                 in_dataloader_words(exc)
                 raise
             except BaseException:
-                if _handed(epoch) != handed:  # the batch's error, in its place: the turn passes
+                if handed is not None and _handed(epoch) != handed:  # the batch's error: the turn passes
                     self._last = epoch
                 raise
             self._held = batch  # first: an interrupt below leaves it for the next call

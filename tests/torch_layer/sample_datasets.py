@@ -11,6 +11,11 @@ import torch
 Pair = collections.namedtuple("Pair", ["image", "label"])
 
 
+def collated_alone(samples):
+    """The collate_fn the errors for fields that change name: each batch collated on its own."""
+    return torch.utils.data.default_collate(samples)
+
+
 class Records(torch.utils.data.Dataset):
     """Sample i in the layout ``kind``: an image-like tensor, a Python int, a float, ..."""
 

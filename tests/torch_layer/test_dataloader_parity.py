@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, get_worker_info
 
 from extsrc.torch import from_dataset
 
-from sample_datasets import Records, ShardedStream, shard_by_worker_init
+from sample_datasets import Records, ShardedStream, collated_alone, shard_by_worker_init
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from faultkit import run_isolated  # noqa: E402
@@ -424,10 +424,6 @@ class _ChangingFields(torch.utils.data.IterableDataset):
             yield {"ids": list(range(i // 2 + 1)), "label": i} if i < 4 else {"text": "abc", "label": i}
 
 
-def _collated_alone(samples):
-    return torch.utils.data.default_collate(samples)
-
-
 def test_an_iterable_dataset_whose_fields_change_is_refused_saying_what_to_give():
     with from_dataset(_ChangingFields(), batch_size=2, num_workers=1) as loader:
         batches = iter(loader)
@@ -435,7 +431,7 @@ def test_an_iterable_dataset_whose_fields_change_is_refused_saying_what_to_give(
         with pytest.raises(TypeError, match=r"batch 1 of this worker has another structure than the "
                                             r"worker's first batch .*collate_fn=lambda samples: default_collate"):
             next(batches)
-    kwargs = dict(batch_size=2, num_workers=1, collate_fn=_collated_alone)
+    kwargs = dict(batch_size=2, num_workers=1, collate_fn=collated_alone)
     theirs = list(DataLoader(_ChangingFields(), **kwargs))
     with from_dataset(_ChangingFields(), **kwargs) as loader:
         ours = list(loader)

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from extsrc.torch import from_dataset
 
-from sample_datasets import Changing, Draws, Ragged, Records
+from sample_datasets import Changing, Draws, Ragged, Records, collated_alone
 
 
 def _same(ours, theirs, where=""):
@@ -231,12 +231,8 @@ class _JoinedKeys(torch.utils.data.Dataset):
         return {"image": np.zeros(2), "label": i} if i < 4 else {"image": np.zeros(2), "target": i}
 
 
-def _collated_alone(samples):
-    return torch.utils.data.default_collate(samples)
-
-
 def test_the_collate_fn_the_error_names_loads_batches_whose_keys_change():
-    kwargs = dict(batch_size=4, num_workers=2, collate_fn=_collated_alone)
+    kwargs = dict(batch_size=4, num_workers=2, collate_fn=collated_alone)
     with from_dataset(_JoinedKeys(), **kwargs) as loader:
         ours = [(sorted(batch), batch.get("label", batch.get("target")).tolist()) for batch in loader]
     theirs = [(sorted(batch), batch.get("label", batch.get("target")).tolist())
