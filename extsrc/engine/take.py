@@ -532,10 +532,7 @@ class Taker:
             # read the cgroup files thousands of times per first batch (about 1 ms each).
             nbytes = sum(s.nbytes for j in stacked for s in outputs[j])
             named = f"output {min(stacked)}" if len(stacked) == 1 else f"{len(stacked)} outputs"
-            what = (f"a dense copy of {named} of a batch of source {self.name} (its samples "
-                    "were written apart, as in a source's first batch, before the output's "
-                    "layout is known)")
-            error = limits.copy_error(nbytes, what)
+            error = limits.copy_error(nbytes, self._copy_what(named))
             if error is not None:
                 raise error
         finished: List[Output] = []
@@ -549,10 +546,16 @@ class Taker:
                 try:
                     samples = Batch(dense=np.stack(samples))
                 except MemoryError as exc:
-                    raise limits.copy_error(sum(s.nbytes for s in samples), what, exc) from None
+                    raise limits.copy_error(sum(s.nbytes for s in samples),
+                                            self._copy_what(f"output {j}"), exc) from None
             finished.append(samples.as_array() if samples.is_dense and self.spec.hooks.dense_arrays
                             else samples)
         return finished[0] if single else tuple(finished)
+
+    def _copy_what(self, named: str) -> str:
+        """What :meth:`_finish` copies, for its errors: ``named`` says which outputs."""
+        return (f"a dense copy of {named} of a batch of source {self.name} (its samples were "
+                "written apart, as in a source's first batch, before the output's layout is known)")
 
     def _timed_out(self, epoch: Epoch) -> SourceTimeoutError:
         producer, pool = self.producer, self.pool

@@ -100,6 +100,8 @@ class OverflowArea:
         nbytes = array.nbytes
         offset = self._room(nbytes)
         if nbytes:
+            if type(array) is not np.ndarray:  # a subclass's .data may be an array (np.ma)
+                array = array.view(np.ndarray)
             try:  # its bytes as they are (Spilled keeps the dtype): no array made over the room
                 self.bytes[offset:offset + nbytes] = array.data.cast("B")
             except (TypeError, ValueError):  # not C-contiguous
