@@ -52,4 +52,6 @@ class Batch(list[Array]):
                     f"shape {sample.shape} where sample 0 has {first.shape}; iterate over the "
                     "batch for ragged samples, or pad them in the callback"
                 )
-        return np.stack(self)
+        # The samples' own dtype when they share it: np.stack alone gives native byte order.
+        dtype = first.dtype if all(sample.dtype == first.dtype for sample in self) else None
+        return np.stack(self, dtype=dtype)

@@ -320,7 +320,7 @@ def _joined(parts: List[BatchOutput]) -> BatchOutput:
         # later, a Ctrl-C could land in and be lost ("Exception ignored in").
         if all([isinstance(o, np.ndarray) for o in column]) and len(
                 {(o.shape[1:], o.dtype) for o in column}) == 1:
-            joined.append(np.concatenate(column))
+            joined.append(np.concatenate(column, dtype=column[0].dtype))  # its byte order kept
             continue
         joined.append(Batch([sample if k == kept else np.array(sample)
                              for k, o in enumerate(column) for sample in o]))

@@ -544,7 +544,8 @@ class Taker:
                 samples = Batch(dense=samples[0][np.newaxis])  # one sample: a view, no copy
             elif j in stacked:
                 try:
-                    samples = Batch(dense=np.stack(samples))
+                    # dtype given: np.stack alone gives native byte order ('>f8' became '<f8')
+                    samples = Batch(dense=np.stack(samples, dtype=samples[0].dtype))
                 except MemoryError as exc:
                     raise limits.copy_error(sum(s.nbytes for s in samples),
                                             self._copy_what(f"output {j}"), exc) from None

@@ -184,7 +184,7 @@ def pack(checker: Any, output: int, column: Sequence[Any], start: int, count: in
             samples[k] = checker.check(samples[k], output, start + k, describe, first, start)
         same = all(s.shape == shape and s.dtype == dtype for s in samples)
     if same and first.nbytes <= STACK_MAX_SAMPLE_BYTES:
-        return np.stack(samples)
+        return np.stack(samples, dtype=dtype)  # dtype given: its byte order kept
     return samples
 
 

@@ -118,6 +118,19 @@ def test_actors_that_cannot_reach_the_pools_socket_go_on_with_ray_calls(monkeypa
     assert sum(a.direct_samples for a in actors) == sum(a.samples for a in actors) >= 5 * 8
 
 
+def _big_endian(info):
+    return (np.arange(3) + info.idx_in_epoch).astype(">f8")
+
+
+def test_a_big_endian_output_stays_big_endian_in_every_batch(actor_path):
+    with ParallelSource(_big_endian, 4, pool=PoolSpec(backend="ray", num_workers=2)) as src:
+        for iteration, batch in zip(range(5), src):
+            for k, sample in enumerate(batch):
+                assert sample.dtype.str == ">f8", f"batch {iteration}, sample {k}"
+                first = iteration * 4 + k
+                assert sample.tolist() == [first, first + 1, first + 2]
+
+
 def test_sample_mode_gives_the_batches_processes_give_despite_jitter(actor_path):
     ours, theirs = both(source=jittered, batch_size=6, batches=7)
     assert_same(ours, theirs)

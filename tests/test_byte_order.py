@@ -1,0 +1,82 @@
+"""A sample's dtype comes back as the callback made it, byte order included, in every batch.
+
+The first batches of a source are written apart (the workers do not know the output's layout
+yet) and joined into one array in the consumer; later batches are written in place. A non-native
+dtype such as big-endian ``>f8`` must come back as ``>f8`` from both, and from the joins that
+``on_error="skip"`` and ``Batch.as_array()`` make, not turned into the native ``<f8``.
+"""
+
+import numpy as np
+import pytest
+
+from extsrc import Batch, Hooks, ParallelSource
+
+BATCH = 4
+BATCHES = 5
+DTYPES = (">f8", ">i2")
+
+
+def _made(idx: int) -> tuple:
+    return tuple((np.arange(3) + idx).astype(d) for d in DTYPES)
+
+
+def by_sample(info):
+    return _made(info.idx_in_epoch)
+
+
+def by_batch(iteration):
+    """One array per output: the batch's samples stacked, in their own dtype."""
+    samples = [_made(iteration * BATCH + k) for k in range(BATCH)]
+    return tuple(np.stack([s[j] for s in samples], dtype=d) for j, d in enumerate(DTYPES))
+
+
+def skipping(info):
+    if info.idx_in_epoch == 2:
+        raise ValueError("a bad record")
+    return _made(info.idx_in_epoch)
+
+
+def _check(batches, expected_idx):
+    for iteration, batch in enumerate(batches):
+        for j, dtype in enumerate(DTYPES):
+            column = batch[j]
+            array = column if isinstance(column, np.ndarray) else column.as_array()
+            where = f"batch {iteration}, output {j}"
+            assert array.dtype.str == dtype, where
+            for k, sample in enumerate(column):
+                assert sample.dtype.str == dtype, where
+                idx = expected_idx(iteration, k)
+                assert np.array_equal(sample, _made(idx)[j]), f"{where}, sample {k}"
+
+
+@pytest.mark.parametrize("dense_arrays", [False, True])
+def test_a_big_endian_output_stays_big_endian_in_every_batch(dense_arrays):
+    with ParallelSource(by_sample, BATCH, num_workers=2, num_outputs=len(DTYPES),
+                        hooks=Hooks(dense_arrays=dense_arrays)) as source:
+        batches = iter(source)
+        got = [next(batches) for _ in range(BATCHES)]
+        _check(got, lambda iteration, k: iteration * BATCH + k)
+
+
+def test_a_big_endian_batch_stays_big_endian():
+    with ParallelSource(by_batch, BATCH, batch=True, num_workers=2,
+                        num_outputs=len(DTYPES)) as source:
+        batches = iter(source)
+        got = [next(batches) for _ in range(BATCHES)]
+        _check(got, lambda iteration, k: iteration * BATCH + k)
+
+
+@pytest.mark.parametrize("dense_arrays", [False, True])
+def test_batches_refilled_after_a_skip_stay_big_endian(dense_arrays):
+    with ParallelSource(skipping, BATCH, num_workers=2, num_outputs=len(DTYPES), on_error="skip",
+                        hooks=Hooks(dense_arrays=dense_arrays)) as source:
+        batches = iter(source)
+        got = [next(batches) for _ in range(BATCHES)]
+        _check(got, lambda iteration, k: iteration * BATCH + k + (iteration * BATCH + k >= 2))
+
+
+def test_as_array_keeps_the_samples_dtype():
+    samples = [(np.arange(3) + k).astype(">f8") for k in range(2)]
+    assert Batch(samples).as_array().dtype.str == ">f8"
+    mixed = Batch([np.arange(3, dtype=">f8"), np.arange(3, dtype="<f4")])
+    assert mixed.as_array().dtype == np.float64  # mixed dtypes still stack to their common one
