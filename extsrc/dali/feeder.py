@@ -14,7 +14,7 @@ the engine there with ``set_state()``.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Deque, Optional, Union
+from typing import Any, Deque, List, Optional, Union
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from extsrc.engine import Batch, ExhaustedIteratorError, ParallelSource
 CYCLE_OFF = "no"
 CYCLE_RAISE = "raise"
 CYCLE_QUIET = "quiet"
+_CALLER = "extsrc.fn.external_source"
 
 
 def cycle_mode(cycle: Any) -> str:
@@ -37,13 +38,52 @@ def cycle_mode(cycle: Any) -> str:
     )
 
 
-def _to_dali(samples: Union[Batch, np.ndarray]) -> Any:
+def _misread(dtype: np.dtype) -> Optional[str]:
+    """What DALI makes of samples of ``dtype`` when it would read other numbers (DALI takes the
+    bytes without a word: complex64 as twice as many float32, big-endian float64 1.0 as native
+    3.0e-319), with the fix; None when it reads them right."""
+    if dtype.kind not in "biuf":
+        return (f"dtype {dtype}, which DALI has no type for (it takes bool, integer and floating-"
+                "point arrays, and would read these bytes as other numbers); convert them in the "
+                "callback, e.g. np.stack([x.real, x.imag], -1) for complex samples")
+    if not dtype.isnative:
+        order = "big" if dtype.byteorder == ">" else "little"
+        return (f"dtype {dtype.name} ({order}-endian, {dtype.str!r}), which DALI reads in this "
+                "machine's byte order, as other numbers; convert them in the callback: "
+                "x.astype(x.dtype.newbyteorder('='))")
+    return None
+
+
+def check_fed(fed: Union[np.ndarray, List[np.ndarray]], output: int, caller: str) -> None:
+    """Raises TypeError when DALI would misread ``fed`` (one output of a batch, a dense array or
+    a list of samples), where DALI would give other numbers without an error. One check for
+    an array; for a list, one per dtype met (about 35 ns a sample)."""
+    if isinstance(fed, np.ndarray):
+        why = _misread(fed.dtype)
+        if why is not None:
+            raise TypeError(f"{caller}: output {output} has samples of {why}")
+        return
+    fit = None  # the last dtype found fit: a batch's samples mostly share one dtype object
+    for k, sample in enumerate(fed):
+        dtype = sample.dtype
+        if dtype is fit:
+            continue
+        why = _misread(dtype)
+        if why is not None:
+            raise TypeError(f"{caller}: output {output}, sample {k} of the batch, has {why}")
+        fit = dtype
+
+
+def _to_dali(samples: Union[Batch, np.ndarray], output: int) -> Union[np.ndarray, List[np.ndarray]]:
     """What DALI is fed for one output: the dense array (a view), else the list of views."""
     if isinstance(samples, np.ndarray):  # the source's dense_arrays=True
-        return samples
-    if samples.is_dense:
-        return samples.as_array()
-    return list(samples)
+        fed: Union[np.ndarray, List[np.ndarray]] = samples
+    elif samples.is_dense:
+        fed = samples.as_array()
+    else:
+        fed = list(samples)
+    check_fed(fed, output, _CALLER)
+    return fed
 
 
 class Feeder:
@@ -85,8 +125,8 @@ class Feeder:
         else:
             batch = self._take(position)
         if self.source.num_outputs is None:
-            return _to_dali(batch)
-        return tuple(_to_dali(samples) for samples in batch)
+            return _to_dali(batch, 0)
+        return tuple(_to_dali(samples, j) for j, samples in enumerate(batch))
 
     def _take(self, position: tuple) -> Any:
         """The engine's batch for DALI's ``position``, kept for DALI (and for a repeated ask)."""

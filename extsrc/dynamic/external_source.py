@@ -28,14 +28,12 @@ import json
 import threading
 from typing import Any, Optional, Tuple, Union
 
-import numpy as np
-
 import nvidia.dali.experimental.dynamic as _ndd
 from nvidia.dali.tensors import TensorListCPU
 
 from extsrc.dali.arguments import is_generator_function, source_name
 from extsrc.dali.external_source import engine_source
-from extsrc.dali.feeder import CYCLE_OFF, CYCLE_QUIET, cycle_mode
+from extsrc.dali.feeder import CYCLE_OFF, CYCLE_QUIET, check_fed, cycle_mode
 from extsrc.dali.pickling import DaliDefaultPickler
 from extsrc.engine import (UNSET, BatchOutput, ExhaustedIteratorError, Hooks, Order, ParallelSource,
                            PoolSpec, SampleFault, positive_int)
@@ -236,13 +234,6 @@ class ExternalSource(_ndd.ExternalSource, metaclass=_EitherClass):
 
 def _as_dali_batch(samples: Any, output: int) -> _ndd.Batch:
     """DALI's batch over one output: the dense array itself (DALI keeps it alive), else a copy."""
-    dtype = samples.dtype if isinstance(samples, np.ndarray) else samples[0].dtype
-    if dtype.kind not in "biuf":
-        # DALI's TensorList would take the bytes as another type (complex64 as float32).
-        raise TypeError(
-            f"{_CALLER}: output {output} has samples of dtype {dtype}, and DALI has no such type "
-            "(it takes bool, integer and floating-point arrays); convert them in the callback, "
-            "e.g. np.stack([x.real, x.imag], -1) for complex samples"
-        )
+    check_fed(samples, output, _CALLER)  # DALI's TensorList would misread some dtypes silently
     storage = TensorListCPU(samples if not isinstance(samples, list) else list(samples))
     return _ndd.as_batch(storage)  # type: ignore[arg-type]  # its stub omits the TensorList it takes

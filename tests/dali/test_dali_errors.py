@@ -61,6 +61,32 @@ def test_declared_dtype():
             p.run()
 
 
+def big_endian(info):  # as FITS files and some instruments give them
+    return (np.arange(3) + info.idx_in_epoch).astype(">f4")
+
+
+def big_endian_ragged(info):
+    return (np.arange(1 + info.idx_in_epoch % 3) + info.idx_in_epoch).astype(">f4")
+
+
+def complex_sample(info):
+    return np.full(2, 1 + 2j * info.idx_in_epoch, np.complex64)
+
+
+@pytest.mark.parametrize("source, match", [
+    (big_endian, r"output 0 has samples of dtype float32 \(big-endian, '>f4'\), which DALI reads "
+                 r"in this machine's byte order.*x.astype\(x.dtype.newbyteorder\('='\)\)"),
+    (big_endian_ragged, r"output 0, sample 0 of the batch, has dtype float32 \(big-endian"),
+    (complex_sample, r"output 0 has samples of dtype complex64, which DALI has no type for"),
+], ids=["dense-big-endian", "ragged-big-endian", "complex"])
+def test_a_dtype_dali_would_read_as_other_numbers_is_refused(source, match):
+    # DALI's own external source hands these bytes on as other numbers, without an error.
+    with _pipe(source) as p:
+        for _ in range(2):  # and again when run() asks for the batch again
+            with pytest.raises(TypeError, match=match):
+                p.run()
+
+
 def test_timeout():
     with _pipe(sleeps, timeout=0.5) as p:
         with pytest.raises(extsrc.SourceTimeoutError, match="timeout=0.5"):

@@ -234,6 +234,16 @@ def test_a_dtype_dali_has_not_is_refused_rather_than_read_as_another():
             es()
 
 
+def big_endian_sample(info: SampleInfo) -> np.ndarray:
+    return (np.arange(2) + info.idx_in_epoch).astype(">i4")
+
+
+def test_big_endian_samples_are_refused_rather_than_read_as_other_numbers():
+    with ndd.ExternalSource(big_endian_sample, parallel=True, batch_size=2) as es:
+        with pytest.raises(TypeError, match=r"output 0 has samples of dtype int32 \(big-endian"):
+            es()
+
+
 def test_threads_calling_at_once_share_one_epoch_each_batch_once():
     import threading
 
