@@ -25,7 +25,13 @@ class Batch(list[Array]):
     __slots__ = ("_dense",)
 
     def __init__(self, samples: Iterable[Array] = (), dense: Optional[Array] = None):
-        super().__init__(dense if dense is not None else samples)
+        if dense is not None:
+            samples = dense
+            if dense.ndim == 1 and not dense.dtype.isnative:
+                # Samples of shape (): a row of dense is a NumPy scalar, whose byte order is
+                # always native; 0-d views keep the samples' dtype (16 ns more a sample).
+                samples = [dense[k, ...] for k in range(len(dense))]
+        super().__init__(samples)
         self._dense = dense
 
     @property

@@ -14,6 +14,7 @@ from extsrc import Batch, Hooks, ParallelSource
 BATCH = 4
 BATCHES = 5
 DTYPES = (">f8", ">i2")
+SKIPPED = 2 * BATCH + 1
 
 
 def _made(idx: int) -> tuple:
@@ -80,3 +81,44 @@ def test_as_array_keeps_the_samples_dtype():
     assert Batch(samples).as_array().dtype.str == ">f8"
     mixed = Batch([np.arange(3, dtype=">f8"), np.arange(3, dtype="<f4")])
     assert mixed.as_array().dtype == np.float64  # mixed dtypes still stack to their common one
+
+
+def scalar_sample(info):
+    if info.idx_in_epoch == SKIPPED:
+        raise ValueError("a bad record")
+    return np.array(info.idx_in_epoch, ">i4")  # shape (): a row of a dense batch is a scalar
+
+
+def test_big_endian_samples_of_shape_nothing_stay_big_endian_arrays():
+    # A skip in a batch written in place (the third: the first two are written apart) sends the
+    # task's later samples through the checks, against the task's first sample: that one must
+    # keep its byte order for them to pass.
+    with ParallelSource(scalar_sample, BATCH, num_workers=2, on_error="skip") as source:
+        batches = iter(source)
+        got = [next(batches) for _ in range(BATCHES)]
+    expected = [k for k in range(BATCH * BATCHES + 1) if k != SKIPPED]
+    for iteration, batch in enumerate(got):
+        assert batch.as_array().dtype.str == ">i4"
+        for k, sample in enumerate(batch):
+            where = f"batch {iteration}, sample {k}"
+            assert isinstance(sample, np.ndarray) and sample.dtype.str == ">i4", where
+            assert sample.shape == () and int(sample) == expected[iteration * BATCH + k], where
+
+
+def labels_and_masked(iteration):
+    """A batch of big-endian labels (one array, samples of shape ()) and a masked array."""
+    labels = (np.arange(BATCH) + iteration * BATCH).astype(">i4")
+    data = np.arange(BATCH * 2, dtype=np.float64).reshape(BATCH, 2) + 100 * iteration
+    return labels, np.ma.masked_array(data, mask=data % 3 == 0)
+
+
+def test_a_batch_of_big_endian_labels_and_a_masked_array_come_back_as_given():
+    with ParallelSource(labels_and_masked, BATCH, batch=True, num_workers=2, num_outputs=2) as source:
+        batches = iter(source)
+        got = [next(batches) for _ in range(BATCHES)]
+    for iteration, (labels, data) in enumerate(got):
+        expected_labels, expected_data = labels_and_masked(iteration)
+        assert [s.dtype.str for s in labels] == [">i4"] * BATCH, f"batch {iteration}"
+        assert labels.as_array().tolist() == expected_labels.tolist(), f"batch {iteration}"
+        # A masked array's data, masked elements included, as a dense batch of it gives it.
+        assert np.array_equal(data.as_array(), expected_data.data), f"batch {iteration}"

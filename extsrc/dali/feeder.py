@@ -42,10 +42,11 @@ def _misread(dtype: np.dtype) -> Optional[str]:
     """What DALI makes of samples of ``dtype`` when it would read other numbers (DALI takes the
     bytes without a word: complex64 as twice as many float32, big-endian float64 1.0 as native
     3.0e-319), with the fix; None when it reads them right."""
-    if dtype.kind not in "biuf":
+    if dtype.kind not in "biuf" or dtype.itemsize > 8:  # > 8: np.longdouble
         return (f"dtype {dtype}, which DALI has no type for (it takes bool, integer and floating-"
-                "point arrays, and would read these bytes as other numbers); convert them in the "
-                "callback, e.g. np.stack([x.real, x.imag], -1) for complex samples")
+                "point arrays of up to 64 bits, and would read these bytes as other numbers or "
+                "fail); convert them in the callback, e.g. np.stack([x.real, x.imag], -1) for "
+                "complex samples, x.astype(np.float64) for long doubles")
     if not dtype.isnative:
         order = "big" if dtype.byteorder == ">" else "little"
         return (f"dtype {dtype.name} ({order}-endian, {dtype.str!r}), which DALI reads in this "

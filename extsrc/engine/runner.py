@@ -55,6 +55,17 @@ def _nbytes(value: object) -> int:
     return 0
 
 
+def _column_of_samples(column: Array) -> Union[Array, List[Array]]:
+    """A batch-mode output given as one array, as what its samples are: a subclass seen as a
+    plain array (a MaskedArray's data, not its ``masked`` constant for a masked element), and a
+    1-D array of another byte order as 0-d views (its elements would be native NumPy scalars)."""
+    if type(column) is not np.ndarray:
+        column = column.view(np.ndarray)
+    if column.ndim == 1 and not column.dtype.isnative:
+        return [column[k, ...] for k in range(len(column))]
+    return column
+
+
 def _bound_call(callback: Callable[..., Any]) -> Callable[..., Any]:
     """``callback``, or for an instance of a class whose ``__call__`` is a Python function (as
     DALI's examples write callbacks, and ``from_dataset``'s), that function bound to it: the
@@ -759,6 +770,7 @@ class SourceRunner:
         lengths = []
         for j, column in enumerate(columns):
             if isinstance(column, np.ndarray) and column.ndim >= 1 and column.dtype.kind != "O":
+                columns[j] = _column_of_samples(column)
                 lengths.append(len(column))
             elif isinstance(column, (list, tuple)):
                 lengths.append(len(column))

@@ -318,7 +318,8 @@ class TaskWrite:
         if (rows is None or type(sample) is not np.ndarray or sample.shape != rows.shape[1:]
                 or sample.dtype != rows.dtype or sample.nbytes >= policy.STREAM_MIN_BYTES):
             return None
-        self._note_first(0, rows[position - self.start], position)
+        # [k, ...]: a 0-d view where rows[k] would be a NumPy scalar, whose byte order is native
+        self._note_first(0, rows[position - self.start, ...], position)
         return rows
 
     def widen(self, outputs: int) -> None:

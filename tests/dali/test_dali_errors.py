@@ -73,12 +73,17 @@ def complex_sample(info):
     return np.full(2, 1 + 2j * info.idx_in_epoch, np.complex64)
 
 
+def long_double(info):
+    return np.full(2, info.idx_in_epoch, np.longdouble)
+
+
 @pytest.mark.parametrize("source, match", [
     (big_endian, r"output 0 has samples of dtype float32 \(big-endian, '>f4'\), which DALI reads "
                  r"in this machine's byte order.*x.astype\(x.dtype.newbyteorder\('='\)\)"),
     (big_endian_ragged, r"output 0, sample 0 of the batch, has dtype float32 \(big-endian"),
     (complex_sample, r"output 0 has samples of dtype complex64, which DALI has no type for"),
-], ids=["dense-big-endian", "ragged-big-endian", "complex"])
+    (long_double, r"output 0 has samples of dtype float\d+, which DALI has no type for.*long double"),
+], ids=["dense-big-endian", "ragged-big-endian", "complex", "long-double"])
 def test_a_dtype_dali_would_read_as_other_numbers_is_refused(source, match):
     # DALI's own external source hands these bytes on as other numbers, without an error.
     with _pipe(source) as p:

@@ -147,6 +147,19 @@ def test_invalid_arguments_are_refused(kwargs, error, match):
             TorchLoader(source, **kwargs)
 
 
+def big_endian_second(info):
+    n = 1 + info.idx_in_epoch % 3  # ragged: one tensor per sample
+    return np.arange(2), (np.arange(n) + info.idx_in_epoch).astype(">f4")
+
+
+def test_big_endian_samples_are_refused_naming_the_output_and_the_conversion():
+    # torch.from_numpy's own ValueError names neither the output nor what to do.
+    with ParallelSource(big_endian_second, 4, num_outputs=2) as source:
+        with pytest.raises(TypeError, match=r"output 1 of the batch, sample 0, has dtype float32 "
+                                            r"\(big-endian, '>f4'\).*x.astype\(x.dtype.newbyteorder"):
+            next(iter(TorchLoader(source)))
+
+
 def test_a_loader_needs_a_parallel_source():
     with pytest.raises(TypeError, match="extsrc.ParallelSource, got list"):
         TorchLoader([np.zeros(3)])
