@@ -122,3 +122,18 @@ def test_a_batch_of_big_endian_labels_and_a_masked_array_come_back_as_given():
         assert labels.as_array().tolist() == expected_labels.tolist(), f"batch {iteration}"
         # A masked array's data, masked elements included, as a dense batch of it gives it.
         assert np.array_equal(data.as_array(), expected_data.data), f"batch {iteration}"
+
+
+def scalar_or_masked(info):
+    sample = np.array(info.idx_in_epoch, ">i4")
+    # A subclass sample in a batch written in place takes the checks against the task's first.
+    return np.ma.masked_array(sample) if info.idx_in_epoch == 3 * BATCH + 1 else sample
+
+
+def test_samples_added_one_by_one_are_checked_against_a_first_of_their_byte_order():
+    # concurrency=2: a worker adds each sample as it comes, the first ones into the dense rows.
+    with ParallelSource(scalar_or_masked, BATCH, num_workers=1, concurrency=2) as source:
+        batches = iter(source)
+        got = [next(batches).as_array() for _ in range(BATCHES)]
+    assert [b.dtype.str for b in got] == [">i4"] * BATCHES
+    assert [b.tolist() for b in got] == [list(range(i * BATCH, (i + 1) * BATCH)) for i in range(BATCHES)]

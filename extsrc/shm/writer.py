@@ -318,7 +318,6 @@ class TaskWrite:
         if (rows is None or type(sample) is not np.ndarray or sample.shape != rows.shape[1:]
                 or sample.dtype != rows.dtype or sample.nbytes >= policy.STREAM_MIN_BYTES):
             return None
-        # [k, ...]: a 0-d view where rows[k] would be a NumPy scalar, whose byte order is native
         self._note_first(0, rows[position - self.start, ...], position)
         return rows
 
@@ -367,10 +366,10 @@ class TaskWrite:
         if rows is not None:
             destination = rows[k0:k0 + count]
             if self._given and _is_in_place(column, destination):
-                self._note_first(j, destination[0], position)
+                self._note_first(j, destination[0, ...], position)
                 return
             if _write_dense(column, destination):
-                self._note_first(j, destination[0], position)
+                self._note_first(j, destination[0, ...], position)
                 return
         checker = self.writer.checker
         spilled_dtype: Optional[DType] = None  # the last spilled sample's dtype, and its name,
@@ -402,6 +401,9 @@ class TaskWrite:
                                                           offset)))
 
     def _note_first(self, j: int, sample: Array, position: int) -> None:
+        """Notes output ``j``'s first sample of the task, what later ones are checked against:
+        a row taken as ``rows[k, ...]``, a 0-d view for samples of shape () where ``rows[k]``
+        would be a NumPy scalar, whose byte order is always native."""
         if self.first[j] is None:
             self.first[j], self.first_at[j] = sample, position
 
