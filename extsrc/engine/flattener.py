@@ -91,7 +91,10 @@ class _Sequence(_Node):
 
 
 def _numeric(value: np.ndarray) -> Optional[np.ndarray]:
-    return value if value.dtype.kind in NUMERIC_KINDS else None
+    """The leaf as learnt: numeric, in native byte order (else the walk takes it, converting it
+    for a layer of :attr:`ForeignLeaves.native` arrays)."""
+    dtype = value.dtype
+    return value if dtype.kind in NUMERIC_KINDS and dtype.isnative else None
 
 
 def _foreign(to_array: Callable[[Any, str], np.ndarray]) -> Convert:

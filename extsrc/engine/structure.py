@@ -58,11 +58,14 @@ class ForeignLeaves(NamedTuple):
     ``where``) for one it cannot carry. ``to_bits(value)``: for a value of a dtype NumPy has
     none for (PyTorch's bfloat16), that dtype's name and an array of its bits (an integer
     dtype of the same size), which the leaf's structure names (``(ARRAY, name)``) for the
-    consumer's layer to view them as its dtype again; None for any other value."""
+    consumer's layer to view them as its dtype again; None for any other value. ``native``:
+    the layer's arrays hold this machine's byte order only (PyTorch's tensors), so a NumPy
+    leaf of the other order is converted in the worker (as ``np.stack`` would in the consumer)."""
 
     types: Tuple[type, ...]
     to_array: Callable[[Any, str], np.ndarray]
     to_bits: Callable[[Any], Optional[Bits]] = _no_bits
+    native: bool = False
 
 
 def _no_array(value: Any, where: str) -> np.ndarray:
@@ -97,6 +100,8 @@ def leaf_array(value: Any, where: str, foreign: ForeignLeaves = NO_FOREIGN_LEAVE
     if array.dtype.kind not in NUMERIC_KINDS:
         raise leaf_error(where, f"a NumPy array of dtype {array.dtype}; only numeric and bool "
                                 "arrays are carried")
+    if foreign.native and not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
     return array
 
 

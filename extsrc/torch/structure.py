@@ -85,7 +85,7 @@ def _tensor_bits(tensor: torch.Tensor) -> Optional[Bits]:
 
 
 # Tensors as a structure's leaves; those of a dtype NumPy has none for, as their bits.
-TENSOR_LEAVES = ForeignLeaves((torch.Tensor,), _tensor_array, _tensor_bits)
+TENSOR_LEAVES = ForeignLeaves((torch.Tensor,), _tensor_array, _tensor_bits, native=True)
 
 
 def _as_dtype(value: Any, name: Optional[str]) -> Any:

@@ -176,7 +176,7 @@ class DatasetSamples:
             raise
         if type(sample) is np.ndarray:
             dtype = sample.dtype
-            if dtype is self._numeric or dtype.kind in NUMERIC_KINDS:
+            if dtype is self._numeric or (dtype.kind in NUMERIC_KINDS and dtype.isnative):
                 self._numeric = dtype  # the last numeric dtype: the next sample's, mostly
                 return self._single, sample
         # A sample shaped like the first (learnt), else walked and named for its error.
@@ -184,7 +184,7 @@ class DatasetSamples:
 
     def shaped(self, sample: Any, where: str) -> Any:
         """``sample`` as the engine takes it (its structure, then its arrays)."""
-        if type(sample) is np.ndarray and sample.dtype.kind in NUMERIC_KINDS:
+        if type(sample) is np.ndarray and sample.dtype.kind in NUMERIC_KINDS and sample.dtype.isnative:
             return self._single, sample  # the common case, first; the engine checks the rest
         return self.flatten(sample, where)
 

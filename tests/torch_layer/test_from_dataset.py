@@ -86,6 +86,44 @@ def test_a_ragged_field_gives_a_list_of_tensors_where_a_dataloader_fails():
     assert labels.tolist() == [0, 1, 2, 3]
 
 
+class BigEndian(torch.utils.data.Dataset):
+    """Fields as FITS files give them: big-endian arrays, one of them ragged. ``native``: the
+    same values in native byte order, which a DataLoader takes."""
+
+    def __init__(self, kind, native=False):
+        self.kind, self.order = kind, "=" if native else ">"
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        image = (np.arange(6).reshape(2, 3) + i).astype(self.order + "f4")
+        if self.kind == "single":
+            return image
+        return {"image": image, "spectrum": (np.arange(1 + i % 3) * i).astype(self.order + "f8"),
+                "label": np.array(i, self.order + "i8")}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("kind", ["single", "dict"])
+def test_big_endian_fields_come_as_the_native_tensors_of_their_values(kind, num_workers):
+    # A DataLoader refuses them (torch.from_numpy takes native byte order only); the workers
+    # convert them here. The ragged field is a list of tensors, as for any ragged field.
+    with pytest.raises(ValueError, match="byte order"):
+        next(iter(DataLoader(BigEndian(kind), batch_size=4)))
+    with from_dataset(BigEndian(kind), batch_size=4, num_workers=num_workers) as loader:
+        ours = list(loader)
+    native = BigEndian(kind, native=True)
+    for i, batch in enumerate(ours):
+        samples = [native[4 * i + k] for k in range(4)]
+        if kind == "single":
+            _same(batch, torch.from_numpy(np.stack(samples)), f"batch {i}")
+            continue
+        _same(batch["image"], torch.from_numpy(np.stack([s["image"] for s in samples])), f"batch {i}")
+        _same(batch["label"], torch.from_numpy(np.stack([s["label"] for s in samples])), f"batch {i}")
+        _same(batch["spectrum"], [torch.from_numpy(s["spectrum"]) for s in samples], f"batch {i}")
+
+
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_workers_draw_different_random_numbers(start_method):
     with from_dataset(Draws(), batch_size=8, num_workers=2, multiprocessing_context=start_method) as loader:
