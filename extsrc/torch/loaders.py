@@ -97,7 +97,11 @@ class InProcessLoader(Attributes):
     def __init__(self, args: Loading):
         order = args.order
         self._batches = None if order is None else OrderBatches(order, args.batch_size, args.batches(len(order)))
-        self._collate = None if args.default else args.collate_fn  # None: as the workers collate
+        # None: the default collation, as the workers make it (with a sampler or __getitems__
+        # too: WholeBatches' columns), each batch of a sampler in a structure of its own.
+        sampled_default = args.collate_fn is default_collate and args.batch_sampler is not None
+        self._collate = None if args.default or sampled_default else args.collate_fn
+        self._per_batch = not args.default
         self._flatten, self._rebuild = Flattener(TENSOR_LEAVES), Collation()
         device = parse_device(args.device)  # refused or honoured as with workers
         self._device = None if device is None else cuda_device(device, f"device={args.device!r}")
@@ -137,7 +141,10 @@ class InProcessLoader(Attributes):
             try:  # as DataLoader collates without workers: the same batch as the workers', at its speed
                 batch = default_collate(samples)
             except Exception:  # the workers' way, whose error says which sample and field differ
-                batch = self._rebuild.of_columns(self._flatten.columns(samples, "the batch"))
+                if not isinstance(samples, (list, tuple)):
+                    raise  # __getitems__'s mapping: not samples to collate (the workers refuse it)
+                flatten = Flattener(TENSOR_LEAVES) if self._per_batch else self._flatten
+                batch = self._rebuild.of_columns(flatten.columns(list(samples), "the batch"))
         if self._device is None:
             return batch
         return map_tensors(lambda tensor: tensor.to(self._device), batch)

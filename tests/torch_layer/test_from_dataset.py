@@ -104,14 +104,17 @@ class BigEndian(torch.utils.data.Dataset):
                 "label": np.array(i, self.order + "i8")}
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["own-order", "sampler"])
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("kind", ["single", "dict"])
-def test_big_endian_fields_come_as_the_native_tensors_of_their_values(kind, num_workers):
+def test_big_endian_fields_come_as_the_native_tensors_of_their_values(kind, num_workers, sampled):
     # A DataLoader refuses them (torch.from_numpy takes native byte order only); the workers
     # convert them here. The ragged field is a list of tensors, as for any ragged field.
     with pytest.raises(ValueError, match="byte order"):
         next(iter(DataLoader(BigEndian(kind), batch_size=4)))
-    with from_dataset(BigEndian(kind), batch_size=4, num_workers=num_workers) as loader:
+    dataset = BigEndian(kind)
+    sampler = dict(sampler=torch.utils.data.SequentialSampler(dataset)) if sampled else {}
+    with from_dataset(dataset, batch_size=4, num_workers=num_workers, **sampler) as loader:
         ours = list(loader)
     native = BigEndian(kind, native=True)
     for i, batch in enumerate(ours):
