@@ -28,10 +28,9 @@ from nvidia.dali.pipeline import Pipeline as _DaliPipeline
 
 from extsrc.dali.arguments import (GeneratorCall, describe, engine_dtypes_ndims, is_generator_function,
                                    positional_arg_count)
+from extsrc.dali.feeder import CALLER as _CALLER
 from extsrc.dali.feeder import CYCLE_OFF, Feeder, cycle_mode
 from extsrc.engine import Hooks, ParallelSource, default_prefetch, positive_int
-
-_CALLER = "extsrc.fn.external_source"
 
 # extsrc's own arguments, for parallel sources only.
 _EXTSRC_ONLY = ("last_batch", "timeout", "order", "in_place", "stats_every", "concurrency",

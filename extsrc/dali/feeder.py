@@ -18,12 +18,12 @@ from typing import Any, Deque, List, Optional, Union
 
 import numpy as np
 
-from extsrc.engine import Batch, ExhaustedIteratorError, ParallelSource
+from extsrc.engine import Batch, ExhaustedIteratorError, ParallelSource, describe_dtype
 
 CYCLE_OFF = "no"
 CYCLE_RAISE = "raise"
 CYCLE_QUIET = "quiet"
-_CALLER = "extsrc.fn.external_source"
+CALLER = "extsrc.fn.external_source"  # how the drop-in's errors name it
 
 
 def cycle_mode(cycle: Any) -> str:
@@ -47,9 +47,8 @@ def _misread(dtype: np.dtype) -> Optional[str]:
                 "point arrays of up to 64 bits, and would read these bytes as other numbers or "
                 "fail); convert them in the callback, e.g. np.stack([x.real, x.imag], -1) for "
                 "complex samples, x.astype(np.float64) for long doubles")
-    if not dtype.isnative:
-        order = "big" if dtype.byteorder == ">" else "little"
-        return (f"dtype {dtype.name} ({order}-endian, {dtype.str!r}), which DALI reads in this "
+    if not dtype.isnative:  # named against the native dtype: "float64 (big-endian, '>f8')"
+        return (f"dtype {describe_dtype(dtype, dtype.newbyteorder('='))}, which DALI reads in this "
                 "machine's byte order, as other numbers; convert them in the callback: "
                 "x.astype(x.dtype.newbyteorder('='))")
     return None
@@ -83,7 +82,7 @@ def _to_dali(samples: Union[Batch, np.ndarray], output: int) -> Union[np.ndarray
         fed = samples.as_array()
     else:
         fed = list(samples)
-    check_fed(fed, output, _CALLER)
+    check_fed(fed, output, CALLER)
     return fed
 
 

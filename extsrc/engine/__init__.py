@@ -33,7 +33,7 @@ from extsrc.engine.protocol import (AddSlot, DropSlot, Result, SetupFailed, Sour
                                     TaskFailed)
 from extsrc.engine.faults import SampleFault
 from extsrc.engine.runner import SourceRunner, failure, load_source, slot_writer
-from extsrc.engine.samples import SampleChecker
+from extsrc.engine.samples import SampleChecker, describe_dtype
 from extsrc.engine.sink import TaskSink, WriterSink
 from extsrc.engine.position import LoopPosition
 from extsrc.engine.refill import Refill
@@ -73,8 +73,8 @@ __all__ = [
     # what a layer passes in
     "Hooks", "WorkerHooks", "Pickler", "PicklerSpec", "DefaultPickler", "pickle_by_value",
     "attribute_at", "dumps_classes_by_path", "is_async", "default_prefetch", "usable_cpus",
-    # checks a layer's own arguments reuse
-    "positive_int", "non_negative_int", "non_negative_number", "is_int", "check_backend",
+    # checks a layer's own arguments reuse, and the words of its errors
+    "positive_int", "non_negative_int", "non_negative_number", "is_int", "check_backend", "describe_dtype",
     # backends: the protocol, the writer seam, what a worker runs
     "WorkerBackend", "Arrival", "Fault", "HeldBy", "Lost", "Received", "Wakeable", "register_backend",
     "unregister_backend", "backend_names", "setup_failed", "Channel", "OwnedFds", "AddSlot",

@@ -7,7 +7,7 @@ from typing import Any, Callable, List, Union
 import numpy as np
 import torch
 
-from extsrc.engine import Batch
+from extsrc.engine import Batch, describe_dtype
 
 Tensors = Union[torch.Tensor, List[torch.Tensor]]
 
@@ -34,9 +34,8 @@ def _untensored(samples: Union[Batch, np.ndarray], output: int, exc: Exception) 
     else:  # ragged: the first sample of another byte order, else the first
         k = next((k for k, s in enumerate(samples) if not s.dtype.isnative), 0)
         where, dtype = f"{where}, sample {k},", samples[k].dtype
-    if dtype is not None and not dtype.isnative:
-        order = "big" if dtype.byteorder == ">" else "little"
-        return TypeError(f"{where} has dtype {dtype.name} ({order}-endian, {dtype.str!r}), and "
+    if dtype is not None and not dtype.isnative:  # named against the native dtype
+        return TypeError(f"{where} has dtype {describe_dtype(dtype, dtype.newbyteorder('='))}, and "
                          "PyTorch's tensors are in this machine's byte order only; convert it where "
                          "it is made (the callback, a Dataset's __getitem__): "
                          "x.astype(x.dtype.newbyteorder('='))")
