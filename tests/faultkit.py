@@ -31,7 +31,7 @@ HANG_GUARD_S = 60.0
 LEFTOVER_WAIT_S = 5.0
 
 _HARNESS = '''
-import json, sys, time, traceback
+import json, os, sys, time, traceback
 class Report:
     def __init__(self):
         self.worker_pids = []
@@ -52,7 +52,10 @@ if __name__ == "__main__":
                   "traceback": traceback.format_exc()}}
     result["seconds"] = time.monotonic() - (report.t0 or time.monotonic())
     result["pids"] = report.worker_pids
-    print("RESULT " + json.dumps(result), flush=True)
+    sys.stdout.flush()
+    # One write, on a line of its own: the scenario's other processes (Ray's, workers) write to
+    # the same file, and a print()'s text and newline are two writes another one can land between.
+    os.write(1, ("\\nRESULT " + json.dumps(result) + "\\n").encode())
 '''
 
 
